@@ -1,0 +1,16 @@
+"""Run Dask task graphs on pools of GPU streams, ordered by device-side events.
+
+Switch it on with ``dask.config.set({"gpustreams.enabled": True})`` (or
+``DASK_GPUSTREAMS__ENABLED=True``) after importing this package.
+"""
+
+from dask_gpustreams import config as config  # registers the gpustreams.* defaults
+from dask_gpustreams import sim as sim
+from dask_gpustreams.config import StreamsConfig as StreamsConfig
+from dask_gpustreams.errors import KernelError as KernelError
+from dask_gpustreams.integrations.local import hook as _local_hook
+from dask_gpustreams.runtime import get_runtime as get_runtime
+
+_local_hook.register()
+
+__version__ = "0.1.0"

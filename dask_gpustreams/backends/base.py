@@ -1,0 +1,57 @@
+"""The small protocol every stream backend implements.
+
+A backend is one device's streams, events and arrays. Names follow CuPy's
+(``record``, ``wait_event``, ``synchronize``, ``done``) so the CuPy backend is
+a thin pass-through. Everything here is safe to call from any thread.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+
+class Backend(Protocol):
+    """Streams, events and device arrays of one device."""
+
+    name: str
+    device_id: int
+
+    def create_stream(self, priority: int = 0) -> Any:
+        """A new stream; lower ``priority`` values are scheduled first, as in CUDA."""
+
+    def high_priority(self) -> int:
+        """The most urgent priority value this device accepts."""
+
+    def create_event(self, timing: bool = False) -> Any:
+        """A new event; ``timing=True`` lets :meth:`elapsed_ms` read it."""
+
+    def record(self, event: Any, stream: Any) -> None:
+        """Enqueue ``event`` on ``stream``; it completes once earlier work on ``stream`` has."""
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make later work on ``stream`` wait for ``event`` as recorded now; no host wait."""
+
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` has completed (a query, never blocks)."""
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the host until ``event`` completes; raise if the work before it failed."""
+
+    def synchronize_stream(self, stream: Any) -> None:
+        """Block the host until all work enqueued on ``stream`` completes."""
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Device time between two completed timing events, in milliseconds."""
+
+    def use_stream(self, stream: Any, key: Any = None) -> AbstractContextManager:
+        """Make ``stream`` current in this thread; ``key`` labels what is launched."""
+
+    def current_stream(self) -> Any:
+        """The stream current in this thread."""
+
+    def is_device_array(self, obj: Any) -> bool:
+        """Whether ``obj`` is this backend's device memory."""
+
+    def hardware_queues(self) -> int | None:
+        """How many streams the device runs without false serialization, if bounded."""

@@ -1,0 +1,72 @@
+"""The backend over CuPy: CUDA, or ROCm through CuPy's HIP build.
+
+Pool streams are blocking (``non_blocking=False``), so they stay ordered with
+the legacy default stream that serializers and spilling use; events are
+created without timing unless asked for, as CUDA recommends for waits.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager
+from typing import Any
+
+import cupy
+
+# CUDA's default and maximum for CUDA_DEVICE_MAX_CONNECTIONS; HIP's default GPU_MAX_HW_QUEUES.
+CUDA_DEFAULT_CONNECTIONS = 8
+HIP_DEFAULT_QUEUES = 4
+
+
+class CupyBackend:
+    """Streams, events and arrays of the device current when it is created."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        self.device_id = cupy.cuda.Device().id
+        self.is_hip = bool(cupy.cuda.runtime.is_hip)
+
+    def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
+        with cupy.cuda.Device(self.device_id):
+            return cupy.cuda.Stream(non_blocking=False, priority=priority)
+
+    def high_priority(self) -> int:
+        with cupy.cuda.Device(self.device_id):
+            get_range = getattr(cupy.cuda.runtime, "deviceGetStreamPriorityRange", None)
+            return get_range()[1] if get_range is not None else -1
+
+    def create_event(self, timing: bool = False) -> cupy.cuda.Event:
+        return cupy.cuda.Event(block=False, disable_timing=not timing)
+
+    def record(self, event: cupy.cuda.Event, stream: cupy.cuda.Stream) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream: cupy.cuda.Stream, event: cupy.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def done(self, event: cupy.cuda.Event) -> bool:
+        return event.done
+
+    def synchronize_event(self, event: cupy.cuda.Event) -> None:
+        event.synchronize()
+
+    def synchronize_stream(self, stream: cupy.cuda.Stream) -> None:
+        stream.synchronize()
+
+    def elapsed_ms(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
+        return cupy.cuda.get_elapsed_time(start, end)
+
+    def use_stream(self, stream: cupy.cuda.Stream, key: Any = None) -> AbstractContextManager:
+        return stream
+
+    def current_stream(self) -> cupy.cuda.Stream:
+        return cupy.cuda.get_current_stream()
+
+    def is_device_array(self, obj: Any) -> bool:
+        return isinstance(obj, cupy.ndarray)
+
+    def hardware_queues(self) -> int | None:
+        if self.is_hip:
+            return int(os.environ.get("GPU_MAX_HW_QUEUES", HIP_DEFAULT_QUEUES))
+        return int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_DEFAULT_CONNECTIONS))

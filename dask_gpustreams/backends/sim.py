@@ -1,0 +1,60 @@
+"""The backend over the simulated device (:mod:`dask_gpustreams.sim`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from dask_gpustreams import sim
+
+
+class SimBackend:
+    """Streams, events and arrays of :func:`dask_gpustreams.sim.get_device`."""
+
+    name = "sim"
+
+    def __init__(self) -> None:
+        self.device = sim.get_device()
+        self.device_id = self.device.id
+
+    def create_stream(self, priority: int = 0) -> sim.Stream:
+        return self.device.create_stream(priority)
+
+    def high_priority(self) -> int:
+        return -1
+
+    def create_event(self, timing: bool = False) -> sim.Event:
+        return sim.Event()
+
+    def record(self, event: sim.Event, stream: sim.Stream) -> None:
+        stream.record(event)
+
+    def wait_event(self, stream: sim.Stream, event: sim.Event) -> None:
+        stream.wait_event(event)
+
+    def done(self, event: sim.Event) -> bool:
+        return event.done
+
+    def synchronize_event(self, event: sim.Event) -> None:
+        event.synchronize()
+
+    def synchronize_stream(self, stream: sim.Stream) -> None:
+        stream.synchronize()
+
+    def elapsed_ms(self, start: sim.Event, end: sim.Event) -> float:
+        return (end.time - start.time) * 1e3
+
+    @contextmanager
+    def use_stream(self, stream: sim.Stream, key: Any = None) -> Iterator[None]:
+        with stream, self.device.task(key):
+            yield
+
+    def current_stream(self) -> sim.Stream:
+        return self.device.current_stream()
+
+    def is_device_array(self, obj: Any) -> bool:
+        return isinstance(obj, sim.SimArray)
+
+    def hardware_queues(self) -> int | None:
+        return None

@@ -1,0 +1,1 @@
+"""Thin integrations of the runtime with dask's schedulers."""

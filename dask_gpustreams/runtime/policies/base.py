@@ -1,0 +1,83 @@
+"""The stream-assignment policy interface and its registry of names."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInfo:
+    """What a policy may know about a task when it picks its stream.
+
+    ``producers`` are the records of the task's inputs produced by this
+    runtime (same device, same process), in input order. ``critical`` is True
+    for tasks on a longest path of their graph, where the integration knows it.
+    """
+
+    key: Hashable
+    producers: Sequence[TaskRecord]
+    registry: EventRegistry
+    critical: bool | None = None
+
+
+class StreamPolicy(ABC):
+    """Picks the stream a task runs on. One instance serves one pool, from many threads."""
+
+    #: Name used in ``gpustreams.policy``.
+    name: str = ""
+
+    def high_priority_streams(self, n_streams: int) -> int:
+        """How many of the pool's streams should get the device's top priority."""
+        return 0
+
+    #: Whether the integration should compute :attr:`TaskInfo.critical`.
+    needs_critical_path: bool = False
+
+    @abstractmethod
+    def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
+        """The slot of ``pool`` that ``task`` runs on."""
+
+
+_POLICIES: dict[str, Callable[[], StreamPolicy]] = {}
+
+
+def register_policy(cls: type[StreamPolicy]) -> type[StreamPolicy]:
+    """Class decorator making ``cls`` available as ``gpustreams.policy: <cls.name>``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty 'name' to be registered")
+    _POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_names() -> tuple[str, ...]:
+    """The registered policy names."""
+    return tuple(_POLICIES)
+
+
+def make_policy(name: str) -> StreamPolicy:
+    """A new instance of the policy registered as ``name``."""
+    try:
+        factory = _POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"gpustreams.policy={name!r} is invalid: allowed values are {' | '.join(_POLICIES)}"
+        ) from None
+    return factory()
+
+
+def least_loaded(pool: StreamPool, slots: Sequence[StreamSlot]) -> StreamSlot:
+    """The slot among ``slots`` with the least work not yet completed (by completion events)."""
+    best = slots[0]
+    best_load = pool.collect(best)
+    for slot in slots[1:]:
+        if best_load == 0:
+            break
+        load = pool.collect(slot)
+        if load < best_load:
+            best, best_load = slot, load
+    return best

@@ -1,0 +1,116 @@
+"""A device's pool of compute streams and the work still in flight on each."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from dask_gpustreams.backends.base import Backend
+
+
+class StreamSlot:
+    """One stream of a pool, with the tasks recorded on it that are not known to be done.
+
+    ``inflight`` holds ``(event, refs)`` pairs in stream order: ``refs`` are the
+    task's inputs, kept alive until its event completes, so no input block goes
+    back to a memory pool while a kernel on this stream may still read it.
+    """
+
+    __slots__ = ("index", "stream", "priority", "inflight", "lock", "seq", "waited")
+
+    def __init__(self, index: int, stream: Any, priority: int):
+        self.index = index
+        self.stream = stream
+        self.priority = priority
+        self.inflight: deque[tuple[Any, Any]] = deque()
+        self.lock = threading.Lock()
+        # Number of events recorded on this stream, and for each other slot the
+        # highest such number this stream already waits for.
+        self.seq = 0
+        self.waited: dict[int, int] = {}
+
+    def __repr__(self) -> str:
+        return f"<StreamSlot {self.index} priority={self.priority} inflight={len(self.inflight)}>"
+
+
+class StreamPool:
+    """``n_streams`` streams of one backend, created on first use.
+
+    Streams are created lazily, in the thread that first runs a task, so a
+    pool built before dask-cuda or RMM set up the CUDA context still works.
+    The first ``n_high_priority`` streams get the device's most urgent priority.
+    """
+
+    def __init__(self, backend: Backend, n_streams: int, n_high_priority: int = 0):
+        self.backend = backend
+        self.n_streams = n_streams
+        self.n_high_priority = min(n_high_priority, n_streams)
+        self._slots: list[StreamSlot] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def slots(self) -> Sequence[StreamSlot]:
+        slots = self._slots
+        if slots is None:
+            with self._lock:
+                if self._slots is None:
+                    high = self.backend.high_priority() if self.n_high_priority else 0
+                    self._slots = [
+                        StreamSlot(
+                            i,
+                            self.backend.create_stream(high if i < self.n_high_priority else 0),
+                            high if i < self.n_high_priority else 0,
+                        )
+                        for i in range(self.n_streams)
+                    ]
+                slots = self._slots
+        return slots
+
+    def started(self) -> bool:
+        """Whether the streams exist yet."""
+        return self._slots is not None
+
+    def collect(self, slot: StreamSlot) -> int:
+        """Drop completed work from ``slot``'s in-flight queue; return how much is left."""
+        inflight = slot.inflight
+        done = self.backend.done
+        with slot.lock:
+            while inflight and done(inflight[0][0]):
+                inflight.popleft()
+            return len(inflight)
+
+    def collect_all(self) -> int:
+        """:meth:`collect` every stream; return the work still in flight."""
+        if self._slots is None:
+            return 0
+        return sum(self.collect(slot) for slot in self._slots)
+
+    def record(self, slot: StreamSlot, event: Any, refs: Any) -> int:
+        """Record ``event`` on ``slot`` holding ``refs`` until it completes; return its number."""
+        inflight = slot.inflight
+        done = self.backend.done
+        with slot.lock:
+            while inflight and done(inflight[0][0]):
+                inflight.popleft()
+            self.backend.record(event, slot.stream)
+            slot.seq += 1
+            inflight.append((event, refs))
+            return slot.seq
+
+    def wait(self, slot: StreamSlot, producer: StreamSlot, event: Any, seq: int) -> None:
+        """Make ``slot`` wait for ``producer``'s event number ``seq`` unless it already does."""
+        with slot.lock:
+            if slot.waited.get(producer.index, 0) >= seq:
+                return
+            self.backend.wait_event(slot.stream, event)
+            slot.waited[producer.index] = seq
+
+    def synchronize(self) -> None:
+        """Block until every stream of the pool is idle; release everything held."""
+        if self._slots is None:
+            return
+        for slot in self._slots:
+            self.backend.synchronize_stream(slot.stream)
+        self.collect_all()

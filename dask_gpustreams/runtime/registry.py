@@ -1,0 +1,69 @@
+"""Completion events of task keys: where each key's result was produced and when it is ready."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+from dask_gpustreams.runtime.pool import StreamSlot
+
+
+class TaskRecord:
+    """The stream a task ran on and the event recorded after its work."""
+
+    __slots__ = ("key", "slot", "event", "seq", "start", "claimed")
+
+    def __init__(self, key: Hashable, slot: StreamSlot, event: Any, seq: int, start: Any = None):
+        self.key = key
+        self.slot = slot
+        self.event = event
+        self.seq = seq
+        self.start = start  # a timing event recorded before the task's work, if timeline is on
+        self.claimed = False  # set by the first consumer that takes this stream (affinity)
+
+    def __repr__(self) -> str:
+        return f"<TaskRecord {self.key!r} stream={self.slot.index} seq={self.seq}>"
+
+
+class EventRegistry:
+    """One :class:`TaskRecord` per key of a graph run (local) or of a worker (distributed).
+
+    Entries go when their keys are forgotten, so a long-running process holds
+    no growing state.
+    """
+
+    def __init__(self) -> None:
+        self._records: dict[Hashable, TaskRecord] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._records
+
+    def get(self, key: Hashable) -> TaskRecord | None:
+        return self._records.get(key)
+
+    def add(self, record: TaskRecord) -> None:
+        self._records[record.key] = record
+
+    def claim(self, record: TaskRecord) -> bool:
+        """True for the first caller only: that consumer may reuse the producer's stream."""
+        with self._lock:
+            if record.claimed:
+                return False
+            record.claimed = True
+            return True
+
+    def forget(self, keys: Iterable[Hashable]) -> None:
+        """Drop the entries of ``keys`` (missing keys are ignored)."""
+        pop = self._records.pop
+        for key in keys:
+            pop(key, None)
+
+    def records(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
+        """The records of those ``keys`` that have one."""
+        get = self._records.get
+        return [r for k in keys if (r := get(k)) is not None]

@@ -1,0 +1,147 @@
+"""The stream runtime: runs tasks on a pool of streams ordered by events, not host syncs.
+
+It knows nothing of any scheduler: integrations call :meth:`StreamRuntime.run`
+for each task with the task's inputs and an :class:`EventRegistry`, and
+:meth:`StreamRuntime.synchronize` before data leaves the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
+
+from dask_gpustreams.backends import Backend, create_backend, current_device, resolve_backend
+from dask_gpustreams.config import StreamsConfig
+from dask_gpustreams.runtime.policies import TaskInfo, make_policy
+from dask_gpustreams.runtime.pool import StreamPool
+from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
+
+logger = logging.getLogger("dask_gpustreams")
+
+
+class StreamRuntime:
+    """One device's stream pool, policy and (optional) timeline."""
+
+    def __init__(self, backend: Backend, config: StreamsConfig):
+        self.backend = backend
+        self.config = config
+        self.policy = make_policy(config.policy)
+        n_streams = config.streams
+        queues = backend.hardware_queues()
+        if queues is not None and n_streams > queues:
+            variable = (
+                "GPU_MAX_HW_QUEUES"
+                if getattr(backend, "is_hip", False)
+                else ("CUDA_DEVICE_MAX_CONNECTIONS")
+            )
+            warnings.warn(
+                f"gpustreams.streams={n_streams} exceeds the device's {queues} hardware "
+                f"queues ({variable}); capping the pool at {queues} streams, since more "
+                f"would serialize falsely. Set {variable}={n_streams} in the environment "
+                "before the CUDA context is created to use more.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            n_streams = queues
+        self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
+        self.timeline: list[TaskRecord] | None = [] if config.timeline else None
+        logger.info(
+            "gpustreams: %s backend, device %s, %d streams, policy %r",
+            backend.name,
+            backend.device_id,
+            n_streams,
+            config.policy,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<StreamRuntime backend={self.backend.name} device={self.backend.device_id} "
+            f"streams={self.pool.n_streams} policy={self.config.policy!r}>"
+        )
+
+    def run(
+        self,
+        key: Hashable,
+        fn: Callable[[Mapping], Any],
+        inputs: Mapping[Hashable, Any],
+        registry: EventRegistry,
+        critical: bool | None = None,
+    ) -> Any:
+        """Run ``fn(inputs)`` for task ``key`` on a pool stream and record its event.
+
+        The stream first waits (on the device) for the events of the inputs
+        produced on other streams; the inputs are held until the task's own
+        event completes. Returns as soon as the task's work is enqueued.
+        """
+        backend = self.backend
+        pool = self.pool
+        get = registry.get
+        producers = [r for k in inputs if (r := get(k)) is not None]
+        slot = self.policy.select(TaskInfo(key, producers, registry, critical), pool)
+        latest: dict[int, TaskRecord] = {}
+        for r in producers:
+            if r.slot is not slot:
+                seen = latest.get(r.slot.index)
+                if seen is None or r.seq > seen.seq:
+                    latest[r.slot.index] = r
+        for r in latest.values():
+            pool.wait(slot, r.slot, r.event, r.seq)
+        start = None
+        if self.timeline is not None:
+            start = backend.create_event(timing=True)
+            backend.record(start, slot.stream)
+        event = backend.create_event(timing=start is not None)
+        try:
+            with backend.use_stream(slot.stream, key):
+                result = fn(inputs)
+        finally:
+            # Recorded even if fn raised: kernels it enqueued may still read the inputs.
+            seq = pool.record(slot, event, inputs)
+        record = TaskRecord(key, slot, event, seq, start)
+        registry.add(record)
+        if self.timeline is not None:
+            self.timeline.append(record)
+        return result
+
+    def synchronize(self, keys: Iterable[Hashable], registry: EventRegistry) -> None:
+        """Block until the work producing ``keys`` is done; raise if it failed.
+
+        Only the events of these keys are waited for, not the whole device.
+        """
+        for record in registry.records(keys):
+            self.backend.synchronize_event(record.event)
+
+    def collect(self) -> int:
+        """Release the inputs of every task whose event has completed; return those left."""
+        return self.pool.collect_all()
+
+
+_runtimes: dict[tuple, StreamRuntime] = {}
+_resolved: dict[tuple, str] = {}
+_lock = threading.Lock()
+
+
+def get_runtime(config: StreamsConfig | None = None) -> StreamRuntime:
+    """The runtime of this process and the calling thread's device for ``config``.
+
+    Created on first call (``config`` defaults to dask's ``gpustreams.*``), so
+    configuration errors surface here, when a computation starts.
+    """
+    config = config if config is not None else StreamsConfig.from_dask_config()
+    pid = os.getpid()
+    resolved = _resolved.get((pid, config.backend))
+    if resolved is None:
+        with _lock:
+            resolved = _resolved[(pid, config.backend)] = resolve_backend(config.backend)
+    key = (pid, resolved, current_device(resolved), config)
+    runtime = _runtimes.get(key)
+    if runtime is None:
+        with _lock:
+            runtime = _runtimes.get(key)
+            if runtime is None:
+                runtime = _runtimes[key] = StreamRuntime(create_backend(resolved), config)
+    return runtime

@@ -1,0 +1,212 @@
+"""Streams and events of the simulated device.
+
+Each stream is a FIFO of operations run in order by its own thread. Launching
+only enqueues. An event is a marker in a stream: recording enqueues a marker,
+waiting enqueues a wait for the marker as recorded at that moment. A launched
+function that raises puts its stream in error: later launches on that stream
+are skipped (as after a sticky CUDA error) and every marker it reaches carries
+the error, which waits pass on to other streams. The first host sync that
+sees the error raises it and clears it from every stream it reached.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from dask_gpustreams.errors import KernelError
+
+_stream_ids = itertools.count()
+
+
+class _Marker:
+    """One recording of an event: completes when its stream reaches it."""
+
+    __slots__ = ("device", "done", "error", "time")
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.done = threading.Event()
+        self.error: KernelError | None = None
+        self.time = 0.0
+
+
+class Stream:
+    """A FIFO of work executed in order by one thread; see :func:`Device.create_stream`."""
+
+    def __init__(self, device: Device, priority: int = 0, *, _token: object = None):
+        if _token is not _factory_token:
+            raise TypeError(
+                "Stream objects cannot be instantiated directly: use Device.create_stream"
+            )
+        self.device = device
+        self.priority = priority
+        self.id = next(_stream_ids)
+        self._error: KernelError | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"sim-stream-{self.id}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<sim.Stream {self.id} priority={self.priority}>"
+
+    def enqueue(self, op: Callable[[Stream], None]) -> None:
+        """Append ``op`` to the stream; it runs after everything enqueued before it."""
+        self._queue.put(op)
+
+    def _run(self) -> None:
+        while True:
+            op = self._queue.get()
+            op(self)
+
+    def launch(self, fn: Callable, args: tuple, kwargs: dict, key: Any) -> None:
+        """Enqueue a kernel: ``fn(*args, **kwargs)`` run on the stream's thread."""
+
+        def kernel(stream: Stream) -> None:
+            if stream._error is not None:
+                return
+            try:
+                fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - any kernel failure is reported later
+                stream._error = KernelError(key, f"{type(e).__name__}: {e}")
+
+        self.enqueue(kernel)
+
+    def record(self, event: Event | None = None) -> Event:
+        """Record ``event`` (a new one if None) at the current end of the stream."""
+        event = event if event is not None else Event()
+        marker = _Marker(self.device)
+        event._marker = marker
+
+        def complete(stream: Stream) -> None:
+            marker.error = stream._error
+            marker.time = time.perf_counter()
+            marker.done.set()
+
+        self.enqueue(complete)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream waits for ``event`` as recorded now; the host does not."""
+        marker = event._marker
+        if marker is None or (marker.done.is_set() and marker.error is None):
+            return
+
+        def wait(stream: Stream) -> None:
+            marker.done.wait()
+            if marker.error is not None and stream._error is None:
+                stream._error = marker.error
+
+        self.enqueue(wait)
+
+    def synchronize(self) -> None:
+        """Block until all enqueued work is done; raise (and clear) the stream's error."""
+        event = self.record()
+        event._marker.done.wait()
+        if self._error is not None:
+            raise self.device._consume(self._error)
+
+    def __enter__(self) -> Stream:
+        self.device._push(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.device._pop()
+
+
+class Event:
+    """A point in a stream that the host or other streams can wait for."""
+
+    __slots__ = ("_marker",)
+
+    def __init__(self) -> None:
+        self._marker: _Marker | None = None
+
+    @property
+    def done(self) -> bool:
+        """True once the recorded point is reached (or if never recorded)."""
+        marker = self._marker
+        return marker is None or marker.done.is_set()
+
+    def synchronize(self) -> None:
+        """Block until the recorded point is reached; raise the error of failed work before it."""
+        marker = self._marker
+        if marker is None:
+            return
+        marker.done.wait()
+        if marker.error is not None:
+            raise marker.device._consume(marker.error)
+
+    @property
+    def time(self) -> float:
+        """Host clock (``time.perf_counter``) at which the marker was reached."""
+        marker = self._marker
+        if marker is None or not marker.done.is_set():
+            raise RuntimeError("event has not completed")
+        return marker.time
+
+
+_factory_token = object()
+
+
+class Device:
+    """The simulated device: a default stream and the streams created on it."""
+
+    def __init__(self, device_id: int = 0):
+        self.id = device_id
+        self._local = threading.local()
+        self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self.default_stream = self.create_stream()
+
+    def create_stream(self, priority: int = 0) -> Stream:
+        """A new stream with its own thread; ``priority`` is kept for diagnostics."""
+        stream = Stream(self, priority, _token=_factory_token)
+        self._streams.add(stream)
+        return stream
+
+    def _consume(self, error: KernelError) -> KernelError:
+        """Clear ``error`` from every stream it reached, once a host sync reports it."""
+        for stream in list(self._streams):
+            if stream._error is error:
+                stream._error = None
+        return error
+
+    def _stack(self) -> list[Stream]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _push(self, stream: Stream) -> None:
+        self._stack().append(stream)
+
+    def _pop(self) -> None:
+        self._stack().pop()
+
+    def current_stream(self) -> Stream:
+        """The stream current in this thread, or the default stream."""
+        stack = self._stack()
+        return stack[-1] if stack else self.default_stream
+
+    @contextmanager
+    def task(self, key: Any) -> Iterator[None]:
+        """Label launches made in this thread with ``key`` (for :class:`KernelError`)."""
+        previous = getattr(self._local, "key", None)
+        self._local.key = key
+        try:
+            yield
+        finally:
+            self._local.key = previous
+
+    def current_key(self) -> Any:
+        return getattr(self._local, "key", None)
+
+    def synchronize(self) -> None:
+        """Block until the default stream is idle (other streams do not sync with it)."""
+        self.default_stream.synchronize()
