@@ -7,9 +7,14 @@ Switch it on with ``dask.config.set({"gpustreams.enabled": True})`` (or
 from dask_gpustreams import config as config  # registers the gpustreams.* defaults
 from dask_gpustreams import sim as sim
 from dask_gpustreams.config import StreamsConfig as StreamsConfig
+from dask_gpustreams.diagnostics import timeline as timeline
 from dask_gpustreams.errors import KernelError as KernelError
+from dask_gpustreams.integrations.distributed import StreamsPlugin as StreamsPlugin
 from dask_gpustreams.integrations.local import hook as _local_hook
+from dask_gpustreams.integrations.preload import dask_setup as dask_setup
 from dask_gpustreams.runtime import get_runtime as get_runtime
+from dask_gpustreams.transfers import to_device as to_device
+from dask_gpustreams.transfers import to_host as to_host
 
 _local_hook.register()
 

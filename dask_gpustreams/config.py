@@ -15,6 +15,7 @@ from typing import Any
 
 import dask.config
 import yaml
+from dask.utils import parse_bytes
 
 BACKENDS = ("auto", "cupy", "sim")
 
@@ -37,6 +38,8 @@ class StreamsConfig:
     streams: int = 8
     policy: str = "auto"
     timeline: bool = False
+    copy_streams: int = 1
+    pinned_pool_size: int = 1 << 30
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names
@@ -49,15 +52,37 @@ class StreamsConfig:
             raise _bad_value("policy", self.policy, " | ".join(policy_names()))
         if not isinstance(self.timeline, bool):
             raise _bad_value("timeline", self.timeline, "True | False")
+        if (
+            isinstance(self.copy_streams, bool)
+            or not isinstance(self.copy_streams, int)
+            or self.copy_streams < 1
+        ):
+            raise _bad_value("copy-streams", self.copy_streams, "an int >= 1")
+        if isinstance(self.pinned_pool_size, bool) or not isinstance(self.pinned_pool_size, int):
+            raise _bad_value(
+                "pinned-pool-size", self.pinned_pool_size, "a byte size like '1 GiB' (>= 1 MiB)"
+            )
+        if self.pinned_pool_size < (1 << 20):
+            raise _bad_value(
+                "pinned-pool-size", self.pinned_pool_size, "a byte size like '1 GiB' (>= 1 MiB)"
+            )
 
     @classmethod
     def from_dask_config(cls, **overrides: Any) -> StreamsConfig:
         """Read ``gpustreams.*`` from dask's config; keyword arguments take precedence."""
         values = {
-            name: dask.config.get(f"gpustreams.{name}")
-            for name in ("backend", "streams", "policy", "timeline")
+            field: dask.config.get(f"gpustreams.{field.replace('_', '-')}")
+            for field in cls.__dataclass_fields__
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
+        size = values["pinned_pool_size"]
+        if isinstance(size, str):
+            try:
+                values["pinned_pool_size"] = parse_bytes(size)
+            except ValueError:
+                raise _bad_value(
+                    "pinned-pool-size", size, "a byte size like '1 GiB' (>= 1 MiB)"
+                ) from None
         return cls(**values)
 
 

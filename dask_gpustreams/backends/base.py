@@ -16,6 +16,10 @@ class Backend(Protocol):
 
     name: str
     device_id: int
+    #: Functions that copy host data to this device / device data to the host, which
+    #: integrations may replace by the runtime's staged copies (``cupy.asarray``, ...).
+    upload_functions: tuple
+    download_functions: tuple
 
     def create_stream(self, priority: int = 0) -> Any:
         """A new stream; lower ``priority`` values are scheduled first, as in CUDA."""
@@ -55,3 +59,15 @@ class Backend(Protocol):
 
     def hardware_queues(self) -> int | None:
         """How many streams the device runs without false serialization, if bounded."""
+
+    def alloc_pinned(self, nbytes: int) -> Any:
+        """``nbytes`` of page-locked host memory as a NumPy ``uint8`` array."""
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """An uninitialized device array, allocated on the current stream."""
+
+    def copy_to_device(self, dst: Any, src: Any, stream: Any) -> None:
+        """Enqueue a copy of host array ``src`` (pinned) into device array ``dst`` on ``stream``."""
+
+    def copy_to_host(self, dst: Any, src: Any, stream: Any) -> None:
+        """Enqueue a copy of device array ``src`` into host array ``dst`` (pinned) on ``stream``."""

@@ -12,6 +12,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import cupy
+import cupyx
+import numpy as np
 
 # CUDA's default and maximum for CUDA_DEVICE_MAX_CONNECTIONS; HIP's default GPU_MAX_HW_QUEUES.
 CUDA_DEFAULT_CONNECTIONS = 8
@@ -22,6 +24,9 @@ class CupyBackend:
     """Streams, events and arrays of the device current when it is created."""
 
     name = "cupy"
+    name = "cupy"
+    upload_functions = (cupy.asarray, cupy.array)
+    download_functions = (cupy.asnumpy, cupy.ndarray.get)
 
     def __init__(self) -> None:
         self.device_id = cupy.cuda.Device().id
@@ -70,3 +75,15 @@ class CupyBackend:
         if self.is_hip:
             return int(os.environ.get("GPU_MAX_HW_QUEUES", HIP_DEFAULT_QUEUES))
         return int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_DEFAULT_CONNECTIONS))
+
+    def alloc_pinned(self, nbytes: int) -> np.ndarray:
+        return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> cupy.ndarray:
+        return cupy.empty(shape, dtype)
+
+    def copy_to_device(self, dst: cupy.ndarray, src: np.ndarray, stream: cupy.cuda.Stream) -> None:
+        dst.set(src, stream=stream)
+
+    def copy_to_host(self, dst: np.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
+        src.get(stream=stream, out=dst, blocking=False)

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from dask_gpustreams import sim
 
 
@@ -13,6 +15,9 @@ class SimBackend:
     """Streams, events and arrays of :func:`dask_gpustreams.sim.get_device`."""
 
     name = "sim"
+    name = "sim"
+    upload_functions = (sim.asarray,)
+    download_functions = (sim.asnumpy,)
 
     def __init__(self) -> None:
         self.device = sim.get_device()
@@ -58,3 +63,16 @@ class SimBackend:
 
     def hardware_queues(self) -> int | None:
         return None
+
+    def alloc_pinned(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> sim.SimArray:
+        return sim.empty(shape, dtype)
+
+    def copy_to_device(self, dst: sim.SimArray, src: np.ndarray, stream: sim.Stream) -> None:
+        # Reads ``src`` when the stream gets there, as a DMA from pinned memory does.
+        stream.launch(np.copyto, (dst._view, src), {}, self.device.current_key())
+
+    def copy_to_host(self, dst: np.ndarray, src: sim.SimArray, stream: sim.Stream) -> None:
+        stream.launch(np.copyto, (dst, src._view), {}, self.device.current_key())

@@ -18,13 +18,15 @@ class StreamSlot:
     back to a memory pool while a kernel on this stream may still read it.
     """
 
-    __slots__ = ("index", "stream", "priority", "inflight", "lock", "seq", "waited")
+    __slots__ = ("index", "stream", "priority", "inflight", "pending", "lock", "seq", "waited")
 
     def __init__(self, index: int, stream: Any, priority: int):
         self.index = index
         self.stream = stream
         self.priority = priority
         self.inflight: deque[tuple[Any, Any]] = deque()
+        # Tasks assigned to this stream whose event is not recorded yet.
+        self.pending = 0
         self.lock = threading.Lock()
         # Number of events recorded on this stream, and for each other slot the
         # highest such number this stream already waits for.
@@ -49,6 +51,8 @@ class StreamPool:
         self.n_high_priority = min(n_high_priority, n_streams)
         self._slots: list[StreamSlot] | None = None
         self._lock = threading.Lock()
+        #: Held while a task's stream is chosen, so concurrent choices see each other.
+        self.assign_lock = threading.Lock()
 
     @property
     def slots(self) -> Sequence[StreamSlot]:
@@ -81,20 +85,34 @@ class StreamPool:
                 inflight.popleft()
             return len(inflight)
 
+    def assign(self, slot: StreamSlot) -> None:
+        """Count a task as assigned to ``slot`` until :meth:`record` records its event."""
+        with slot.lock:
+            slot.pending += 1
+
+    def load(self, slot: StreamSlot) -> int:
+        """Tasks assigned to ``slot`` whose completion event has not been seen to fire."""
+        return self.collect(slot) + slot.pending
+
     def collect_all(self) -> int:
         """:meth:`collect` every stream; return the work still in flight."""
         if self._slots is None:
             return 0
         return sum(self.collect(slot) for slot in self._slots)
 
-    def record(self, slot: StreamSlot, event: Any, refs: Any) -> int:
-        """Record ``event`` on ``slot`` holding ``refs`` until it completes; return its number."""
+    def record(self, slot: StreamSlot, event: Any, refs: Any, assigned: bool = False) -> int:
+        """Record ``event`` on ``slot``, holding ``refs`` until it completes; return its number.
+
+        ``assigned``: the event ends a task counted by :meth:`assign`.
+        """
         inflight = slot.inflight
         done = self.backend.done
         with slot.lock:
             while inflight and done(inflight[0][0]):
                 inflight.popleft()
             self.backend.record(event, slot.stream)
+            if assigned:
+                slot.pending -= 1
             slot.seq += 1
             inflight.append((event, refs))
             return slot.seq

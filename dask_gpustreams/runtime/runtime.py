@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import warnings
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
@@ -19,12 +20,20 @@ from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
 from dask_gpustreams.runtime.pool import StreamPool
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
+from dask_gpustreams.runtime.transfers import Transfers, _active
 
 logger = logging.getLogger("dask_gpustreams")
 
 
 class StreamRuntime:
-    """One device's stream pool, policy and (optional) timeline."""
+    """One device's stream pool, policy and (optional) timeline.
+
+    With ``config.timeline`` the records of the last :attr:`timeline_maxlen`
+    tasks are kept in :attr:`timeline` (read by :mod:`dask_gpustreams.diagnostics`).
+    """
+
+    #: How many task records the timeline keeps (oldest dropped first).
+    timeline_maxlen = 100_000
 
     def __init__(self, backend: Backend, config: StreamsConfig):
         self.backend = backend
@@ -48,7 +57,10 @@ class StreamRuntime:
             )
             n_streams = queues
         self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
-        self.timeline: list[TaskRecord] | None = [] if config.timeline else None
+        self.transfers = Transfers(backend, config.copy_streams, config.pinned_pool_size)
+        self.timeline: deque[TaskRecord] | None = (
+            deque(maxlen=self.timeline_maxlen) if config.timeline else None
+        )
         logger.info(
             "gpustreams: %s backend, device %s, %d streams, policy %r",
             backend.name,
@@ -81,7 +93,9 @@ class StreamRuntime:
         pool = self.pool
         get = registry.get
         producers = [r for k in inputs if (r := get(k)) is not None]
-        slot = self.policy.select(TaskInfo(key, producers, registry, critical), pool)
+        with pool.assign_lock:
+            slot = self.policy.select(TaskInfo(key, producers, registry, critical), pool)
+            pool.assign(slot)
         latest: dict[int, TaskRecord] = {}
         for r in producers:
             if r.slot is not slot:
@@ -95,12 +109,16 @@ class StreamRuntime:
             start = backend.create_event(timing=True)
             backend.record(start, slot.stream)
         event = backend.create_event(timing=start is not None)
+        holds: list = []
+        active = _active.__dict__
+        active["runtime"], active["stream"], active["holds"] = self, slot.stream, holds
         try:
             with backend.use_stream(slot.stream, key):
                 result = fn(inputs)
         finally:
+            active["runtime"] = active["stream"] = active["holds"] = None
             # Recorded even if fn raised: kernels it enqueued may still read the inputs.
-            seq = pool.record(slot, event, inputs)
+            seq = pool.record(slot, event, (inputs, holds) if holds else inputs, True)
         record = TaskRecord(key, slot, event, seq, start)
         registry.add(record)
         if self.timeline is not None:

@@ -107,13 +107,22 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
     The host data is staged at call time, as CuPy stages pageable memory, so the
     caller may modify ``obj`` as soon as this returns.
     """
-    if isinstance(obj, SimArray) and (dtype is None or np.dtype(dtype) == obj.dtype):
-        return obj
+    if isinstance(obj, SimArray):
+        if dtype is None or np.dtype(dtype) == obj.dtype:
+            return obj
+        # A device-side conversion on the current stream, like cupy.asarray(x, dtype).
+        out = empty(obj.shape, dtype)
+        launch(_convert, out, obj)
+        return out
     staged = np.array(obj, dtype=dtype, copy=True)
     out = empty(staged.shape, staged.dtype)
     view = out._view
     _device.current_stream().enqueue(lambda _s: np.copyto(view, staged))
     return out
+
+
+def _convert(out: np.ndarray, src: np.ndarray) -> None:
+    np.copyto(out, src, casting="unsafe")
 
 
 def asnumpy(obj: Any) -> np.ndarray:

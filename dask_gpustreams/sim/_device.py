@@ -6,7 +6,8 @@ waiting enqueues a wait for the marker as recorded at that moment. A launched
 function that raises puts its stream in error: later launches on that stream
 are skipped (as after a sticky CUDA error) and every marker it reaches carries
 the error, which waits pass on to other streams. The first host sync that
-sees the error raises it and clears it from every stream it reached.
+sees the error raises it and clears it from every stream it reached; once
+reported, it is neither raised nor passed on again.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ class Stream:
 
         def wait(stream: Stream) -> None:
             marker.done.wait()
-            if marker.error is not None and stream._error is None:
-                stream._error = marker.error
+            error = marker.error
+            if error is not None and stream._error is None and not self.device._reported(error):
+                stream._error = error
 
         self.enqueue(wait)
 
@@ -140,7 +142,7 @@ class Event:
         if marker is None:
             return
         marker.done.wait()
-        if marker.error is not None:
+        if marker.error is not None and not marker.device._reported(marker.error):
             raise marker.device._consume(marker.error)
 
     @property
@@ -162,6 +164,7 @@ class Device:
         self.id = device_id
         self._local = threading.local()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self._reported_errors: weakref.WeakSet[KernelError] = weakref.WeakSet()
         self.default_stream = self.create_stream()
 
     def create_stream(self, priority: int = 0) -> Stream:
@@ -171,11 +174,20 @@ class Device:
         return stream
 
     def _consume(self, error: KernelError) -> KernelError:
-        """Clear ``error`` from every stream it reached, once a host sync reports it."""
+        """Clear ``error`` from every stream it reached, once a host sync reports it.
+
+        A reported error is not passed on again: waits still queued on events
+        recorded before the report do not put another stream in error, and
+        those events' syncs do not raise it a second time.
+        """
+        self._reported_errors.add(error)
         for stream in list(self._streams):
             if stream._error is error:
                 stream._error = None
         return error
+
+    def _reported(self, error: KernelError) -> bool:
+        return error in self._reported_errors
 
     def _stack(self) -> list[Stream]:
         stack = getattr(self._local, "stack", None)

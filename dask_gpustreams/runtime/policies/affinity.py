@@ -1,4 +1,4 @@
-"""Policies that follow the data: affinity and its load-aware variant, auto."""
+"""Policies that follow the data: affinity, and auto (stay at the tail of a producer's stream)."""
 
 from __future__ import annotations
 
@@ -36,22 +36,76 @@ class Affinity(StreamPolicy):
 
 @register_policy
 class Auto(StreamPolicy):
-    """Affinity while it keeps streams balanced, least-loaded otherwise (the default).
+    """The stream on which the task can start first, counting in tasks (the default).
 
-    Staying on the producer's stream saves an event wait and keeps chains
-    together (linear DAGs); it is refused when that stream already holds more
-    queued work than the least-loaded one by ``slack`` tasks, which is what
-    spreads fan-outs and tangled layers (diamond, tangled).
+    Each task gets a level: one more than the latest of its inputs' levels and
+    of the level its stream reaches before it, so a level estimates when a task
+    ends in task durations, as a list scheduler would. A task follows a
+    producer that is the last work of its stream (no event wait, nothing
+    waited for in vain); otherwise it goes to a stream that is idle or whose
+    queued work ends by the level of its inputs, preferring a producer's
+    stream, else to the stream whose work ends first. So a chain stays on its
+    stream (linear), and the branches of a fan-out and the nodes of a layer
+    spread over streams whose work ends with their inputs' (diamond,
+    chainlink, tangled) instead of queueing behind a sibling, even while the
+    host runs far ahead of the device. Streams with work of unknown level
+    (recorded by other means) count their unfinished tasks instead.
+
+    Called under the pool's assign lock (:attr:`StreamPool.assign_lock`).
     """
 
     name = "auto"
-    slack = 1
+
+    #: Levels kept per stream before those of completed tasks are dropped.
+    history = 64
+
+    def __init__(self) -> None:
+        self._tail: dict[int, int] = {}  # stream -> level of its last assigned task
+        self._levels: dict[int, dict[int, int]] = {}  # stream -> {event number: level}
 
     def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
-        spread = least_loaded(pool, pool.slots)
-        slot = _claim_producer_stream(task)
-        if slot is None or slot is spread:
-            return spread
-        if pool.collect(slot) <= pool.collect(spread) + self.slack:
-            return slot
-        return spread
+        slots = pool.slots
+        n = len(slots)
+        levels = self._levels
+        ready = 0  # the level at which the last input is ready
+        mine: list[StreamSlot] = []  # the producers' streams, tried first
+        tail_of: StreamSlot | None = None  # a producer's stream that ends with it
+        for record in task.producers:
+            producer = record.slot
+            if producer.index >= n or slots[producer.index] is not producer:
+                continue  # recorded by another pool
+            level = levels.get(producer.index, {}).get(record.seq, 0)
+            if level > ready:
+                ready = level
+            if producer not in mine:
+                mine.append(producer)
+            if tail_of is None and record.seq == producer.seq and not producer.pending:
+                tail_of = producer
+        if tail_of is not None:
+            return self._assign(tail_of, ready)
+        tail = self._tail
+        best, best_start = slots[0], -1
+        for slot in (*mine, *(s for s in slots if s not in mine)) if mine else slots:
+            start = tail.get(slot.index)
+            if start is None or start > ready:
+                load = slot.pending + (pool.collect(slot) if slot.inflight else 0)
+                if load == 0:
+                    start = ready  # idle
+                elif start is None:
+                    start = ready + load  # work of unknown level: count it
+            if start <= ready:
+                return self._assign(slot, ready)
+            if best_start < 0 or start < best_start:
+                best, best_start = slot, start
+        return self._assign(best, best_start)
+
+    def _assign(self, slot: StreamSlot, start: int) -> StreamSlot:
+        """Note the level the task chosen for ``slot`` ends at, under its future event number."""
+        index = slot.index
+        known = self._levels.setdefault(index, {})
+        known[slot.seq + slot.pending + 1] = self._tail[index] = start + 1
+        if len(known) > self.history:
+            done = slot.seq - len(slot.inflight)
+            for seq in [s for s in known if s <= done]:
+                del known[seq]
+        return slot

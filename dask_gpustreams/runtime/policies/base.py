@@ -73,11 +73,11 @@ def make_policy(name: str) -> StreamPolicy:
 def least_loaded(pool: StreamPool, slots: Sequence[StreamSlot]) -> StreamSlot:
     """The slot among ``slots`` with the least work not yet completed (by completion events)."""
     best = slots[0]
-    best_load = pool.collect(best)
+    best_load = pool.load(best)
     for slot in slots[1:]:
         if best_load == 0:
             break
-        load = pool.collect(slot)
+        load = pool.load(slot)
         if load < best_load:
             best, best_load = slot, load
     return best

@@ -1,0 +1,136 @@
+"""Host overhead of the stream runtime per task, on the local threaded scheduler.
+
+Runs ``--tasks`` no-op tasks (each returns its input array; no kernels) as a
+wide graph, with the runtime off and on, and prints microseconds per task and
+the difference, the runtime's own cost. Two graphs: ``wide`` (every task reads
+one source array) and ``chains`` (chains of 20 tasks, so event waits and stream
+reuse are exercised). ``--profile`` reruns the enabled case on the synchronous
+scheduler under cProfile (tasks then run in the profiled thread) and prints
+where the time goes::
+
+    python -m benchmarks.bench_overhead --backend sim
+    python -m benchmarks.bench_overhead --backend cupy --tasks 20000 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import dask
+import dask.threaded
+
+import dask_gpustreams  # noqa: F401  (registers the local scheduler hook)
+from benchmarks import kernels
+from dask_gpustreams.backends import resolve_backend
+from dask_gpustreams.runtime.policies import policy_names
+
+CHAIN = 20
+
+
+def noop(x):
+    return x
+
+
+def graph(kind: str, n: int, source) -> tuple[dict, list]:
+    dsk: dict = {"src": source}
+    if kind == "wide":
+        for i in range(n):
+            dsk[("t", i)] = (noop, "src")
+        return dsk, [("t", i) for i in range(n)]
+    chains = max(1, n // CHAIN)
+    for c in range(chains):
+        for d in range(CHAIN):
+            dsk[(f"c{c}", d)] = (noop, "src" if d == 0 else (f"c{c}", d - 1))
+    return dsk, [(f"c{c}", CHAIN - 1) for c in range(chains)]
+
+
+def timed(dsk: dict, keys: list, config: dict, threads: int, repeats: int) -> float:
+    """Median seconds of ``repeats`` runs (after one warm-up)."""
+    walls = []
+    for i in range(repeats + 1):
+        with dask.config.set(config):
+            t0 = time.perf_counter()
+            dask.threaded.get(dsk, keys, num_workers=threads)
+            wall = time.perf_counter() - t0
+        if i:
+            walls.append(wall)
+    return statistics.median(walls)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_overhead", description=__doc__)
+    p.add_argument("--backend", default="auto", choices=("auto", "cupy", "sim"))
+    p.add_argument("--tasks", type=int, default=20_000)
+    p.add_argument("--graphs", default="wide,chains")
+    p.add_argument("--policies", default="auto,round-robin")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeline", action="store_true", help="also measure with the timeline on")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    backend = resolve_backend(args.backend)
+    policies = [x for x in args.policies.split(",") if x]
+    bad = [x for x in policies if x not in policy_names()]
+    if bad:
+        p.error(f"--policies {','.join(bad)} is invalid: allowed values are {policy_names()}")
+    source = kernels.to_device(backend, kernels.source(0, 256))
+    print(
+        f"backend {backend}, {args.tasks} no-op tasks, threaded scheduler with "
+        f"{args.threads} threads, {args.streams} streams; median of {args.repeats} runs"
+    )
+    print(f"{'graph':<7} {'config':<28} {'us/task':>8} {'overhead us/task':>17}")
+    for kind in args.graphs.split(","):
+        dsk, keys = graph(kind, args.tasks, source)
+        n = len(dsk) - 1
+        off = timed(dsk, keys, {"gpustreams.enabled": False}, args.threads, args.repeats)
+        print(f"{kind:<7} {'disabled':<28} {off / n * 1e6:8.1f} {'':>17}")
+        configs = [(pol, False) for pol in policies]
+        if args.timeline:
+            configs.append((policies[0], True))
+        for policy, tl in configs:
+            config = {
+                "gpustreams.enabled": True,
+                "gpustreams.backend": backend,
+                "gpustreams.streams": args.streams,
+                "gpustreams.policy": policy,
+                "gpustreams.timeline": tl,
+            }
+            on = timed(dsk, keys, config, args.threads, args.repeats)
+            label = f"enabled {policy}" + (" +timeline" if tl else "")
+            print(f"{kind:<7} {label:<28} {on / n * 1e6:8.1f} {(on - off) / n * 1e6:17.1f}")
+    if args.profile:
+        profile(backend, args, policies[0])
+    return 0
+
+
+def profile(backend: str, args: argparse.Namespace, policy: str) -> None:
+    """cProfile of the enabled ``chains`` graph on the synchronous scheduler."""
+    source = kernels.to_device(backend, kernels.source(0, 256))
+    dsk, keys = graph("chains", args.tasks, source)
+    config = {
+        "gpustreams.enabled": True,
+        "gpustreams.backend": backend,
+        "gpustreams.streams": args.streams,
+        "gpustreams.policy": policy,
+    }
+    with dask.config.set(config):
+        dask.get(dsk, keys)  # warm-up
+        prof = cProfile.Profile()
+        prof.enable()
+        dask.get(dsk, keys)
+        prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+    stats.print_stats(25)
+    print(f"\ncProfile, synchronous scheduler, chains graph, policy {policy} (top 25 by tottime):")
+    print(buf.getvalue())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

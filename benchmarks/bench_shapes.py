@@ -1,0 +1,836 @@
+"""The four-shape benchmark: Dask with and without GPU streams, against a hand-launched ideal.
+
+Run from the repository root (see ``benchmarks/README.md``)::
+
+    python -m benchmarks.bench_shapes                      # everything, GPU if present
+    python -m benchmarks.bench_shapes --backend sim --kernel-ms 20 --depth 6 --samples 3
+    python -m benchmarks.bench_shapes --dry-run            # the plan and a time estimate
+
+Modes, all measured in one run, on the same graphs and kernels:
+
+- ``serial``: the plugin off, Dask as users run it today (legacy default stream);
+- ``ptds-sync``: the plugin off, ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``, each
+  task synchronizes its thread's stream before returning (in a subprocess,
+  since CuPy reads the variable at import; on sim: a stream per thread);
+- ``gpustreams``: the plugin on, for each policy and stream count;
+- ``ideal``: the same DAG launched by hand from one thread onto the same number
+  of streams with event waits, no Dask, for several simple stream assignments.
+
+Every sample's outputs are checked against a reference; a wrong result marks
+the row FAILED. Results go to ``--out`` (default
+``benchmarks/results/<backend>-<timestamp>/``, never overwritten): ``results.json``,
+``results.csv``, ``table.txt``, ``saturation_<scheduler>.png``,
+``wall_<scheduler>.png``, ``timeline_<policy>.png`` and Chrome traces.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Streams 16 and 32 need 32 hardware connections, which CUDA reads when the context
+# is created: set before anything imports CuPy. An explicit value in the environment wins.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+import argparse
+import datetime
+import itertools
+import json
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+import dask
+import dask.threaded
+import numpy as np
+
+import dask_gpustreams
+from benchmarks import kernels, report
+from benchmarks.shapes import WIDE, dagger_shape, wide_shape
+from benchmarks.workloads import (
+    IDEAL_ASSIGNMENTS,
+    IdealLauncher,
+    Workload,
+    gemm_workload,
+    ideal_plan,
+    spin_workload,
+)
+from dask_gpustreams.backends import create_backend, resolve_backend
+from dask_gpustreams.diagnostics import (
+    clear_timeline,
+    plot_gantt,
+    saturation,
+    timeline,
+    to_chrome_trace,
+)
+from dask_gpustreams.runtime.policies import policy_names
+
+MODES = ("serial", "ptds-sync", "gpustreams", "ideal")
+SCHEDULERS = ("threaded", "distributed")
+FAMILIES = ("wide", "dagger")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_tokens = itertools.count()
+
+
+def _list(kind: Any = str):
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",") if x.strip()]
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_shapes",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--backend", default="auto", choices=("auto", "cupy", "sim"))
+    p.add_argument("--families", type=_list(), default=list(FAMILIES), help="wide,dagger")
+    p.add_argument("--shapes", type=_list(), default=list(WIDE), help="shapes of each family")
+    p.add_argument("--modes", type=_list(), default=list(MODES))
+    p.add_argument("--schedulers", type=_list(), default=list(SCHEDULERS))
+    p.add_argument("--policies", type=_list(), default=None, help="default: all registered")
+    p.add_argument("--streams", type=_list(int), default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--dist-streams", type=_list(int), default=[8], help="distributed scheduler")
+    p.add_argument("--dist-policies", type=_list(), default=None, help="default: --policies")
+    p.add_argument(
+        "--dagger-streams",
+        type=_list(int),
+        default=[1, 2, 8, 32],
+        help="threaded scheduler, Dagger's gemm shapes",
+    )
+    p.add_argument(
+        "--ideal",
+        type=_list(),
+        default=["layers", "chains"],
+        help=f"hand-launch assignments: {','.join(IDEAL_ASSIGNMENTS)}",
+    )
+    p.add_argument("--width", type=int, default=8)
+    p.add_argument("--depth", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="tangled's random dependencies")
+    p.add_argument("--kernel-ms", type=float, default=2.0, help="busy kernel, threaded")
+    p.add_argument("--dist-kernel-ms", type=float, default=8.0, help="busy kernel, distributed")
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="busy-kernel blocks of 256 threads (default ceil(SMs/32))",
+    )
+    p.add_argument("--matrix", type=int, default=None, help="gemm shapes (default 4096; sim 256)")
+    p.add_argument("--tile", type=int, default=None, help="gemm tile (default 1024; sim 64)")
+    p.add_argument("--chain-len", type=int, default=4, help="Dagger's CHAIN_LEN")
+    p.add_argument("--threads", type=int, default=8, help="Dask threads (and ptds threads)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--samples", type=int, default=7)
+    p.add_argument(
+        "--cluster",
+        default="auto",
+        choices=("auto", "cuda", "local"),
+        help="distributed: LocalCUDACluster (dask-cuda) or in-process LocalCluster",
+    )
+    p.add_argument("--gantt-policies", type=_list(), default=["auto"])
+    p.add_argument("--gantt-streams", type=int, default=8)
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new configuration after this many seconds",
+    )
+    p.add_argument("--out", default=None)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and an estimate")
+    p.add_argument("--ptds-child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.policies = args.policies or ["auto"] + [p for p in policy_names() if p != "auto"]
+    args.dist_policies = args.dist_policies or args.policies
+    for name, values, allowed in (
+        ("families", args.families, FAMILIES),
+        ("shapes", args.shapes, WIDE),
+        ("modes", args.modes, MODES),
+        ("schedulers", args.schedulers, SCHEDULERS),
+        ("policies", args.policies + args.dist_policies + args.gantt_policies, policy_names()),
+        ("ideal", args.ideal, IDEAL_ASSIGNMENTS),
+    ):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            p.error(f"--{name} {','.join(bad)} is invalid: allowed values are {','.join(allowed)}")
+    return args
+
+
+# --- groups of configurations -------------------------------------------------------------------
+
+
+def groups(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(scheduler, family) pairs in run order: the targets' configurations first."""
+    order = [
+        ("threaded", "wide"),
+        ("distributed", "wide"),
+        ("threaded", "dagger"),
+        ("distributed", "dagger"),
+    ]
+    return [(s, f) for s, f in order if s in args.schedulers and f in args.families]
+
+
+def stream_counts(args: argparse.Namespace, scheduler: str, family: str) -> list[int]:
+    if scheduler == "distributed":
+        return args.dist_streams
+    return args.dagger_streams if family == "dagger" else args.streams
+
+
+def group_policies(args: argparse.Namespace, scheduler: str) -> list[str]:
+    return args.dist_policies if scheduler == "distributed" else args.policies
+
+
+def spin_target(args: argparse.Namespace, scheduler: str) -> float:
+    return args.dist_kernel_ms if scheduler == "distributed" else args.kernel_ms
+
+
+def make_shape(args: argparse.Namespace, family: str, name: str):
+    if family == "wide":
+        return wide_shape(name, args.width, args.depth, args.seed)
+    return dagger_shape(name, args.matrix // args.tile, args.chain_len)
+
+
+class Workloads:
+    """Builds each (scheduler, family, shape) workload once, from the calibration."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, calibration: dict):
+        self.args = args
+        self.backend = backend
+        self.calibration = calibration
+        self._cache: dict[tuple, Workload] = {}
+
+    def get(self, scheduler: str, family: str, name: str) -> Workload:
+        if family == "wide":
+            target = spin_target(self.args, scheduler)
+            key = (family, name, target)
+            if key not in self._cache:
+                c = self.calibration["spin"][str(target)]
+                spin = kernels.Spin(self.backend, c["blocks"], c["iters"], c["seconds"])
+                shape = make_shape(self.args, family, name)
+                self._cache[key] = spin_workload(shape, self.backend, spin, c["kernel_ms"])
+        else:
+            key = (family, name)
+            if key not in self._cache:
+                shape = make_shape(self.args, family, name)
+                self._cache[key] = gemm_workload(
+                    shape, self.backend, self.args.matrix, self.calibration["gemm_ms"]
+                )
+        return self._cache[key]
+
+
+def calibrate(args: argparse.Namespace, backend_name: str) -> dict:
+    """Busy-kernel lengths per target duration, and the isolated tile-gemm time."""
+    backend = create_backend(backend_name)
+    blocks = args.blocks or kernels.default_blocks(backend_name)
+    out: dict = {"blocks": blocks, "spin": {}}
+    if "wide" in args.families:
+        for target in sorted({spin_target(args, s) for s in args.schedulers}):
+            spin, ms = kernels.calibrate_spin(backend, target, blocks)
+            out["spin"][str(target)] = {
+                "blocks": spin.blocks,
+                "iters": spin.iters,
+                "seconds": spin.seconds,
+                "kernel_ms": ms,
+                "target_ms": target,
+            }
+            print(
+                f"busy kernel: target {target} ms -> {ms:.3f} ms alone "
+                f"({spin.blocks} x {kernels.BLOCK} threads, iters={spin.iters})"
+            )
+    if "dagger" in args.families:
+        tile = args.tile
+        gemm = kernels.TileGemm(backend_name)
+        a = kernels.to_device(backend_name, np.ones((tile, tile), np.float32))
+        out["gemm_ms"] = kernels.time_isolated(backend, lambda: gemm(a, a))
+        print(f"tile gemm: {tile}^2 float32 -> {out['gemm_ms']:.4f} ms alone")
+    return out
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Runs configurations in order, within the time budget, appending rows."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, out: str, deadline: float | None):
+        self.args = args
+        self.backend = backend
+        self.out = out
+        self.deadline = deadline
+        self.rows: list[dict] = []
+        self.t0 = time.monotonic()
+        self._launchers: dict[int, IdealLauncher] = {}
+
+    def launcher(self, n_streams: int) -> IdealLauncher:
+        """The hand launcher onto ``n_streams`` streams (created once per count)."""
+        if n_streams not in self._launchers:
+            device = create_backend(self.backend)
+            self._launchers[n_streams] = IdealLauncher(device, n_streams)
+        return self._launchers[n_streams]
+
+    def row(self, scheduler: str, wl: Workload, mode: str, policy: str, streams: int) -> dict:
+        return {
+            "scheduler": scheduler,
+            "family": wl.shape.family,
+            "shape": wl.shape.name,
+            "mode": mode,
+            "policy": policy,
+            "streams": streams,
+            "n_tasks": wl.shape.n_tasks,
+            "critical_path": wl.shape.critical_path,
+            "kernel_ms": wl.kernel_ms,
+            "samples": 0,
+            "walls_ms": [],
+            "status": "SKIPPED",
+            "error": "",
+        }
+
+    def measure(self, row: dict, wl: Workload, prepare: Any) -> dict:
+        """Warm-ups then samples of ``prepare(i)()``, each timed between device syncs, checked."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            row["error"] = "time budget spent"
+            return self._done(row)
+        args = self.args
+        walls = []
+        try:
+            for i in range(args.warmup + args.samples):
+                go = prepare(next(_tokens))
+                kernels.device_synchronize(self.backend)
+                t0 = time.perf_counter()
+                results = go()
+                kernels.device_synchronize(self.backend)
+                wall = (time.perf_counter() - t0) * 1e3
+                problem = wl.check(results)
+                del results
+                if problem is not None:
+                    row["status"], row["error"] = "FAILED", f"run {i}: {problem}"
+                    break
+                if i >= args.warmup:
+                    walls.append(wall)
+            else:
+                row["status"] = "ok"
+        except Exception as e:  # a broken configuration must not end the whole run
+            row["status"], row["error"] = "ERROR", f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        row["walls_ms"] = walls
+        row["samples"] = len(walls)
+        row.update(report.summarize(walls))
+        return self._done(row)
+
+    def skip(self, row: dict, why: str) -> dict:
+        row["error"] = why
+        return self._done(row)
+
+    def _done(self, row: dict) -> dict:
+        self.rows.append(row)
+        with open(os.path.join(self.out, "rows.jsonl"), "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        med = row.get("wall_median_ms")
+        sat = row["kernel_ms"] * row["n_tasks"] / med if med else None
+        policy = f":{row['policy']}" if row["policy"] else ""
+        print(
+            f"[{time.monotonic() - self.t0:6.0f}s] {row['scheduler']:<11} {row['family']:<6} "
+            f"{row['shape']:<9} {row['mode'] + policy:<26} n={row['streams']:<3} "
+            + (f"median {med:9.2f} ms  sat {sat:5.2f}  " if med else "")
+            + row["status"]
+            + (f" ({row['error']})" if row["error"] else ""),
+            flush=True,
+        )
+        return row
+
+
+def threaded_prepare(wl: Workload, config: dict, threads: int, sync_after: bool = False):
+    def prepare(token: int):
+        dsk, keys = wl.graph(token, sync_after=sync_after)
+
+        def go():
+            with dask.config.set(config):
+                return dask.threaded.get(dsk, keys, num_workers=threads)
+
+        return go
+
+    return prepare
+
+
+def gpustreams_config(backend: str, streams: int, policy: str, timeline: bool = False) -> dict:
+    return {
+        "gpustreams.enabled": True,
+        "gpustreams.backend": backend,
+        "gpustreams.streams": streams,
+        "gpustreams.policy": policy,
+        "gpustreams.timeline": timeline,
+    }
+
+
+OFF = {"gpustreams.enabled": False}
+
+
+class Distributed:
+    """One worker with ``threads`` threads: LocalCUDACluster if possible, else in-process."""
+
+    def __init__(self, args: argparse.Namespace, backend: str):
+        import distributed
+
+        self.args = args
+        self.backend = backend
+        self.cluster = None
+        if args.cluster in ("auto", "cuda") and backend == "cupy":
+            try:
+                from dask_cuda import LocalCUDACluster
+
+                self.cluster = LocalCUDACluster(
+                    n_workers=1, threads_per_worker=args.threads, dashboard_address=None
+                )
+                self.kind = f"LocalCUDACluster(n_workers=1, threads_per_worker={args.threads})"
+            except Exception as e:
+                if args.cluster == "cuda":
+                    raise
+                print(
+                    f"distributed: dask-cuda unavailable ({type(e).__name__}: {e}); "
+                    "using LocalCluster(processes=False)"
+                )
+        if self.cluster is None:
+            self.cluster = distributed.LocalCluster(
+                n_workers=1,
+                threads_per_worker=args.threads,
+                processes=False,
+                dashboard_address=None,
+            )
+            self.kind = (
+                f"LocalCluster(n_workers=1, threads_per_worker={args.threads}, processes=False)"
+            )
+        self.client = distributed.Client(self.cluster)
+        self._sources: dict[int, dict] = {}
+        self.plugin_name: str | None = None
+        print(f"distributed: {self.kind}")
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.close()
+
+    def sources(self, wl: Workload) -> dict:
+        if id(wl) not in self._sources:
+            keys = list(wl.sources)
+            futures = self.client.scatter([wl.sources[k] for k in keys], hash=False)
+            self._sources[id(wl)] = dict(zip(keys, futures, strict=True))
+        return self._sources[id(wl)]
+
+    def prepare(self, wl: Workload, sync_after: bool = False):
+        sources = self.sources(wl)
+
+        def prepare(token: int):
+            dsk, keys = wl.graph(token, sources=sources, sync_after=sync_after)
+            return lambda: self.client.get(dsk, keys)
+
+        return prepare
+
+    def use_streams(self, streams: int | None, policy: str = "auto", timeline: bool = False):
+        """Register the plugin for ``streams`` and ``policy``; ``None``: unregister it."""
+        if streams is None:
+            if self.plugin_name is not None:
+                self.client.unregister_worker_plugin(self.plugin_name)
+                self.plugin_name = None
+            dask.config.set(OFF)
+            return
+        config = gpustreams_config(self.backend, streams, policy, timeline)
+        dask.config.set(config)  # in-process workers read it; the plugin also gets it
+        plugin = make_plugin(self.backend, streams, policy, timeline)
+        self.client.register_plugin(plugin)
+        self.plugin_name = getattr(plugin, "name", None) or type(plugin).__name__
+
+
+def plugin_problem() -> str | None:
+    """Why the distributed plugin cannot be used, or None."""
+    try:
+        from dask_gpustreams.integrations.distributed import StreamsPlugin  # noqa: F401
+    except ImportError as e:
+        return f"dask_gpustreams.integrations.distributed.StreamsPlugin is not importable ({e})"
+    return None
+
+
+def make_plugin(backend: str, streams: int, policy: str, timeline: bool) -> Any:
+    """A ``StreamsPlugin`` for these settings, whatever its constructor takes."""
+    import inspect
+
+    from dask_gpustreams.integrations.distributed import StreamsPlugin
+
+    values = {
+        "enabled": True,
+        "backend": backend,
+        "streams": streams,
+        "policy": policy,
+        "timeline": timeline,
+    }
+    params = inspect.signature(StreamsPlugin).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return StreamsPlugin(**values)
+    if "config" in params:
+        config = dask_gpustreams.StreamsConfig(backend, streams, policy, timeline)
+        return StreamsPlugin(config=config)
+    return StreamsPlugin(**{k: v for k, v in values.items() if k in params})
+
+
+# --- the modes ------------------------------------------------------------------------------------
+
+
+def run_group(
+    runner: Runner,
+    loads: Workloads,
+    scheduler: str,
+    family: str,
+    dist: Distributed | None,
+    modes: list[str],
+) -> None:
+    args = runner.args
+    backend = runner.backend
+    streams = stream_counts(args, scheduler, family)
+    policies = group_policies(args, scheduler)
+    for name in args.shapes:
+        wl = loads.get(scheduler, family, name)
+        print(f"-- {scheduler} · {wl.shape.describe()} · kernel {wl.kernel_ms:.3f} ms", flush=True)
+        if dist is not None:
+            dist.use_streams(None)
+        if "serial" in modes:
+            row = runner.row(scheduler, wl, "serial", "", 1)
+            prep = threaded_prepare(wl, OFF, args.threads) if dist is None else dist.prepare(wl)
+            runner.measure(row, wl, prep)
+        if "ptds-sync" in modes:  # only in the child process, where PTDS is on
+            row = runner.row(scheduler, wl, "ptds-sync", "", args.threads)
+            prep = (
+                threaded_prepare(wl, OFF, args.threads, sync_after=True)
+                if dist is None
+                else dist.prepare(wl, sync_after=True)
+            )
+            runner.measure(row, wl, prep)
+        if "gpustreams" in modes:
+            problem = plugin_problem() if dist is not None else None
+            for n in streams:
+                # With one stream every policy picks it: measure once, report for all.
+                for policy in policies[:1] if n == 1 else policies:
+                    row = runner.row(scheduler, wl, "gpustreams", policy, n)
+                    if problem is not None:
+                        runner.skip(row, problem)
+                        continue
+                    if dist is None:
+                        config = gpustreams_config(backend, n, policy)
+                        runner.measure(row, wl, threaded_prepare(wl, config, args.threads))
+                    else:
+                        try:
+                            dist.use_streams(n, policy)
+                        except Exception as e:
+                            runner.skip(row, f"plugin registration failed: {e!r}")
+                            continue
+                        runner.measure(row, wl, dist.prepare(wl))
+                    if n == 1:
+                        for other in policies[1:]:
+                            copy = dict(row, policy=other, note=f"same run as {policies[0]}")
+                            runner.rows.append(copy)
+            if dist is not None:
+                dist.use_streams(None)
+        if "ideal" in modes:
+            run_ideal(runner, wl, scheduler, streams)
+
+
+def run_ideal(runner: Runner, wl: Workload, scheduler: str, streams: list[int]) -> None:
+    for n in streams:
+        launcher = runner.launcher(n)
+        for assignment in runner.args.ideal[:1] if n == 1 else runner.args.ideal:
+            plan = ideal_plan(wl, n, assignment)
+            row = runner.row(scheduler, wl, "ideal", assignment, n)
+            runner.measure(row, wl, lambda token, p=plan, go=launcher.run: lambda: go(wl, p))
+            if n == 1:
+                for other in runner.args.ideal[1:]:
+                    runner.rows.append(dict(row, policy=other, note="same run (1 stream)"))
+
+
+def run_gantt(runner: Runner, loads: Workloads) -> None:
+    """One recorded run per wide shape and ``--gantt-policies``: PNG (4 panels) and traces."""
+    args = runner.args
+    n = args.gantt_streams
+    for policy in args.gantt_policies:
+        panels = []
+        for name in args.shapes:
+            wl = loads.get("threaded", "wide", name)
+            config = gpustreams_config(runner.backend, n, policy, timeline=True)
+            prep = threaded_prepare(wl, config, args.threads)
+            try:
+                prep(next(_tokens))()  # warm-up: creates the timed pool
+                clear_timeline()
+                results = prep(next(_tokens))()
+                problem = wl.check(results)
+                records = [r for r in timeline() if r["pool"] == f"{policy}/{n}"]
+            except Exception as e:
+                print(f"timeline {policy} {name}: {type(e).__name__}: {e}")
+                continue
+            sat = saturation(records, wl.kernel_ms) if records else float("nan")
+            panels.append((name, records, sat, problem))
+            to_chrome_trace(records, os.path.join(runner.out, f"trace_{policy}_{name}.json"))
+            print(
+                f"timeline {policy}/{n} {name}: {len(records)} tasks, saturation {sat:.2f}"
+                + (f", WRONG RESULT: {problem}" if problem else "")
+            )
+        clear_timeline()
+        if not panels:
+            continue
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(12, 3.2 * len(panels)), layout="constrained")
+        axes = fig.subplots(len(panels), 1, squeeze=False).ravel()
+        for ax, (name, records, sat, _) in zip(axes, panels, strict=True):
+            plot_gantt(
+                records,
+                ax=ax,
+                title=f"wide {name} · {policy} · {n} streams · "
+                f"saturation {sat:.2f} (threaded, {records and len(records)} tasks)",
+            )
+            leg = ax.get_legend()
+            if leg is not None:
+                leg.remove()
+        fig.savefig(os.path.join(runner.out, f"timeline_{policy}.png"), dpi=100)
+
+
+# --- the ptds-sync child process ---------------------------------
+
+
+def run_ptds_child(runner: Runner, calibration: dict) -> None:
+    """Run every ptds-sync configuration in a subprocess with PTDS on; merge its rows."""
+    spec = {
+        "argv": sys.argv[1:],
+        "backend": runner.backend,
+        "calibration": calibration,
+        "out": runner.out,
+        "budget_s": None
+        if runner.deadline is None
+        else max(1.0, runner.deadline - time.monotonic()),
+    }
+    path = os.path.join(runner.out, "ptds_spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, CUPY_CUDA_PER_THREAD_DEFAULT_STREAM="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    print("-- ptds-sync: subprocess with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1", flush=True)
+    cmd = [sys.executable, "-m", "benchmarks.bench_shapes", "--ptds-child", path]
+    proc = subprocess.run(cmd, env=env, cwd=REPO)
+    rows_path = os.path.join(runner.out, "ptds_rows.json")
+    if proc.returncode != 0 or not os.path.exists(rows_path):
+        print(f"ptds-sync subprocess failed (exit {proc.returncode})")
+        return
+    with open(rows_path) as f:
+        runner.rows.extend(json.load(f))
+
+
+def ptds_child(spec_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    args = parse_args(spec["argv"])
+    set_defaults(args, spec["backend"])
+    budget = spec["budget_s"]
+    runner = Runner(
+        args, spec["backend"], spec["out"], None if budget is None else time.monotonic() + budget
+    )
+    loads = Workloads(args, spec["backend"], spec["calibration"])
+    for scheduler, family in groups(args):
+        dist = Distributed(args, spec["backend"]) if scheduler == "distributed" else None
+        try:
+            run_group(runner, loads, scheduler, family, dist, ["ptds-sync"])
+        finally:
+            if dist is not None:
+                dist.close()
+    with open(os.path.join(spec["out"], "ptds_rows.json"), "w") as f:
+        json.dump(runner.rows, f, default=str)
+    return 0
+
+
+# --- main ------------------------------------------------------------
+
+
+def set_defaults(args: argparse.Namespace, backend: str) -> None:
+    if args.matrix is None:
+        args.matrix = 4096 if backend == "cupy" else 256
+    if args.tile is None:
+        args.tile = 1024 if backend == "cupy" else 64
+    if args.matrix % args.tile:
+        raise SystemExit(f"--matrix {args.matrix} is not a multiple of --tile {args.tile}")
+
+
+def out_dir(args: argparse.Namespace, backend: str) -> str:
+    """A new directory: ``--out`` or the default, with a suffix if it exists already."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = args.out or os.path.join(REPO, "benchmarks", "results", f"{backend}-{stamp}")
+    path, i = base, 1
+    while os.path.exists(path) and os.listdir(path):
+        path, i = f"{base}-{i}", i + 1
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def environment(backend: str) -> dict:
+    import distributed
+
+    env = {
+        "python": platform.python_version(),
+        "dask": dask.__version__,
+        "distributed": distributed.__version__,
+        "numpy": np.__version__,
+        "dask_gpustreams": dask_gpustreams.__version__,
+        "host": platform.node(),
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("CUDA_DEVICE_MAX", "CUPY_", "DASK_GPUSTREAMS"))
+        },
+    }
+    try:
+        env["commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except Exception:
+        env["commit"] = None
+    if backend == "cupy":
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        env["cupy"] = cupy.__version__
+        env["device"] = (
+            props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        )
+        env["sms"] = props["multiProcessorCount"]
+        env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    else:
+        env["device"] = "dask_gpustreams.sim"
+    return env
+
+
+def estimate(args: argparse.Namespace, backend: str) -> float:
+    """A rough lower bound of the run's seconds (device time, plus a host cost per task)."""
+    total = 0.0
+    runs = args.warmup + args.samples
+    host = {"threaded": 0.1, "distributed": 0.6}  # ms per task, rough
+    gemm_ms = 0.04 if backend == "cupy" else 0.05
+    for scheduler, family in groups(args):
+        ns = stream_counts(args, scheduler, family)
+        pols = group_policies(args, scheduler)
+        for name in args.shapes:
+            shape = make_shape(args, family, name)
+            k = spin_target(args, scheduler) if family == "wide" else gemm_ms
+            work, crit = shape.n_tasks * k, shape.critical_path * k
+            par = max(len(layer) for layer in shape.layers)
+            h = host[scheduler] * shape.n_tasks
+
+            def wall(n, h=h, work=work, crit=crit, par=par):
+                return max(work / min(n, par), crit, h)
+
+            configs = []
+            if "serial" in args.modes:
+                configs.append(max(work, h))
+            if "ptds-sync" in args.modes:
+                configs.append(wall(args.threads) * 1.5)
+            if "gpustreams" in args.modes:
+                configs += [wall(n) for n in ns for _ in (pols[:1] if n == 1 else pols)]
+            if "ideal" in args.modes:
+                configs += [
+                    max(work / min(n, par), crit)
+                    for n in ns
+                    for _ in (args.ideal[:1] if n == 1 else args.ideal)
+                ]
+            total += runs * sum(configs) / 1e3
+    if "ptds-sync" in args.modes:
+        total += 5.0  # subprocess start
+    if "gpustreams" in args.modes and "threaded" in args.schedulers and "wide" in args.families:
+        total += len(args.gantt_policies) * len(args.shapes) * 2 * args.kernel_ms * 145 / 8 / 1e3
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.ptds_child:
+        return ptds_child(args.ptds_child)
+    backend = resolve_backend(args.backend)
+    set_defaults(args, backend)
+    print(
+        f"backend {backend}; CUDA_DEVICE_MAX_CONNECTIONS="
+        f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}; estimated >= "
+        f"{estimate(args, backend):.0f} s"
+    )
+    for scheduler, family in groups(args):
+        print(
+            f"  {scheduler} · {family}: streams {stream_counts(args, scheduler, family)}, "
+            f"policies {group_policies(args, scheduler)}, shapes {args.shapes}"
+        )
+    if args.dry_run:
+        return 0
+    out = out_dir(args, backend)
+    print(f"writing to {out}", flush=True)
+    started = time.monotonic()
+    deadline = None if args.budget_s is None else started + args.budget_s
+    meta = {
+        "argv": sys.argv,
+        "args": vars(args),
+        "backend": backend,
+        "started": datetime.datetime.now().isoformat(),
+        **environment(backend),
+    }
+    calibration = calibrate(args, backend)
+    meta["calibration"] = calibration
+    runner = Runner(args, backend, out, deadline)
+    loads = Workloads(args, backend, calibration)
+    local_modes = [m for m in args.modes if m != "ptds-sync"]
+    ptds_done = "ptds-sync" not in args.modes
+    try:
+        for scheduler, family in groups(args):
+            dist = None
+            if scheduler == "distributed":
+                try:
+                    dist = Distributed(args, backend)
+                    meta["cluster"] = dist.kind
+                except Exception as e:
+                    print(f"distributed scheduler skipped: cannot start a cluster ({e!r})")
+                    continue
+            try:
+                run_group(runner, loads, scheduler, family, dist, local_modes)
+            finally:
+                if dist is not None:
+                    dist.close()
+            if (scheduler, family) == ("threaded", "wide") and "gpustreams" in args.modes:
+                run_gantt(runner, loads)
+            if not ptds_done:
+                run_ptds_child(runner, calibration)
+                ptds_done = True
+    finally:
+        meta["elapsed_s"] = time.monotonic() - started
+        finish(runner, meta, out)
+    return 0
+
+
+def finish(runner: Runner, meta: dict, out: str) -> None:
+    rows = runner.rows
+    report.derive(rows)
+    report.write_json(os.path.join(out, "results.json"), meta, rows)
+    report.write_csv(os.path.join(out, "results.csv"), rows)
+    text = report.table(rows, headline_streams=runner.args.gantt_streams)
+    with open(os.path.join(out, "table.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    for scheduler in SCHEDULERS:
+        try:
+            report.plot_saturation(
+                rows, scheduler, os.path.join(out, f"saturation_{scheduler}.png")
+            )
+            report.plot_wall(
+                rows,
+                scheduler,
+                os.path.join(out, f"wall_{scheduler}.png"),
+                runner.args.gantt_streams,
+            )
+        except ImportError as e:
+            print(f"figures skipped: {e}")
+            break
+    failed = [r for r in rows if r["status"] in ("FAILED", "ERROR")]
+    print(f"\n{len(rows)} rows, {len(failed)} failed; {meta['elapsed_s']:.0f} s; results in {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

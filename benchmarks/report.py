@@ -1,0 +1,248 @@
+"""Rows of the shape benchmark: statistics, derived metrics, table, JSON/CSV and figures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from collections import defaultdict
+from typing import Any
+
+CSV_FIELDS = (
+    "scheduler",
+    "family",
+    "shape",
+    "mode",
+    "policy",
+    "streams",
+    "n_tasks",
+    "critical_path",
+    "kernel_ms",
+    "samples",
+    "wall_median_ms",
+    "wall_min_ms",
+    "wall_max_ms",
+    "wall_iqr_ms",
+    "saturation",
+    "speedup",
+    "ideal_saturation",
+    "efficiency",
+    "status",
+    "error",
+)
+
+
+def summarize(walls: list[float]) -> dict:
+    """Median, min, max and inter-quartile range of wall times (ms)."""
+    if not walls:
+        return {}
+    q = statistics.quantiles(walls, n=4, method="inclusive") if len(walls) > 1 else [walls[0]] * 3
+    return {
+        "wall_median_ms": statistics.median(walls),
+        "wall_min_ms": min(walls),
+        "wall_max_ms": max(walls),
+        "wall_iqr_ms": q[2] - q[0],
+    }
+
+
+def derive(rows: list[dict]) -> None:
+    """Fill in saturation, speedup over ``serial`` and efficiency against the best ``ideal``.
+
+    Speedup compares with the ``serial`` row of the same scheduler and shape;
+    efficiency divides by the best ``ideal`` saturation of the same scheduler,
+    shape and stream count (``serial``: 1 stream; ``ptds-sync``: its threads).
+    """
+    serial = {}
+    ideal: dict[tuple, float] = defaultdict(float)
+    for r in rows:
+        med = r.get("wall_median_ms")
+        r["saturation"] = r["kernel_ms"] * r["n_tasks"] / med if med else None
+        if r["status"] != "ok" or med is None:
+            continue
+        group = (r["scheduler"], r["family"], r["shape"])
+        if r["mode"] == "serial":
+            serial[group] = med
+        if r["mode"] == "ideal":
+            key = (*group, r["streams"])
+            ideal[key] = max(ideal[key], r["saturation"])
+    for r in rows:
+        group = (r["scheduler"], r["family"], r["shape"])
+        med = r.get("wall_median_ms")
+        r["speedup"] = serial[group] / med if med and group in serial else None
+        best = ideal.get((*group, r["streams"]))
+        r["ideal_saturation"] = best
+        r["efficiency"] = r["saturation"] / best if best and r["saturation"] else None
+
+
+def write_json(path: str, meta: dict, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(r.get(k)) for k in CSV_FIELDS})
+
+
+def _fmt(v: Any) -> Any:
+    return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else v)
+
+
+def _num(v: float | None, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _label(r: dict) -> str:
+    return f"{r['mode']}:{r['policy']}" if r["policy"] else r["mode"]
+
+
+def table(rows: list[dict], headline_streams: int = 8) -> str:
+    """The printed tables: saturation by stream count, then every mode at ``headline_streams``."""
+    out = []
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["scheduler"], r["family"])].append(r)
+    for (scheduler, family), rs in groups.items():
+        streams = sorted({r["streams"] for r in rs if r["mode"] in ("gpustreams", "ideal")})
+        kernel = sorted({round(r["kernel_ms"], 3) for r in rs})
+        out.append(
+            f"\n== {scheduler} scheduler · {family} shapes · isolated kernel {kernel} ms "
+            f"· saturation (kernel ms x tasks / median wall) by stream count =="
+        )
+        head = f"{'shape':<10} {'mode:policy':<26}" + "".join(f"{n:>7}" for n in streams)
+        out.append(head)
+        cells: dict[tuple, dict] = defaultdict(dict)
+        for r in rs:
+            if r["mode"] in ("gpustreams", "ideal"):
+                cells[(r["shape"], _label(r))][r["streams"]] = r
+        for (shape, label), by_n in cells.items():
+            line = f"{shape:<10} {label:<26}"
+            for n in streams:
+                r = by_n.get(n)
+                line += f"{_cell(r):>7}"
+            out.append(line)
+        at = [
+            r
+            for r in rs
+            if r["mode"] in ("serial", "ptds-sync") or r["streams"] == headline_streams
+        ]
+        out.append(
+            f"\n-- {scheduler} · {family}: serial, ptds-sync and every mode at "
+            f"{headline_streams} streams --"
+        )
+        out.append(
+            f"{'shape':<10} {'mode:policy':<26} {'n':>3} {'median ms':>10} {'[min - max]':>19} "
+            f"{'IQR':>6} {'sat':>6} {'speedup':>7} {'eff':>5}  status"
+        )
+        for r in at:
+            spread = f"[{_num(r.get('wall_min_ms'), '.1f')} - {_num(r.get('wall_max_ms'), '.1f')}]"
+            eff = r.get("efficiency")
+            out.append(
+                f"{r['shape']:<10} {_label(r):<26} {r['streams']:>3} "
+                f"{_num(r.get('wall_median_ms'), '.1f'):>10} {spread:>19} "
+                f"{_num(r.get('wall_iqr_ms'), '.1f'):>6} {_num(r.get('saturation'), '.2f'):>6} "
+                f"{_num(r.get('speedup'), '.2f'):>7} "
+                f"{('-' if eff is None else f'{eff:.0%}'):>5}  {_status(r)}"
+            )
+    return "\n".join(out)
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return r["status"][:6]
+    return _num(r.get("saturation"), ".2f")
+
+
+def _status(r: dict) -> str:
+    return r["status"] if not r.get("error") else f"{r['status']}: {r['error']}"
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+def plot_saturation(rows: list[dict], scheduler: str, path: str) -> bool:
+    """Saturation per shape (one panel each) and stream count: policies, ideal, serial, ptds."""
+    rs = [r for r in rows if r["scheduler"] == scheduler and r.get("saturation")]
+    if not rs:
+        return False
+    from matplotlib.figure import Figure
+
+    shapes = list(dict.fromkeys((r["family"], r["shape"]) for r in rs))
+    cols = min(4, len(shapes))
+    nrows = math.ceil(len(shapes) / cols)
+    fig = Figure(figsize=(4.2 * cols, 3.4 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, cols, squeeze=False).ravel()
+    for ax, (family, shape) in zip(axes, shapes, strict=False):
+        mine = [r for r in rs if (r["family"], r["shape"]) == (family, shape)]
+        lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for r in mine:
+            if r["mode"] in ("gpustreams", "ideal") and r["status"] == "ok":
+                lines[_label(r)].append((r["streams"], r["saturation"]))
+        for label, pts in sorted(lines.items()):
+            pts.sort()
+            style = "--" if label.startswith("ideal") else "-"
+            ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=label)
+        for r in mine:
+            if r["mode"] in ("serial", "ptds-sync") and r["status"] == "ok":
+                color = "black" if r["mode"] == "serial" else "gray"
+                ax.axhline(r["saturation"], color=color, ls=":", lw=1, label=r["mode"])
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{family} {shape}", fontsize="medium")
+        ax.set_xlabel("streams")
+        ax.set_ylabel("saturation")
+        ax.grid(alpha=0.3)
+    for ax in axes[len(shapes) :]:
+        ax.set_visible(False)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize="small")
+    fig.suptitle(f"Saturation vs streams · {scheduler} scheduler")
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def plot_wall(rows: list[dict], scheduler: str, path: str, streams: int = 8) -> bool:
+    """Median wall per shape and mode (bars with min-max), gpustreams and ideal at ``streams``."""
+    rs = [
+        r
+        for r in rows
+        if r["scheduler"] == scheduler
+        and r["status"] == "ok"
+        and r.get("wall_median_ms")
+        and (r["mode"] in ("serial", "ptds-sync") or r["streams"] == streams)
+    ]
+    if not rs:
+        return False
+    from matplotlib.figure import Figure
+
+    shapes = list(dict.fromkeys((r["family"], r["shape"]) for r in rs))
+    labels = list(dict.fromkeys(_label(r) for r in rs))
+    fig = Figure(figsize=(max(6, 1.6 * len(shapes) * len(labels) / 4), 4.2), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        xs, ys, lo, hi = [], [], [], []
+        for i, shape in enumerate(shapes):
+            r = next(
+                (r for r in rs if (r["family"], r["shape"]) == shape and _label(r) == label), None
+            )
+            if r is None:
+                continue
+            xs.append(i + (j - (len(labels) - 1) / 2) * width)
+            ys.append(r["wall_median_ms"])
+            lo.append(r["wall_median_ms"] - r["wall_min_ms"])
+            hi.append(r["wall_max_ms"] - r["wall_median_ms"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=1.5, label=label)
+    ax.set_xticks(range(len(shapes)), [f"{f}\n{s}" for f, s in shapes])
+    ax.set_yscale("log")
+    ax.set_ylabel("median wall per graph (ms)")
+    ax.set_title(f"Wall time per shape and mode · {scheduler} · {streams} streams")
+    ax.legend(fontsize="x-small", ncols=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path, dpi=110)
+    return True

@@ -1,0 +1,316 @@
+"""The task timeline: on which stream each task's GPU work ran, and when.
+
+With ``gpustreams.timeline`` on, each :class:`~dask_gpustreams.runtime.StreamRuntime`
+keeps, per task, the stream and two timing events: one recorded before the
+task's work (after its event waits) and one after it. This module collects
+them, then transforms and presents them, in three separate steps:
+
+- collect: :func:`timeline` turns the runtimes' events into plain records
+  (dicts) with times in milliseconds from the earliest start, in this process
+  or, given a distributed ``client``, on every worker with one ``client.run``;
+  :func:`clear_timeline` drops what was recorded so far;
+- transform: :func:`to_rectangles` (pure) and :func:`saturation`;
+- present: :func:`to_chrome_trace` (Perfetto / ``chrome://tracing`` JSON, one
+  track per device and stream) and :func:`plot_gantt` (matplotlib, on an ``ax``).
+
+>>> dask.config.set({"gpustreams.enabled": True, "gpustreams.timeline": True})  # doctest: +SKIP
+>>> x.compute()  # doctest: +SKIP
+>>> records = dask_gpustreams.timeline()  # doctest: +SKIP
+>>> to_chrome_trace(records, "trace.json")  # doctest: +SKIP
+>>> plot_gantt(records).figure.savefig("gantt.png")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from dask.utils import key_split
+
+#: The fields of each record returned by :func:`timeline`.
+RECORD_FIELDS = ("key", "name", "worker", "device", "pool", "stream", "start_ms", "end_ms")
+
+# One stream per runtime on which timeline() records its clock anchor, so that
+# reading the clock never waits behind the work queued on the pool's streams.
+_anchor_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def timeline(client: Any = None, *, timeout: float = 10.0) -> list[dict]:
+    """The completed tasks recorded by the stream runtimes, as plain records.
+
+    Parameters
+    ----------
+    client
+        A ``distributed.Client``: gather the records of every worker with one
+        ``client.run`` call. ``None``: the runtimes of this process (the local
+        threaded or synchronous scheduler).
+    timeout
+        Seconds to wait, per runtime, for the clock anchor event.
+
+    Returns
+    -------
+    list of dict
+        One record per task whose work has completed, sorted by start, with the
+        fields of :data:`RECORD_FIELDS`: ``key``; ``name`` (the key's prefix);
+        ``worker`` (address, ``None`` without a client); ``device``; ``pool``
+        (``"<policy>/<n streams>"`` of the runtime); ``stream`` (index in the
+        pool); ``start_ms`` and ``end_ms``, device times in milliseconds from
+        the earliest start among all records. Times of different processes are
+        aligned through the host clock (exact within a process).
+
+    Nothing is recorded unless ``gpustreams.timeline`` was true when the runtime
+    was created; tasks still running are left out.
+    """
+    if client is None:
+        parts = [_collect_process(timeout)]
+    else:
+        parts = []
+        seen = set()
+        for address, part in sorted(client.run(_collect_process, timeout).items()):
+            # Workers of one process (processes=False) share its runtimes: count them once.
+            if (part["host"], part["pid"]) in seen:
+                continue
+            seen.add((part["host"], part["pid"]))
+            part["worker"] = address
+            parts.append(part)
+    rows = [(part["worker"], r) for part in parts for r in part["records"]]
+    if not rows:
+        return []
+    t0 = min(r["start"] for _, r in rows)
+    records = [
+        {
+            "key": r["key"],
+            "name": key_split(r["key"]),
+            "worker": worker,
+            "device": r["device"],
+            "pool": r["pool"],
+            "stream": r["stream"],
+            "start_ms": (r["start"] - t0) * 1e3,
+            "end_ms": (r["end"] - t0) * 1e3,
+        }
+        for worker, r in rows
+    ]
+    records.sort(key=lambda r: (r["start_ms"], r["end_ms"]))
+    return records
+
+
+def clear_timeline(client: Any = None) -> None:
+    """Drop the records kept so far by the runtimes of this process, or of every worker."""
+    if client is None:
+        _clear_process()
+    else:
+        client.run(_clear_process)
+
+
+def _clear_process() -> None:
+    from dask_gpustreams.runtime.runtime import _runtimes
+
+    for runtime in list(_runtimes.values()):
+        if runtime.timeline is not None:
+            runtime.timeline.clear()
+
+
+def _collect_process(timeout: float = 10.0) -> dict:
+    """This process's completed records, with start/end as host clock seconds (``time.time``)."""
+    from dask_gpustreams.runtime.runtime import _runtimes
+
+    records: list[dict] = []
+    for runtime in list(_runtimes.values()):
+        if runtime.timeline is not None and runtime.pool.started():
+            records.extend(_runtime_records(runtime, list(runtime.timeline), timeout))
+    return {"host": socket.gethostname(), "pid": os.getpid(), "worker": None, "records": records}
+
+
+def _runtime_records(runtime: Any, snapshot: list, timeout: float) -> list[dict]:
+    backend = runtime.backend
+    done = backend.done
+    finished = [r for r in snapshot if r.start is not None and done(r.event)]
+    if not finished:
+        return []
+    # Anchor the device clock to the host's: an event recorded now, on an idle
+    # stream, completes when the host sees it done (to a few microseconds).
+    with _on_device(backend):
+        stream = _anchor_streams.get(runtime)
+        if stream is None:
+            stream = _anchor_streams[runtime] = backend.create_stream()
+        anchor = backend.create_event(timing=True)
+        backend.record(anchor, stream)
+    deadline = time.monotonic() + timeout
+    while not done(anchor):
+        if time.monotonic() > deadline:
+            warnings.warn(
+                f"timeline: the clock anchor of {runtime!r} did not complete within "
+                f"timeout={timeout} s; its {len(finished)} records are left out",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return []
+        time.sleep(0)
+    now = time.time()
+    elapsed = backend.elapsed_ms
+    pool = f"{runtime.config.policy}/{runtime.pool.n_streams}"
+    return [
+        {
+            "key": r.key,
+            "device": backend.device_id,
+            "pool": pool,
+            "stream": r.slot.index,
+            "start": now - elapsed(r.start, anchor) / 1e3,
+            "end": now - elapsed(r.event, anchor) / 1e3,
+        }
+        for r in finished
+    ]
+
+
+def _on_device(backend: Any) -> contextlib.AbstractContextManager:
+    """Make the backend's device current (CuPy creates events on the current device)."""
+    if backend.name == "cupy":
+        import cupy
+
+        return cupy.cuda.Device(backend.device_id)
+    return contextlib.nullcontext()
+
+
+def _track(record: dict) -> tuple:
+    return (record["worker"] or "", record["device"], record["pool"], record["stream"])
+
+
+def to_rectangles(records: Sequence[dict]) -> dict:
+    """Gantt rectangles of ``records``: one track per worker, device, pool and stream.
+
+    Returns ``{"tracks": [label, ...], "rectangles": [{"track", "start", "duration",
+    "name", "key"}, ...]}`` where ``track`` indexes ``tracks`` and times are in ms.
+    The pool appears in the labels only when the records come from several pools.
+    """
+    keys = sorted({_track(r) for r in records})
+    several_workers = len({k[0] for k in keys}) > 1
+    several_pools = len({k[:3] for k in keys}) > len({k[:2] for k in keys})
+    labels = []
+    for worker, device, pool, stream in keys:
+        parts = [worker] if several_workers else []
+        parts.append(f"dev {device}")
+        if several_pools:
+            parts.append(pool)
+        parts.append(f"stream {stream}")
+        labels.append(" ".join(parts))
+    index = {k: i for i, k in enumerate(keys)}
+    rectangles = [
+        {
+            "track": index[_track(r)],
+            "start": r["start_ms"],
+            "duration": r["end_ms"] - r["start_ms"],
+            "name": r["name"],
+            "key": str(r["key"]),
+        }
+        for r in records
+    ]
+    return {"tracks": labels, "rectangles": rectangles}
+
+
+def to_chrome_trace(records: Sequence[dict], path: str | os.PathLike | None = None) -> dict:
+    """``records`` as a Chrome trace (Perfetto, ``chrome://tracing``); written to ``path`` if given.
+
+    Each worker and device is a process, each stream of it a thread (track);
+    each task a complete ("X") event named after its key prefix, with the key
+    in its arguments.
+    """
+    processes: dict[tuple, int] = {}
+    threads: dict[tuple, int] = {}
+    for k in sorted({_track(r) for r in records}):
+        pid = processes.setdefault(k[:2], len(processes))
+        threads.setdefault(k, sum(1 for t in threads if t[:2] == k[:2]))
+    several_pools = len({k[:3] for k in threads}) > len(processes)
+    meta: list[dict] = []
+    for (worker, device), pid in processes.items():
+        name = f"{worker} device {device}" if worker else f"device {device}"
+        meta.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+        meta.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+    for k, tid in threads.items():
+        pid = processes[k[:2]]
+        name = f"{k[2]} stream {k[3]}" if several_pools else f"stream {k[3]}"
+        meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+        meta.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+        )
+    events = [
+        {
+            "name": r["name"],
+            "cat": "task",
+            "ph": "X",
+            "ts": r["start_ms"] * 1e3,
+            "dur": (r["end_ms"] - r["start_ms"]) * 1e3,
+            "pid": processes[_track(r)[:2]],
+            "tid": threads[_track(r)],
+            "args": {"key": str(r["key"]), "pool": r["pool"], "stream": r["stream"]},
+        }
+        for r in records
+    ]
+    trace = {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(trace, f)
+    return trace
+
+
+def plot_gantt(records: Sequence[dict], ax: Any = None, *, title: str | None = None) -> Any:
+    """Draw ``records`` as a Gantt chart, one row per stream, colored by key prefix.
+
+    Draws on ``ax`` if given, else on a new figure (not registered with pyplot);
+    returns the axes. Save with ``plot_gantt(records).figure.savefig(path)``.
+    """
+    rects = to_rectangles(records)
+    tracks = rects["tracks"]
+    if ax is None:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(10, 1.2 + 0.28 * max(1, len(tracks))), layout="constrained")
+        ax = fig.subplots()
+    import matplotlib
+
+    names = sorted({r["name"] for r in rects["rectangles"]})
+    cmap = matplotlib.colormaps["tab20" if len(names) > 10 else "tab10"]
+    colors = {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for r in rects["rectangles"]:
+        groups.setdefault((r["track"], r["name"]), []).append((r["start"], r["duration"]))
+    for (track, name), spans in groups.items():
+        ax.broken_barh(spans, (track - 0.4, 0.8), facecolors=colors[name], edgecolor="white", lw=0.3)
+    ax.set_yticks(range(len(tracks)), tracks)
+    ax.set_ylim(len(tracks) - 0.5, -0.5)
+    ax.set_xlabel("time (ms)")
+    if title:
+        ax.set_title(title)
+    if 1 < len(names) <= 12:
+        from matplotlib.patches import Patch
+
+        ax.legend(
+            handles=[Patch(color=colors[n], label=n) for n in names],
+            loc="upper right",
+            fontsize="small",
+        )
+    return ax
+
+
+def saturation(records: Sequence[dict], kernel_ms: float | None = None) -> float:
+    """Dagger.jl's GPU saturation of a run: work time over wall time.
+
+    ``kernel_ms`` x number of records / (last end - first start) when
+    ``kernel_ms`` (the isolated time of one task's kernel) is given, else the sum
+    of the recorded task durations over that span. Above 1 means tasks
+    overlapped. Pass only the records of the kernel tasks of one run.
+    """
+    if not records:
+        raise ValueError("saturation needs at least one record; got none")
+    wall = max(r["end_ms"] for r in records) - min(r["start_ms"] for r in records)
+    if kernel_ms is None:
+        work = sum(r["end_ms"] - r["start_ms"] for r in records)
+    else:
+        work = kernel_ms * len(records)
+    return work / wall if wall > 0 else float("inf")

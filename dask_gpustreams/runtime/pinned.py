@@ -1,0 +1,104 @@
+"""A bounded pool of page-locked host buffers for staged, asynchronous copies.
+
+A buffer handed back with :meth:`PinnedPool.release` is reused only once the
+event of the copy that reads or writes it has completed, so the host side of
+a copy in flight is never overwritten. When the pool is full, :meth:`acquire`
+waits for the oldest copy in flight (back-pressure), never hands out a busy
+buffer, and raises only for a copy larger than the whole pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from typing import Any
+
+import numpy as np
+from dask.utils import format_bytes
+
+from dask_gpustreams.backends.base import Backend
+
+_ROUND = 1 << 16
+
+
+class PinnedPool:
+    """Up to ``limit`` bytes of pinned buffers, cached by size and reused in event order."""
+
+    def __init__(self, backend: Backend, limit: int):
+        self.backend = backend
+        self.limit = limit
+        self._free: dict[int, list[np.ndarray]] = defaultdict(list)
+        self._inflight: deque[tuple[Any, np.ndarray]] = deque()
+        self._total = 0
+        self._held = 0
+        self._changed = threading.Condition()
+
+    def total_bytes(self) -> int:
+        """Pinned bytes allocated (free, in use and in flight)."""
+        return self._total
+
+    def inflight(self) -> int:
+        """Buffers whose copy may still be running."""
+        return len(self._inflight)
+
+    def acquire(self, nbytes: int) -> np.ndarray:
+        """A pinned ``uint8`` buffer of at least ``nbytes`` that no copy in flight uses."""
+        size = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+        if size > self.limit:
+            raise ValueError(
+                f"a {format_bytes(nbytes)} copy does not fit gpustreams.pinned-pool-size="
+                f"{format_bytes(self.limit)}; raise it above the largest chunk copied"
+            )
+        with self._changed:
+            while True:
+                self._reclaim()
+                free = self._free[size]
+                if free:
+                    buffer = free.pop()
+                elif self._total + size <= self.limit:
+                    buffer = self._allocate(size)
+                    self._total += size
+                elif self._inflight:
+                    self.backend.synchronize_event(self._inflight[0][0])
+                    continue
+                elif not self._drop_other_sizes(size):
+                    # Everything is held by copies being staged in other threads.
+                    self._changed.wait()
+                    continue
+                else:
+                    continue
+                self._held += 1
+                return buffer
+
+    def release(self, buffer: np.ndarray, event: Any) -> None:
+        """Give ``buffer`` back; it is reused once ``event`` (its copy) has completed."""
+        with self._changed:
+            self._held -= 1
+            self._inflight.append((event, buffer))
+            self._changed.notify_all()
+
+    def _reclaim(self) -> None:
+        done = self.backend.done
+        inflight = self._inflight
+        while inflight and done(inflight[0][0]):
+            _, buffer = inflight.popleft()
+            self._free[buffer.nbytes].append(buffer)
+
+    def _drop_other_sizes(self, size: int) -> bool:
+        dropped = False
+        for other, buffers in self._free.items():
+            if other != size and buffers:
+                self._total -= sum(b.nbytes for b in buffers)
+                buffers.clear()
+                dropped = True
+        return dropped
+
+    def _allocate(self, size: int) -> np.ndarray:
+        try:
+            return self.backend.alloc_pinned(size)
+        except Exception as e:  # cudaErrorMemoryAllocation and friends
+            raise MemoryError(
+                f"could not allocate {format_bytes(size)} of pinned host memory for "
+                f"gpustreams.pinned-pool-size={format_bytes(self.limit)} ({e}); "
+                "lower gpustreams.pinned-pool-size"
+            ) from e

@@ -1,0 +1,109 @@
+"""Host-device copies on dedicated copy streams, staged through pinned memory.
+
+Uploads run on host-to-device streams and downloads on device-to-host streams,
+beside the compute streams, so copies of one chunk overlap kernels of others.
+Both are ordered with compute by events: the compute stream that uses an
+upload waits for its copy event, a download's copy stream waits for the
+compute stream's work so far. A download returns a complete NumPy array: it
+waits (on the host) for its own copy only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import numpy as np
+
+from dask_gpustreams.backends.base import Backend
+from dask_gpustreams.runtime.pinned import PinnedPool
+from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+
+
+class Transfers:
+    """One device's copy streams and pinned staging pool."""
+
+    def __init__(self, backend: Backend, copy_streams: int, pinned_limit: int):
+        self.backend = backend
+        self.h2d = StreamPool(backend, copy_streams)
+        self.d2h = StreamPool(backend, copy_streams)
+        self.pinned = PinnedPool(backend, pinned_limit)
+        self._counter = itertools.count()
+
+    def _next(self, pool: StreamPool) -> StreamSlot:
+        slots = pool.slots
+        return slots[next(self._counter) % len(slots)]
+
+    def to_device(self, host: Any, stream: Any, holds: list | None = None) -> Any:
+        """Upload ``host`` on a copy stream; ``stream`` waits for the copy, the host does not.
+
+        The data is staged into pinned memory before this returns, so the
+        caller may reuse ``host`` at once. Inside a task, pass the task's
+        ``holds``: the array is then allocated on the copy stream and held
+        until the task's event completes, since ``stream`` reads it. Without
+        ``holds`` it is allocated on ``stream`` and the copy waits for the
+        work already on ``stream`` (whose freed blocks it may reuse).
+        """
+        backend = self.backend
+        host = np.asarray(host)
+        if host.dtype.hasobject:
+            raise TypeError(f"cannot copy an array of dtype {host.dtype} to the device")
+        if host.nbytes == 0:
+            with backend.use_stream(stream):
+                return backend.empty(host.shape, host.dtype)
+        slot = self._next(self.h2d)
+        buffer = self.pinned.acquire(host.nbytes)
+        staged = buffer[: host.nbytes].view(host.dtype).reshape(host.shape)
+        np.copyto(staged, host)
+        if holds is not None:
+            with backend.use_stream(slot.stream):
+                out = backend.empty(host.shape, host.dtype)
+            holds.append(out)
+        else:
+            with backend.use_stream(stream):
+                out = backend.empty(host.shape, host.dtype)
+            allocated = backend.create_event()
+            backend.record(allocated, stream)
+            backend.wait_event(slot.stream, allocated)
+        copied = backend.create_event()
+        backend.copy_to_device(out, staged, slot.stream)
+        self.h2d.record(slot, copied, None)
+        self.pinned.release(buffer, copied)
+        backend.wait_event(stream, copied)
+        return out
+
+    def to_host(self, device: Any, stream: Any) -> np.ndarray:
+        """Download ``device`` (ordered after the work enqueued so far on ``stream``)."""
+        backend = self.backend
+        slot = self._next(self.d2h)
+        ready = backend.create_event()
+        backend.record(ready, stream)
+        backend.wait_event(slot.stream, ready)
+        buffer = self.pinned.acquire(device.nbytes)
+        staged = buffer[: device.nbytes].view(device.dtype).reshape(device.shape)
+        copied = backend.create_event()
+        backend.copy_to_host(staged, device, slot.stream)
+        self.d2h.record(slot, copied, device)
+        try:
+            backend.synchronize_event(copied)
+            return staged.copy()
+        finally:
+            self.pinned.release(buffer, copied)
+
+    def synchronize(self) -> None:
+        """Block until every copy stream is idle."""
+        self.h2d.synchronize()
+        self.d2h.synchronize()
+
+
+_active = threading.local()
+
+
+def active_task() -> tuple[Any, Any, list | None]:
+    """``(runtime, stream, holds)`` of the task the runtime runs in this thread, or Nones."""
+    return (
+        getattr(_active, "runtime", None),
+        getattr(_active, "stream", None),
+        getattr(_active, "holds", None),
+    )

@@ -1,0 +1,110 @@
+"""Shared fixtures of the CPU test suite: state reset, configuration, a keyed policy."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import dask
+import numpy as np
+import pytest
+
+import dask_gpustreams  # noqa: F401  (registers the gpustreams.* defaults and the local hook)
+from dask_gpustreams import KernelError, sim
+from dask_gpustreams.integrations.local import hook
+from dask_gpustreams.runtime import runtime as runtime_module
+from dask_gpustreams.runtime.policies import StreamPolicy, base
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _drain_runtimes() -> None:
+    """Wait for every runtime's streams, drop the runtimes and their resolved backends."""
+    for rt in list(runtime_module._runtimes.values()):
+        # A test that expects a failure may leave an unreported error behind.
+        with contextlib.suppress(KernelError):
+            rt.pool.synchronize()
+        rt.pool.collect_all()
+    runtime_module._runtimes.clear()
+    runtime_module._resolved.clear()
+    with contextlib.suppress(KernelError):
+        sim.get_device().synchronize()
+
+
+@pytest.fixture(autouse=True)
+def reset_gpustreams():
+    """Each test starts with no runtime, no registered extra policy and an idle sim device."""
+    _drain_runtimes()
+    policies = dict(base._POLICIES)
+    yield
+    _drain_runtimes()
+    base._POLICIES.clear()
+    base._POLICIES.update(policies)
+    hook._runs.clear()
+
+
+@pytest.fixture
+def gpustreams():
+    """``gpustreams(streams, policy, **more)``: a ``dask.config.set`` enabling the sim runtime."""
+
+    def configure(streams: int = 4, policy: str = "round-robin", **more):
+        values = {
+            "gpustreams.enabled": True,
+            "gpustreams.backend": "sim",
+            "gpustreams.streams": streams,
+            "gpustreams.policy": policy,
+        }
+        values.update({f"gpustreams.{k}": v for k, v in more.items()})
+        return dask.config.set(values)
+
+    return configure
+
+
+class ByKey(StreamPolicy):
+    """Test policy: ``placement[key]`` is the stream index of ``key`` (0 when absent)."""
+
+    name = "test-by-key"
+    placement: dict = {}
+
+    def select(self, task, pool):
+        return pool.slots[self.placement.get(task.key, 0)]
+
+
+@pytest.fixture
+def by_key():
+    """Registers the ``test-by-key`` policy; returns its placement dict (key -> stream index)."""
+    placement: dict = {}
+    policy = type("ByKeyPolicy", (ByKey,), {"placement": placement})
+    base.register_policy(policy)
+    return placement
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20260830)
+
+
+@pytest.fixture
+def run_python():
+    """Run ``code`` in a fresh interpreter with the repository importable; return stdout."""
+
+    def run(code: str, env: dict | None = None, timeout: float = 60) -> str:
+        full_env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "PYTHONPATH"))
+        }
+        full_env["PYTHONPATH"] = REPO_ROOT
+        full_env.update(env or {})
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO_ROOT,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    return run

@@ -1,0 +1,165 @@
+"""The ``gpustreams`` configuration: defaults, switching on, and the errors of bad values."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+
+import dask
+import pytest
+from dask import delayed
+
+from dask_gpustreams import StreamsConfig
+from dask_gpustreams.backends import gpu_visible, resolve_backend
+from dask_gpustreams.config import enabled
+from dask_gpustreams.integrations.local import hook
+from dask_gpustreams.runtime import get_runtime
+from dask_gpustreams.runtime import runtime as runtime_module
+
+
+def test_defaults_are_registered_with_dask():
+    assert dask.config.get("gpustreams.enabled") is False
+    assert dask.config.get("gpustreams.backend") == "auto"
+    assert dask.config.get("gpustreams.streams") == 8
+    assert dask.config.get("gpustreams.policy") == "auto"
+    assert dask.config.get("gpustreams.timeline") is False
+    assert enabled() is False
+
+
+def test_dataclass_defaults_match_the_yaml():
+    assert StreamsConfig.from_dask_config() == StreamsConfig()
+
+
+def test_from_dask_config_reads_set_values_and_overrides():
+    with dask.config.set({"gpustreams.streams": 3, "gpustreams.policy": "least-loaded"}):
+        config = StreamsConfig.from_dask_config(backend="sim", policy=None)
+    assert (config.backend, config.streams, config.policy) == ("sim", 3, "least-loaded")
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(True, True), (False, False), ("true", True), ("True", True), (" on ", True), ("1", True)]
+    + [("false", False), ("0", False), ("no", False), (1, True), (0, False), (None, False)],
+)
+def test_enabled_accepts_bools_and_yaml_strings(value, expected):
+    with dask.config.set({"gpustreams.enabled": value}):
+        assert enabled() is expected
+
+
+# --- invalid values --------------------------------------------------------------------------
+
+INVALID = [
+    ("streams", 0, r"gpustreams\.streams=0 is invalid: allowed values are an int >= 1"),
+    ("streams", -1, r"gpustreams\.streams=-1 is invalid: allowed values are an int >= 1"),
+    ("streams", 2.5, r"gpustreams\.streams=2\.5 is invalid: allowed values are an int >= 1"),
+    ("streams", "4", r"gpustreams\.streams='4' is invalid: allowed values are an int >= 1"),
+    ("streams", True, r"gpustreams\.streams=True is invalid: allowed values are an int >= 1"),
+    (
+        "policy",
+        "fastest",
+        r"gpustreams\.policy='fastest' is invalid: allowed values are .*round-robin",
+    ),
+    (
+        "backend",
+        "gpu",
+        r"gpustreams\.backend='gpu' is invalid: allowed values are auto \| cupy \| sim$",
+    ),
+    ("timeline", "yes", r"gpustreams\.timeline='yes' is invalid: allowed values are True \| False"),
+]
+INVALID_IDS = [f"{name}={value!r}" for name, value, _ in INVALID]
+
+
+@pytest.mark.parametrize("name, value, message", INVALID, ids=INVALID_IDS)
+def test_invalid_value_is_rejected_by_the_config(name, value, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        StreamsConfig(**{name: value})
+
+
+@pytest.mark.parametrize("name, value, message", INVALID, ids=INVALID_IDS)
+def test_invalid_value_fails_compute_before_any_task_runs(gpustreams, name, value, message):
+    ran = []
+    with gpustreams(streams=2), dask.config.set({f"gpustreams.{name}": value}):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            delayed(ran.append)(1).compute()
+    assert ran == []
+    assert runtime_module._runtimes == {}
+    assert hook._runs == {}
+
+
+needs_no_gpu = pytest.mark.skipif(gpu_visible()[0], reason="a GPU is visible here")
+
+
+@needs_no_gpu
+def test_cupy_backend_without_a_gpu_fails_compute_with_the_reason(gpustreams):
+    ran = []
+    with gpustreams(), dask.config.set({"gpustreams.backend": "cupy"}):
+        with pytest.raises(
+            ValueError,
+            match=r"^gpustreams\.backend='cupy' cannot start: CuPy (is not installed|sees no device)"
+            r".*; allowed values are auto \| cupy \| sim",
+        ):
+            delayed(ran.append)(1).compute()
+    assert ran == []
+    assert runtime_module._runtimes == {}
+
+
+@needs_no_gpu
+def test_auto_backend_without_a_gpu_uses_the_sim_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger="dask_gpustreams"):
+        assert resolve_backend("auto") == "sim"
+        rt = get_runtime(StreamsConfig(backend="auto", streams=2))
+    assert rt.backend.name == "sim"
+    assert "using the simulated stream device (gpustreams.backend='sim')" in caplog.text
+
+
+def test_resolve_backend_passes_sim_through():
+    assert resolve_backend("sim") == "sim"
+
+
+# --- environment -----------------------------------------------------------------------------
+
+PROBE = textwrap.dedent(
+    """
+    import dask
+    from dask import delayed
+    import dask_gpustreams
+    from dask_gpustreams import sim
+    from dask_gpustreams.runtime import runtime
+
+    def probe():
+        return sim.get_device().current_stream() is not sim.get_device().default_stream
+
+    on_pool = delayed(probe, pure=False)().compute()
+    print(dask.config.get("gpustreams.enabled"), dask.config.get("gpustreams.streams"),
+          on_pool, [r.pool.n_streams for r in runtime._runtimes.values()])
+    """
+)
+
+
+def test_enabled_through_environment_variables(run_python):
+    env = {
+        "DASK_GPUSTREAMS__ENABLED": "True",
+        "DASK_GPUSTREAMS__BACKEND": "sim",
+        "DASK_GPUSTREAMS__STREAMS": "3",
+    }
+    assert run_python(PROBE, env).split() == ["True", "3", "True", "[3]"]
+
+
+def test_disabled_by_default_in_a_fresh_process(run_python):
+    assert run_python(PROBE).split() == ["False", "8", "False", "[]"]
+
+
+def test_invalid_environment_value_fails_compute(run_python):
+    code = textwrap.dedent(
+        """
+        from dask import delayed
+        import dask_gpustreams
+        try:
+            delayed(len)([1]).compute()
+        except ValueError as e:
+            print(e)
+        """
+    )
+    env = {"DASK_GPUSTREAMS__ENABLED": "True", "DASK_GPUSTREAMS__STREAMS": "0"}
+    out = run_python(code, env)
+    assert out.strip() == "gpustreams.streams=0 is invalid: allowed values are an int >= 1"

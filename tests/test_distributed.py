@@ -1,0 +1,519 @@
+"""``StreamsPlugin`` on ``distributed.LocalCluster``, in-process and with worker processes.
+
+Everything runs on the simulated device: kernels sleep before they write and
+fresh memory is NaN, and pickling a ``SimArray`` copies its buffer without
+waiting for queued work. A result that leaves a worker (peer fetch, gather,
+spill) before its kernel finished therefore arrives as NaN or stale values;
+the ``*_needs_*`` tests show that each egress path gives such wrong values
+without the plugin's wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import MutableMapping
+
+import cloudpickle
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+import zict
+from dask import delayed
+from dask.sizeof import sizeof
+from distributed import Client, LocalCluster, wait
+
+from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, sim
+from dask_gpustreams.backends import gpu_visible
+
+# Worker processes unpickle these task functions without importing this module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CONFIG = {
+    "gpustreams.backend": "sim",
+    "gpustreams.streams": 4,
+    # Only target-based spilling (SpillBuffer); the process-memory monitor stays out.
+    "distributed.worker.memory.spill": False,
+    "distributed.worker.memory.pause": False,
+    "distributed.worker.memory.terminate": False,
+}
+META = np.array((), dtype="float64")
+
+
+# --- task functions -------------------------------------------------------------------------
+
+
+def _fill(out, value, delay):
+    time.sleep(delay)
+    out[...] = value
+
+
+def _add(out, a, b, delay):
+    time.sleep(delay)
+    np.add(a, b, out=out)
+
+
+def _boom(out, a):
+    time.sleep(0.02)
+    raise ValueError("boom")
+
+
+def produce(n, value, delay):
+    """A device array of ``n`` times ``value``, written by a slow kernel."""
+    out = sim.empty(n)
+    sim.launch(_fill, out, value, delay)
+    return out
+
+
+def add(a, b, delay=0.0):
+    out = sim.empty(a.shape)
+    sim.launch(_add, out, a, b, delay)
+    return out
+
+
+def inc(a, delay=0.0):
+    out = sim.empty(a.shape)
+    sim.launch(_add, out, a, 1.0, delay)
+    return out
+
+
+def bad(a):
+    """Returns at once; its kernel fails later, on the stream."""
+    out = sim.empty(a.shape)
+    sim.launch(_boom, out, a)
+    return out
+
+
+def fails(a):
+    raise ZeroDivisionError("task failed on the host")
+
+
+def total(*arrays):
+    return float(sum(float(np.sum(sim.asnumpy(a))) for a in arrays))
+
+
+def on_pool_stream(*args):
+    device = sim.get_device()
+    return device.current_stream() is not device.default_stream
+
+
+def snapshot(a):
+    """Hands its input to host code outside the stream, as a P2P transfer task does."""
+    return pickle.dumps(a)
+
+
+snapshot.__module__ = "hostside_for_tests"  # what ``StreamsPlugin.host_modules`` matches
+
+
+def values(result):
+    return sim.asnumpy(result) if isinstance(result, sim.SimArray) else np.asarray(result)
+
+
+# --- cluster helpers ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cluster(processes=False, n_workers=2, plugin=True, config=None, **kwargs):
+    """A LocalCluster (config of the sim device) and a client, with ``StreamsPlugin`` registered."""
+    kwargs.setdefault("threads_per_worker", 2)
+    with (
+        dask.config.set({**CONFIG, **(config or {})}),
+        LocalCluster(
+            n_workers=n_workers, processes=processes, dashboard_address=":0", **kwargs
+        ) as lc,
+        Client(lc) as client,
+    ):
+        if plugin:
+            client.register_plugin(StreamsPlugin())
+        yield client
+
+
+def workers(client):
+    return sorted(client.scheduler_info()["workers"])
+
+
+def plugin_state(dask_worker):
+    plugin = dask_worker.plugins.get("gpustreams")
+    if plugin is None:
+        return None
+    runtime = plugin.runtime
+    return {
+        "registry": len(plugin.registry),
+        "failures": len(plugin.failures),
+        "tasks": len(dask_worker.state.tasks),
+        "inflight": runtime.collect() if runtime is not None else 0,
+        "streams": runtime.pool.n_streams if runtime is not None else None,
+        "sim_used": sim.get_default_memory_pool().used_bytes(),
+    }
+
+
+def states(client):
+    return client.run(plugin_state)
+
+
+def settle(client, timeout=10.0):
+    """The workers' states once they stop changing (futures dropped, releases done)."""
+    gc.collect()  # futures held by reference cycles (e.g. a caught exception's frames)
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        st = states(client)
+        if st == last:
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers still changing after {timeout} s: {st}")
+        last = st
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module", params=["in-process", "processes"])
+def client(request):
+    """Two workers of two threads, shared by the tests of this module that only compute."""
+    with cluster(processes=request.param == "processes") as c:
+        yield c
+
+
+# --- execution ------------------------------------------------------------------------------
+
+
+def test_every_kind_of_task_runs_on_a_pool_stream(client):
+    a, b = workers(client)
+    x = client.submit(produce, 8, 1.0, 0.01, workers=[a])
+    assert client.submit(on_pool_stream, x, workers=[b]).result()  # input fetched from a
+    assert all(client.gather(client.map(on_pool_stream, range(4), pure=False)))
+    assert delayed(on_pool_stream)(delayed(produce)(8, 2.0, 0.0)).compute()
+    st = states(client)
+    assert all(s["streams"] == 4 for s in st.values()), st
+
+
+def test_dask_array_with_fused_tasks(client):
+    host = np.arange(256.0).reshape(16, 16)
+    x = da.from_array(host, chunks=4)
+    y = x.map_blocks(sim.asarray, meta=META).map_blocks(inc, 0.002, meta=META)
+    z = (y.map_blocks(add, y, meta=META)).map_blocks(sim.asnumpy, meta=META)
+    np.testing.assert_array_equal(z.compute(), 2 * (host + 1))
+    np.testing.assert_array_equal(z.sum().compute(), (2 * (host + 1)).sum())
+
+
+def test_cross_worker_dependencies_are_exact(client, rng):
+    a, b = workers(client)
+    for run in range(8):
+        expected, futures = [], []
+        for _ in range(4):
+            n = int(rng.integers(1, 5000))
+            value = float(rng.integers(1, 100))
+            slow = float(rng.uniform(0.005, 0.04))
+            x = client.submit(produce, n, value, slow, workers=[a], pure=False)
+            y = client.submit(inc, x, float(rng.uniform(0, 0.01)), workers=[b], pure=False)
+            z = client.submit(add, x, y, 0.0, workers=[a], pure=False)  # b's result back on a
+            futures.append(client.submit(total, z, workers=[b], pure=False))
+            expected.append(n * (2 * value + 1))
+        assert client.gather(futures) == expected, f"run {run}"
+
+
+def test_gather_returns_complete_data(client):
+    producers = [client.submit(produce, 2000, float(i), 0.03, pure=False) for i in range(6)]
+    for direct in (False, True):
+        results = client.gather(producers, direct=direct)
+        for i, r in enumerate(results):
+            np.testing.assert_array_equal(values(r), np.full(2000, float(i)))
+    graph = delayed(add)(delayed(produce)(100, 3.0, 0.03), delayed(produce)(100, 4.0, 0.01), 0.01)
+    np.testing.assert_array_equal(values(client.compute(graph).result()), np.full(100, 7.0))
+
+
+def test_task_exception_reaches_the_client_as_in_dask(client):
+    x = client.submit(produce, 8, 1.0, 0.0, pure=False)
+    f = client.submit(fails, x, pure=False)
+    g = client.submit(inc, f, pure=False)
+    with pytest.raises(ZeroDivisionError, match="task failed on the host"):
+        f.result()
+    assert "fails" in "".join(traceback.format_tb(f.traceback()))
+    with pytest.raises(ZeroDivisionError):
+        g.result()  # the dependent is not run: it carries the same error
+    assert g.status == "error"
+    client.cancel([x, f, g])  # raised exceptions keep their futures alive
+
+
+def test_kernel_failure_is_the_error_of_its_key(client):
+    a, b = workers(client)
+    x = client.submit(produce, 100, 1.0, 0.0, workers=[a], pure=False)
+    k = client.submit(bad, x, workers=[a], pure=False)
+    with pytest.raises(KernelError, match="ValueError: boom") as info:
+        k.result(timeout=30)
+    assert info.value.key == k.key
+    futures = [x, k]
+    # Dependents fail with it, on the same worker and through a peer fetch.
+    for where in (a, b):
+        k = client.submit(bad, x, workers=[a], pure=False)
+        d = client.submit(inc, k, workers=[where], pure=False)
+        with pytest.raises(KernelError) as info:
+            d.result(timeout=30)
+        assert info.value.key == k.key
+        futures += [k, d]
+    # Without restrictions: wherever the scheduler puts and recomputes them.
+    graph = client.compute(delayed(inc)(delayed(bad)(delayed(produce)(50, 1.0, 0.0))))
+    with pytest.raises(KernelError, match="ValueError: boom"):
+        graph.result(timeout=30)
+    # The workers stay usable.
+    np.testing.assert_array_equal(values(client.submit(inc, x).result()), np.full(100, 2.0))
+    client.cancel([*futures, graph])  # raised exceptions keep their futures alive
+
+
+def test_many_graphs_leave_registry_and_memory_flat(client):
+    def run(i):
+        x = delayed(produce)(64, float(i), 0.0)
+        y = delayed(inc)(x)
+        z = delayed(add)(x, y)
+        assert client.compute(delayed(total)(z, y)).result() == 64 * (3 * i + 2)
+
+    for i in range(20):
+        run(i)
+    before = settle(client)
+    for i in range(180):
+        run(i)
+    after = settle(client)
+    for addr, state in after.items():
+        # Each graph added registry entries and tasks on the workers: all gone again.
+        for field in ("registry", "tasks", "failures"):
+            assert state[field] == before[addr][field], (field, before[addr], state)
+        assert state["inflight"] == 0, state
+        assert state["sim_used"] <= before[addr]["sim_used"], (before[addr], state)
+
+
+# --- spilling -------------------------------------------------------------------------------
+
+# 1 MiB arrays against a target of 0.02 * 32 MiB: each result is spilled as it is stored.
+SPILL = {"distributed.worker.memory.target": 0.02}
+N_SPILL = 131072
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["in-process", "processes"])
+def test_spilled_results_are_complete(processes):
+    with cluster(processes=processes, config=SPILL, memory_limit="32 MiB") as client:
+        a, b = workers(client)
+        xs = [
+            client.submit(produce, N_SPILL, float(i), 0.03, workers=[a], pure=False)
+            for i in range(4)
+        ]
+        ys = [client.submit(inc, x, workers=[b], pure=False) for x in xs]  # unspill + fetch
+        wait(xs + ys)
+        spilled = client.run(lambda dask_worker: len(dask_worker.data.slow))
+        assert spilled[a] >= 4 and spilled[b] >= 4, spilled
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            np.testing.assert_array_equal(values(x.result()), np.full(N_SPILL, float(i)))
+            np.testing.assert_array_equal(values(y.result()), np.full(N_SPILL, i + 1.0))
+
+
+class DeviceHostFileLike(MutableMapping):
+    """Shaped like dask-cuda's ``DeviceHostFile``: a ``device_buffer`` zict.Buffer spilling
+    device objects to a host mapping with ``device_to_host`` serialization."""
+
+    def __init__(self, device_memory_limit):
+        self.host_buffer = {}
+        self.device_host_func = zict.Func(pickle.dumps, pickle.loads, self.host_buffer)
+        self.device_buffer = zict.Buffer(
+            {}, self.device_host_func, device_memory_limit, weight=lambda k, v: sizeof(v)
+        )
+
+    def __getitem__(self, key):
+        return self.device_buffer[key]
+
+    def __setitem__(self, key, value):
+        self.device_buffer[key] = value
+
+    def __delitem__(self, key):
+        del self.device_buffer[key]
+
+    def __iter__(self):
+        return iter(self.device_buffer)
+
+    def __len__(self):
+        return len(self.device_buffer)
+
+
+def test_device_host_file_spills_are_complete():
+    data = (DeviceHostFileLike, {"device_memory_limit": 2**19})
+    with cluster(n_workers=1, data=data) as client:
+        xs = [client.submit(produce, N_SPILL, float(i), 0.03, pure=False) for i in range(3)]
+        wait(xs)
+        assert client.run(lambda dask_worker: len(dask_worker.data.host_buffer)) == {
+            workers(client)[0]: 3
+        }
+        for i, x in enumerate(xs):
+            np.testing.assert_array_equal(values(x.result()), np.full(N_SPILL, float(i)))
+
+
+# --- the same runs without the plugin's waits give wrong values -----------------------------
+
+
+def _without_get_data_wait(dask_worker):
+    dask_worker.handlers["get_data"] = dask_worker.get_data
+
+
+def _without_spill_wait(dask_worker):
+    plugin = dask_worker.plugins["gpustreams"]
+    for lru in plugin._evicting:
+        lru.on_evict.remove(plugin._before_spill)
+
+
+def test_peer_fetch_needs_the_egress_wait():
+    with cluster() as client:
+        client.run(_without_get_data_wait)
+        a, b = workers(client)
+        x = client.submit(produce, 1000, 5.0, 0.1, workers=[a], pure=False)
+        y = client.submit(inc, x, workers=[b], pure=False)
+        assert np.isnan(values(y.result())).all()
+
+
+def test_spilling_needs_the_spill_wait():
+    with cluster(n_workers=1, config=SPILL, memory_limit="32 MiB") as client:
+        client.run(_without_spill_wait)
+        x = client.submit(produce, N_SPILL, 5.0, 0.1, pure=False)
+        assert np.isnan(values(x.result())).all()
+
+
+def test_host_side_tasks_wait_for_their_inputs(monkeypatch):
+    """Tasks of ``host_modules`` (P2P) run after their inputs' events, off the streams."""
+    with cluster(n_workers=1) as client:  # in-process: the workers share this class
+        for host_modules, complete in (((), False), (("hostside_for_tests",), True)):
+            monkeypatch.setattr(StreamsPlugin, "host_modules", host_modules)
+            x = client.submit(produce, 100, 3.0, 0.1, pure=False)
+            got = values(pickle.loads(client.submit(snapshot, x, pure=False).result()))
+            assert (got == 3.0).all() == complete
+
+
+# --- worker failure -------------------------------------------------------------------------
+
+
+def test_killed_worker_process_mid_graph_gives_the_right_result():
+    with cluster(processes=True, threads_per_worker=1) as client:
+        a, b = workers(client)
+        pid_b = client.run(os.getpid, workers=[b])[b]
+        xs = [client.submit(produce, 100, float(i), 0.05, pure=False) for i in range(12)]
+        ys = [client.submit(inc, x, 0.05, pure=False) for x in xs]
+        result = client.submit(total, *ys, pure=False)
+        deadline = time.monotonic() + 10
+        while sum(f.status == "finished" for f in xs) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pid_b, signal.SIGKILL)
+        assert result.result(timeout=60) == sum(100 * (i + 1.0) for i in range(12))
+        client.wait_for_workers(2, timeout=30)
+        assert all(s is not None for s in states(client).values())  # the new worker has it
+
+
+# --- enabling routes ------------------------------------------------------------------------
+
+
+def test_register_plugin_reaches_workers_that_join_later():
+    with cluster(n_workers=1) as client:
+        client.cluster.scale(2)
+        client.wait_for_workers(2)
+        assert all(s is not None for s in states(client).values())
+        assert all(client.gather(client.map(on_pool_stream, range(8), pure=False)))
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["in-process", "processes"])
+def test_enabled_config_before_the_client(processes):
+    config = {"gpustreams.enabled": True}
+    with cluster(processes=processes, n_workers=1, plugin=False, config=config) as client:
+        assert client.submit(on_pool_stream, pure=False).result()
+        client.cluster.scale(2)
+        client.wait_for_workers(2)
+        assert all(s is not None for s in states(client).values())
+        a, b = workers(client)
+        x = client.submit(produce, 100, 2.0, 0.05, workers=[a], pure=False)
+        assert client.submit(total, client.submit(inc, x, workers=[b])).result() == 300.0
+
+
+def test_without_enabled_config_nothing_is_installed():
+    with cluster(n_workers=1, plugin=False) as client:
+        assert states(client) == {workers(client)[0]: None}
+        assert not client.submit(on_pool_stream, pure=False).result()
+
+
+def test_local_cluster_preload_tolerates_dask_cuda_argv():
+    kwargs = {"preload": ["dask_gpustreams"], "preload_argv": ["--create-cuda-context"]}
+    with cluster(n_workers=1, plugin=False, **kwargs) as client:
+        assert client.submit(on_pool_stream, pure=False).result()
+
+
+def test_worker_preload_config_key():
+    config = {"distributed.worker.preload": ["dask_gpustreams"]}
+    with cluster(n_workers=1, plugin=False, config=config) as client:
+        assert client.submit(on_pool_stream, pure=False).result()
+
+
+def test_scheduler_preload():
+    scheduler_kwargs = {"preload": ["dask_gpustreams"]}
+    with cluster(n_workers=1, plugin=False, scheduler_kwargs=scheduler_kwargs) as client:
+        client.cluster.scale(2)
+        client.wait_for_workers(2)
+        assert all(s is not None for s in states(client).values())
+
+
+def test_dask_setup_ignores_a_nanny():
+    class Nanny:
+        pass
+
+    assert dask_setup(Nanny()) is None
+
+
+# --- the plugin object ----------------------------------------------------------------------
+
+
+def test_settings_are_validated_on_the_client():
+    with pytest.raises(ValueError, match=r"gpustreams.streams=0 is invalid"):
+        StreamsPlugin(streams=0)
+    with pytest.raises(ValueError, match=r"gpustreams.policy='nope' is invalid"):
+        StreamsPlugin(policy="nope")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'stream'"):
+        StreamsPlugin(stream=4)
+
+
+def test_plugin_pickles_its_settings_only():
+    plugin = StreamsPlugin(streams=2, policy="round-robin")
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy.overrides == {"streams": 2, "policy": "round-robin"}
+    assert vars(copy) == {"overrides": copy.overrides}
+    assert (StreamsPlugin.name, StreamsPlugin.idempotent) == ("gpustreams", True)
+
+
+def test_keyword_arguments_override_the_worker_config():
+    with cluster(n_workers=1, plugin=False) as client:
+        client.register_plugin(StreamsPlugin(streams=2, policy="round-robin"))
+        client.register_plugin(StreamsPlugin(streams=3))  # idempotent: ignored
+        client.submit(on_pool_stream, pure=False).result()
+        assert [s["streams"] for s in states(client).values()] == [2]
+
+
+def test_a_backend_that_cannot_start_fails_the_task():
+    with cluster(n_workers=1, plugin=False) as client:
+        if gpu_visible()[0]:
+            pytest.skip("a GPU is visible: the cupy backend starts here")
+        client.register_plugin(StreamsPlugin(backend="cupy"))
+        with pytest.raises(ValueError, match="gpustreams.backend='cupy' cannot start"):
+            client.submit(on_pool_stream, pure=False).result()
+
+
+def test_unregistering_restores_the_worker():
+    with cluster(n_workers=1) as client:
+        x = client.submit(produce, 1000, 1.0, 0.1, pure=False)
+        wait(x)
+        client.unregister_worker_plugin("gpustreams")
+
+        def restored(dask_worker):
+            handler = dask_worker.handlers["get_data"]
+            hooks = [cb for cb in dask_worker.data.fast.on_evict if "_before_spill" in repr(cb)]
+            return handler == dask_worker.get_data and not hooks
+
+        assert all(client.run(restored).values())
+        # Work wrapped before the removal was waited for: the result is complete.
+        np.testing.assert_array_equal(values(x.result()), np.full(1000, 1.0))
+        assert not client.submit(on_pool_stream, pure=False).result()

@@ -1,0 +1,467 @@
+"""The simulated stream device: FIFO streams, events, poisoned memory, deferred kernel errors.
+
+Blocking kernels wait on a ``threading.Event`` that the test sets, so every
+ordering below is forced, not hoped for. A kernel's gate has a timeout only so
+that a broken device fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dask_gpustreams import KernelError, sim
+from dask_gpustreams.sim import POISON_BYTE
+
+GATE_TIMEOUT = 5.0
+N = 1000
+
+device = sim.get_device()
+
+
+def gated(gate: threading.Event, fn=None):
+    """A kernel that blocks until ``gate`` is set, then runs ``fn(*views)``."""
+
+    def kernel(*views):
+        if not gate.wait(GATE_TIMEOUT):
+            raise TimeoutError("gate never opened")
+        if fn is not None:
+            fn(*views)
+
+    return kernel
+
+
+def fill(value):
+    def kernel(out):
+        out[...] = value
+
+    return kernel
+
+
+def copy(out, src):
+    np.copyto(out, src)
+
+
+def boom(*_):
+    raise ValueError("boom")
+
+
+@pytest.fixture
+def streams():
+    return device.create_stream(), device.create_stream()
+
+
+# --- streams ---------------------------------------------------------------------------------
+
+
+def test_factories_only():
+    with pytest.raises(TypeError, match=r"^Stream objects cannot be instantiated directly"):
+        sim.Stream(device)
+    with pytest.raises(TypeError, match=r"^SimArray objects cannot be instantiated directly"):
+        sim.SimArray()
+
+
+def test_launch_only_enqueues(streams):
+    a, _ = streams
+    gate = threading.Event()
+    ran = []
+    with a:
+        t0 = time.perf_counter()
+        sim.launch(gated(gate, lambda: ran.append("kernel")))
+        returned_after = time.perf_counter() - t0
+    # The kernel cannot have run: it waits for a gate only this thread opens.
+    assert ran == []
+    assert returned_after < GATE_TIMEOUT / 2
+    gate.set()
+    a.synchronize()
+    assert ran == ["kernel"]
+
+
+def test_stream_is_fifo(streams, rng):
+    order = {0: [], 1: []}
+
+    def step(stream_id, i, delay):
+        time.sleep(delay)
+        order[stream_id].append(i)
+
+    for i, delays in enumerate(rng.uniform(0, 0.002, size=(40, 2))):
+        for stream_id, stream in enumerate(streams):
+            with stream:
+                sim.launch(step, stream_id, i, float(delays[stream_id]))
+    for stream in streams:
+        stream.synchronize()
+    assert order == {0: list(range(40)), 1: list(range(40))}
+
+
+def test_current_stream_is_per_thread_and_nested(streams):
+    a, b = streams
+    assert device.current_stream() is device.default_stream
+    seen_elsewhere = []
+    with a:
+        assert device.current_stream() is a
+        with b:
+            assert device.current_stream() is b
+            worker = threading.Thread(target=lambda: seen_elsewhere.append(device.current_stream()))
+            worker.start()
+            worker.join()
+        assert device.current_stream() is a
+    assert device.current_stream() is device.default_stream
+    assert seen_elsewhere == [device.default_stream]
+
+
+def test_launch_without_current_stream_uses_default_stream():
+    gate = threading.Event()
+    sim.launch(gated(gate))
+    marker = device.default_stream.record()
+    assert not marker.done
+    gate.set()
+    device.synchronize()
+    assert marker.done
+
+
+# --- events ----------------------------------------------------------------------------------
+
+
+def test_event_wait_orders_work_across_streams(streams):
+    a, b = streams
+    gate = threading.Event()
+    with a:
+        x = sim.empty(N)
+        sim.launch(gated(gate, fill(7.0)), x)
+        produced = a.record()
+    with b:
+        b.wait_event(produced)
+        y = sim.empty(N)
+        sim.launch(copy, y, x)
+        consumed = b.record()
+    # b is blocked on the device by a's gated kernel; the host is not.
+    assert not produced.done
+    assert not consumed.done
+    gate.set()
+    consumed.synchronize()
+    assert produced.done
+    assert consumed.time >= produced.time
+    np.testing.assert_array_equal(y._view, np.full(N, 7.0))
+
+
+def test_without_event_wait_consumer_reads_unwritten_memory(streams):
+    a, b = streams
+    gate = threading.Event()
+    with a:
+        x = sim.empty(N)
+        sim.launch(gated(gate, fill(7.0)), x)
+    with b:
+        y = sim.empty(N)
+        sim.launch(copy, y, x)
+        unordered = y.get()
+    gate.set()
+    a.synchronize()
+    assert np.isnan(unordered).all()
+
+
+def test_wait_on_completed_or_unrecorded_event_is_free(streams):
+    a, b = streams
+    never_recorded = sim.Event()
+    assert never_recorded.done
+    never_recorded.synchronize()
+    with a:
+        x = sim.asarray(np.arange(4.0))
+    finished = a.record()
+    finished.synchronize()
+    gate = threading.Event()
+    with b:
+        sim.launch(gated(gate))
+        b.wait_event(finished)
+        b.wait_event(never_recorded)
+    gate.set()
+    b.synchronize()
+    np.testing.assert_array_equal(x._view, np.arange(4.0))
+
+
+def test_event_time_requires_completion(streams):
+    a, _ = streams
+    gate = threading.Event()
+    with a:
+        sim.launch(gated(gate))
+    event = a.record()
+    with pytest.raises(RuntimeError, match="event has not completed"):
+        event.time  # noqa: B018
+    gate.set()
+    event.synchronize()
+    assert isinstance(event.time, float)
+
+
+def test_get_waits_for_the_current_stream_only(streams):
+    a, b = streams
+    gate = threading.Event()
+    with a:
+        x = sim.asarray(np.zeros(N))
+        a.synchronize()
+        sim.launch(gated(gate, fill(1.0)), x)
+    with b:
+        seen_from_b = x.get()  # returns while a is still blocked
+    assert not a.record().done
+    gate.set()
+    with a:
+        seen_from_a = x.get()
+    np.testing.assert_array_equal(seen_from_b, np.zeros(N))
+    np.testing.assert_array_equal(seen_from_a, np.ones(N))
+    assert sim.asnumpy(x).tolist() == [1.0] * N
+    assert sim.asnumpy([1, 2]).tolist() == [1, 2]
+
+
+# --- arrays and memory -----------------------------------------------------------------------
+
+
+def test_asarray_stages_host_data_and_has_array_attributes():
+    host = np.arange(12, dtype="int32").reshape(3, 4)
+    x = sim.asarray(host)
+    host[:] = -1  # staged at call time: the device copy is unaffected
+    assert (x.shape, x.dtype, x.nbytes, x.ndim, x.size) == ((3, 4), np.dtype("int32"), 48, 2, 12)
+    np.testing.assert_array_equal(x.get(), np.arange(12, dtype="int32").reshape(3, 4))
+    assert sim.asarray(x) is x
+    converted = sim.asarray(x, dtype="float64")
+    assert converted.dtype == np.dtype("float64")
+    np.testing.assert_array_equal(converted.get(), np.arange(12.0).reshape(3, 4))
+    assert repr(x) == "<sim.SimArray shape=(3, 4) dtype=int32>"
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "complex128"])
+def test_empty_float_memory_is_nan(dtype):
+    x = sim.empty((5, 3), dtype)
+    assert x.shape == (5, 3)
+    assert np.isnan(x.get()).all()
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint8", "bool"])
+def test_empty_integer_memory_is_poison_bytes(dtype):
+    x = sim.empty(7, dtype)
+    assert x.get().view(np.uint8).tolist() == [POISON_BYTE] * (7 * np.dtype(dtype).itemsize)
+    assert POISON_BYTE == 0xA5
+
+
+def test_reused_block_is_poisoned_in_the_new_allocation_stream_order(streams):
+    a, _ = streams
+    pool = sim.get_default_memory_pool()
+    with a:
+        x = sim.asarray(np.ones(N))
+        out = sim.empty(N)
+        a.synchronize()
+        gate = threading.Event()
+        sim.launch(gated(gate, copy), out, x)  # reads x's block later, on a
+        block = x._block
+        del x
+        z = sim.empty(N)  # the same block, poisoned after the queued read
+    assert z._block is block
+    np.testing.assert_array_equal(z._view, np.ones(N))  # poison not applied yet
+    gate.set()
+    with a:
+        np.testing.assert_array_equal(out.get(), np.ones(N))
+        assert np.isnan(z.get()).all()
+    assert pool.used_bytes() >= 2 * N * 8
+
+
+def test_reused_int_block_is_poisoned():
+    x = sim.asarray(np.zeros(64, dtype="int16"))
+    x.get()
+    block = x._block
+    del x
+    y = sim.empty(64, "int16")
+    assert y._block is block
+    assert y.get().view(np.uint8).tolist() == [POISON_BYTE] * 128
+
+
+def test_freed_block_read_by_another_stream_shows_poison(streams):
+    """The lifetime hazard, on the device alone: x lives on a, a slow reader on b, x is
+    dropped on the host and a allocates the same size while b still has to read x."""
+    a, b = streams
+    with a:
+        x = sim.asarray(np.full(N, 3.0))
+    done = a.record()
+    gate = threading.Event()
+    with b:
+        b.wait_event(done)
+        y = sim.empty(N)
+        sim.launch(gated(gate, copy), y, x)
+        read = b.record()
+    del x  # back to a's free list at once, on the host
+    with a:
+        z = sim.empty(N)
+    a.synchronize()  # a has poisoned the block
+    gate.set()
+    read.synchronize()
+    assert np.isnan(y._view).all()
+    del z
+
+
+def test_freed_block_kept_alive_until_reader_event_is_safe(streams):
+    a, b = streams
+    with a:
+        x = sim.asarray(np.full(N, 3.0))
+    done = a.record()
+    gate = threading.Event()
+    with b:
+        b.wait_event(done)
+        y = sim.empty(N)
+        sim.launch(gated(gate, copy), y, x)
+        read = b.record()
+    held = [(read, x)]  # what the runtime does: the input lives until the reader's event
+    del x
+    with a:
+        z = sim.empty(N)
+    a.synchronize()
+    assert z._block is not held[0][1]._block
+    gate.set()
+    read.synchronize()
+    held.clear()
+    np.testing.assert_array_equal(y._view, np.full(N, 3.0))
+
+
+def test_pool_keeps_a_free_list_per_stream():
+    pool = sim.MemoryPool()
+    block, reused = pool.malloc(8000, "s1")
+    assert (block.nbytes, reused, pool.used_bytes(), pool.total_bytes()) == (8192, False, 8192, 8192)
+    pool.free(block, "s1")
+    assert (pool.used_bytes(), pool.total_bytes()) == (0, 8192)
+    other, reused = pool.malloc(8000, "s2")  # another stream's list is empty
+    assert other is not block and not reused
+    again, reused = pool.malloc(8100, "s1")  # same rounded size, same stream
+    assert again is block and reused
+    assert (pool.used_bytes(), pool.total_bytes()) == (16384, 16384)
+    pool.free(other, "s2")
+    pool.free_all_blocks()
+    assert (pool.used_bytes(), pool.total_bytes()) == (8192, 8192)
+
+
+def test_arrays_return_their_block_to_the_default_pool():
+    pool = sim.get_default_memory_pool()
+    x = sim.empty(1000)
+    used = pool.used_bytes()
+    del x
+    assert pool.used_bytes() == used - 8192
+
+
+def test_pickle_snapshots_without_waiting(streams):
+    a, _ = streams
+    gate = threading.Event()
+    with a:
+        x = sim.asarray(np.zeros(N))
+        a.synchronize()
+        sim.launch(gated(gate, fill(1.0)), x)
+        t0 = time.perf_counter()
+        payload = pickle.dumps(x)
+        elapsed = time.perf_counter() - t0
+    assert elapsed < GATE_TIMEOUT / 2
+    gate.set()
+    restored = pickle.loads(payload)
+    assert isinstance(restored, sim.SimArray)
+    # Arrives complete, with the contents as they were when pickled.
+    np.testing.assert_array_equal(restored._view, np.zeros(N))
+    with a:
+        np.testing.assert_array_equal(x.get(), np.ones(N))
+
+
+# --- kernel errors ---------------------------------------------------------------------------
+
+
+def test_kernel_error_surfaces_at_get_with_key_and_is_cleared(streams):
+    a, _ = streams
+    with a, device.task("producer-1"):
+        x = sim.asarray(np.zeros(4))
+        sim.launch(boom, x)
+        sim.launch(fill(5.0), x)  # skipped: the stream is in error until it is reported
+    assert device.current_key() is None
+    with a:
+        with pytest.raises(KernelError, match=r"^kernel launched by task 'producer-1' failed: "):
+            x.get()
+        after = x.get()  # reported once, then cleared
+        sim.launch(fill(2.0), x)
+        fixed = x.get()
+    np.testing.assert_array_equal(after, np.zeros(4))
+    np.testing.assert_array_equal(fixed, np.full(4, 2.0))
+
+
+def test_kernel_error_carries_key_and_cause(streams):
+    a, _ = streams
+    with a, device.task(("chunk", 3)):
+        sim.launch(boom)
+    with pytest.raises(KernelError) as info:
+        a.synchronize()
+    err = info.value
+    assert err.key == ("chunk", 3)
+    assert err.cause == "ValueError: boom"
+    assert str(err) == "kernel launched by task ('chunk', 3) failed: ValueError: boom"
+    again = pickle.loads(pickle.dumps(err))
+    assert (type(again), again.key, again.cause, str(again)) == (
+        KernelError,
+        ("chunk", 3),
+        "ValueError: boom",
+        str(err),
+    )
+
+
+def test_kernel_error_without_key():
+    sim.launch(boom)
+    with pytest.raises(KernelError, match=r"^kernel failed: ValueError: boom$") as info:
+        device.synchronize()
+    assert info.value.key is None
+    device.synchronize()
+
+
+def test_kernel_error_surfaces_at_event_sync(streams):
+    a, _ = streams
+    with a, device.task("k"):
+        sim.launch(boom)
+    event = a.record()
+    with pytest.raises(KernelError, match="task 'k' failed: ValueError: boom"):
+        event.synchronize()
+    a.synchronize()  # cleared once reported
+    event.synchronize()
+
+
+def test_kernel_error_follows_event_waits(streams):
+    a, b = streams
+    with a, device.task("upstream"):
+        sim.launch(boom)
+    b.wait_event(a.record())
+    with b, device.task("downstream"):
+        y = sim.asarray(np.ones(3))
+        with pytest.raises(KernelError, match="task 'upstream' failed") as info:
+            y.get()
+    assert info.value.key == "upstream"
+    a.synchronize()  # the same error, already reported, is cleared on a too
+    b.synchronize()
+
+
+def test_kernel_error_is_not_raised_by_an_independent_sync(streams):
+    a, b = streams
+    with a, device.task("k"):
+        sim.launch(boom)
+    a.record().done  # noqa: B018
+    with b:
+        y = sim.asarray(np.ones(3))
+        np.testing.assert_array_equal(y.get(), np.ones(3))
+    with pytest.raises(KernelError, match="task 'k'"):
+        a.synchronize()
+
+
+def test_a_reported_error_is_not_passed_on_by_waits_still_queued(streams):
+    a, b = streams
+    gate = threading.Event()
+    with a, device.task("k"):
+        sim.launch(boom)
+    failed = a.record()
+    with b:
+        sim.launch(gated(gate))
+        b.wait_event(failed)  # runs only after the error has been reported
+    with pytest.raises(KernelError, match="task 'k'"):
+        a.synchronize()
+    gate.set()
+    with b:
+        y = sim.asarray(np.ones(3))
+        np.testing.assert_array_equal(y.get(), np.ones(3))
+    b.synchronize()

@@ -1,0 +1,178 @@
+"""The task timeline on the simulated device: records, Chrome trace, Gantt PNG, saturation."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import dask
+import dask.threaded
+import numpy as np
+import pytest
+
+import dask_gpustreams
+from dask_gpustreams import sim
+from dask_gpustreams.diagnostics import (
+    clear_timeline,
+    plot_gantt,
+    saturation,
+    timeline,
+    to_chrome_trace,
+    to_rectangles,
+)
+from dask_gpustreams.diagnostics.timeline import RECORD_FIELDS
+
+
+def sleep_kernel(seconds: float):
+    """A task launching one sim kernel that sleeps, then writes 1 + the sum of its inputs."""
+
+    def task(*inputs):
+        out = sim.empty(4, "float64")
+
+        def body(o, *views):
+            time.sleep(seconds)
+            o[:] = 1 + sum(v[0] for v in views)
+
+        sim.launch(body, out, *inputs)
+        return out
+
+    return task
+
+
+def run(dsk: dict, keys: list, streams: int = 8, policy: str = "auto") -> list:
+    config = {
+        "gpustreams.enabled": True,
+        "gpustreams.backend": "sim",
+        "gpustreams.timeline": True,
+        "gpustreams.streams": streams,
+        "gpustreams.policy": policy,
+    }
+    with dask.config.set(config):
+        return dask.threaded.get(dsk, keys, num_workers=8)
+
+
+@pytest.fixture
+def source():
+    x = sim.asarray(np.zeros(4))
+    sim.get_device().synchronize()
+    return x
+
+
+@pytest.fixture(autouse=True)
+def empty_timeline():
+    clear_timeline()
+    yield
+    clear_timeline()
+
+
+def test_reexported():
+    assert dask_gpustreams.timeline is timeline
+
+
+def test_one_record_per_task(source):
+    k = sleep_kernel(0.005)
+    dsk = {"src": source, ("a", 0): (k, "src")}
+    for d in range(1, 5):
+        dsk[("a", d)] = (k, ("a", d - 1))
+        dsk[("b", d)] = (k, ("a", d - 1))
+    keys = [("a", 4)] + [("b", d) for d in range(1, 5)]
+    results = run(dsk, keys)
+    assert results[0].get()[0] == 5
+
+    records = timeline()
+    assert sorted(r["key"] for r in records) == sorted(k for k in dsk if k != "src")
+    for r in records:
+        assert set(r) == set(RECORD_FIELDS)
+        assert r["name"] in ("a", "b")
+        assert r["worker"] is None
+        assert r["pool"] == "auto/8"
+        assert 0 <= r["stream"] < 8
+        assert 0 <= r["start_ms"] <= r["end_ms"]
+        assert r["end_ms"] - r["start_ms"] >= 4  # the 5 ms kernel
+    assert min(r["start_ms"] for r in records) == 0
+    by_key = {r["key"]: r for r in records}
+    for d in range(1, 5):  # a dependent starts after its producer ended, on the device
+        assert by_key[("a", d)]["start_ms"] >= by_key[("a", d - 1)]["end_ms"] - 0.5
+
+    clear_timeline()
+    assert timeline() == []
+
+
+def test_nothing_recorded_when_off(source):
+    k = sleep_kernel(0)
+    with dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}):
+        dask.threaded.get({"src": source, "x": (k, "src")}, ["x"])
+    assert timeline() == []
+
+
+def test_chrome_trace_has_one_track_per_stream(source, tmp_path):
+    k = sleep_kernel(0.02)
+    dsk = {"src": source, **{("n", i): (k, "src") for i in range(4)}}
+    run(dsk, [("n", i) for i in range(4)], streams=4, policy="round-robin")
+    records = timeline()
+    streams = {r["stream"] for r in records}
+    assert streams == {0, 1, 2, 3}
+
+    path = tmp_path / "trace.json"
+    to_chrome_trace(records, path)
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {
+        e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"
+    }
+    assert len(events) == 4
+    assert sorted(names.values()) == [f"stream {s}" for s in range(4)]
+    assert {e["tid"] for e in events} == set(names)
+    for e in events:
+        assert names[e["tid"]] == f"stream {e['args']['stream']}"
+        assert e["dur"] >= 15_000  # microseconds
+        assert e["name"] == "n"
+
+    rects = to_rectangles(records)
+    assert rects["tracks"] == [f"dev 0 stream {s}" for s in range(4)]
+
+
+def test_gantt_png(source, tmp_path):
+    pytest.importorskip("matplotlib")
+    k = sleep_kernel(0.01)
+    dsk = {"src": source, **{("n", i): (k, "src") for i in range(6)}}
+    run(dsk, [("n", i) for i in range(6)], streams=3)
+    ax = plot_gantt(timeline(), title="six tasks")
+    assert len(ax.get_yticks()) == 3
+    path = tmp_path / "gantt.png"
+    ax.figure.savefig(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_saturation_of_independent_kernels(source):
+    k = sleep_kernel(0.1)
+    dsk = {"src": source, **{("n", i): (k, "src") for i in range(8)}}
+    run(dsk, [("n", i) for i in range(8)], streams=8)
+    records = timeline()
+    assert len({r["stream"] for r in records}) == 8
+    assert saturation(records, kernel_ms=100) > 4
+    assert saturation(records) > 4
+
+
+def test_saturation_needs_records():
+    with pytest.raises(ValueError, match="at least one record"):
+        saturation([], 1.0)
+
+
+def test_gathered_through_a_client(source):
+    distributed = pytest.importorskip("distributed")
+    k = sleep_kernel(0.001)
+    dsk = {"src": source, **{("n", i): (k, "src") for i in range(3)}}
+    run(dsk, [("n", i) for i in range(3)])
+    # Two in-process workers share this process's runtimes: each record comes back once.
+    with (
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        records = timeline(client)
+        assert sorted(r["key"] for r in records) == [("n", i) for i in range(3)]
+        assert all(r["worker"].startswith("inproc://") for r in records)
+        clear_timeline(client)
+        assert timeline(client) == []

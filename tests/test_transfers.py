@@ -1,0 +1,164 @@
+"""Copy streams and pinned staging on the simulated device: exact results, no reuse in flight."""
+
+import threading
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+
+from dask_gpustreams import StreamsConfig, get_runtime, sim
+from dask_gpustreams.backends.sim import SimBackend
+from dask_gpustreams.runtime.pinned import PinnedPool
+from dask_gpustreams.transfers import to_device, to_host
+
+
+def slow_kernel(seed: int, scale: float):
+    """A kernel that sleeps a random few ms, then writes ``x * scale``."""
+    rng = np.random.default_rng(seed)
+
+    def kernel(x):
+        out = sim.empty(x.shape, x.dtype)
+        delay = rng.uniform(0, 0.004)
+
+        def body(o, v):
+            time.sleep(delay)
+            np.multiply(v, scale, out=o)
+
+        sim.launch(body, out, x)
+        return out
+
+    return kernel
+
+
+def config(**extra):
+    return {
+        "gpustreams.enabled": True,
+        "gpustreams.backend": "sim",
+        "gpustreams.streams": 4,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("upload, download", [("sim", "sim"), ("helpers", "helpers")])
+def test_pipeline_of_many_chunks_is_exact_with_a_small_pinned_pool(upload, download):
+    host = np.random.default_rng(1).standard_normal((48, 4096))
+    up = sim.asarray if upload == "sim" else to_device
+    down = sim.asnumpy if download == "sim" else to_host
+    meta = np.empty((0, 0))
+    x = (
+        da.from_array(host, chunks=(1, 4096))
+        .map_blocks(up, meta=meta)
+        .map_blocks(slow_kernel(2, 3.0), meta=meta)
+        .map_blocks(down, meta=meta)
+    )
+    # 128 KiB of staging for 48 chunks of 32 KiB: buffers are reused while copies are in flight.
+    with dask.config.set(config(**{"gpustreams.pinned-pool-size": 1 << 20})):
+        for _ in range(5):
+            np.testing.assert_array_equal(x.compute(), host * 3.0)
+        pinned = get_runtime().transfers.pinned
+        assert pinned.total_bytes() <= 1 << 20
+
+
+def test_existing_transfer_calls_are_rewritten_onto_copy_streams():
+    host = np.arange(8 * 1000, dtype=np.float64).reshape(8, 1000)
+    meta = np.empty((0, 0))
+    x = (
+        da.from_array(host, chunks=(1, 1000))
+        .map_blocks(sim.asarray, meta=meta)
+        .map_blocks(slow_kernel(3, 2.0), meta=meta)
+        .map_blocks(sim.asnumpy, meta=meta)
+    )
+    with dask.config.set(config()):
+        runtime = get_runtime()
+        before = [s.seq for s in (*runtime.transfers.h2d.slots, *runtime.transfers.d2h.slots)]
+        result = x.compute()
+        after = [s.seq for s in (*runtime.transfers.h2d.slots, *runtime.transfers.d2h.slots)]
+    np.testing.assert_array_equal(result, host * 2.0)
+    assert [b - a for a, b in zip(before, after, strict=True)] == [8, 8]
+
+
+def test_helpers_outside_a_task_order_with_the_current_stream():
+    with dask.config.set({"gpustreams.backend": "sim"}):
+        for i in range(20):
+            x = to_device(np.full(1000, float(i)))
+            y = sim.empty(1000)
+            sim.launch(lambda o, v: np.add(v, 1, out=o), y, x)
+            del x  # freed to the current stream's pool while the kernel may still read it
+            np.testing.assert_array_equal(to_host(y), np.full(1000, i + 1.0))
+
+
+def test_upload_is_staged_so_the_caller_may_reuse_its_host_buffer():
+    with dask.config.set({"gpustreams.backend": "sim"}):
+        gate = threading.Event()
+        stream = sim.get_device().current_stream()
+        stream.launch(lambda: gate.wait(), (), {}, None)  # hold the device back
+        host = np.ones(1000)
+        x = to_device(host)
+        host[:] = -1
+        gate.set()
+        np.testing.assert_array_equal(to_host(x), np.ones(1000))
+
+
+def test_pinned_buffer_is_not_reused_while_its_copy_is_in_flight():
+    backend = SimBackend()
+    pool = PinnedPool(backend, limit=1 << 16)
+    stream = backend.create_stream()
+    gate = threading.Event()
+    stream.launch(lambda: gate.wait(), (), {}, None)
+    buffer = pool.acquire(1000)
+    copied = backend.create_event()
+    backend.record(copied, stream)
+    pool.release(buffer, copied)
+
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(1000)))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not got  # the only buffer is still in flight: acquire waits
+    gate.set()
+    waiter.join()
+    assert got[0] is buffer and copied.done
+
+
+def test_copy_larger_than_the_pinned_pool_is_a_clear_error():
+    cfg = {"gpustreams.backend": "sim", "gpustreams.pinned-pool-size": "1 MiB"}
+    message = r"does not fit gpustreams.pinned-pool-size=1.00 MiB"
+    with dask.config.set(cfg), pytest.raises(ValueError, match=message):
+        to_device(np.zeros(2**18))  # 2 MiB
+
+
+def test_failed_pinned_allocation_is_a_clear_error(monkeypatch):
+    def refuse(self, nbytes):
+        raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+
+    monkeypatch.setattr(SimBackend, "alloc_pinned", refuse)
+    rt = get_runtime(StreamsConfig(backend="sim", pinned_pool_size=3 << 20))
+    with pytest.raises(MemoryError, match=r"could not allocate .* pinned host memory .* lower"):
+        rt.transfers.to_device(np.zeros(1000), rt.backend.current_stream())
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (0, r"gpustreams.copy-streams=0 is invalid: allowed values are an int >= 1"),
+        ("2", r"gpustreams.copy-streams='2' is invalid"),
+    ],
+)
+def test_invalid_copy_streams(value, message):
+    with (
+        dask.config.set({"gpustreams.copy-streams": value}),
+        pytest.raises(ValueError, match=message),
+    ):
+        StreamsConfig.from_dask_config()
+
+
+@pytest.mark.parametrize("value", ["lots", 1000, True])
+def test_invalid_pinned_pool_size(value):
+    message = r"gpustreams.pinned-pool-size=.* is invalid"
+    with (
+        dask.config.set({"gpustreams.pinned-pool-size": value}),
+        pytest.raises(ValueError, match=message),
+    ):
+        StreamsConfig.from_dask_config()
