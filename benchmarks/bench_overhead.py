@@ -126,9 +126,11 @@ def profile(backend: str, args: argparse.Namespace, policy: str) -> None:
         dask.get(dsk, keys)
         prof.disable()
     buf = io.StringIO()
-    stats = pstats.Stats(prof, stream=buf).sort_stats("tottime")
-    stats.print_stats(25)
-    print(f"\ncProfile, synchronous scheduler, chains graph, policy {policy} (top 25 by tottime):")
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(15)
+    stats.sort_stats("cumulative").print_stats("dask_gpustreams", 15)
+    print(f"\ncProfile, synchronous scheduler, chains graph, policy {policy}: top 15 by")
+    print("own time, then the package's functions by cumulative time (per call: percall)")
     print(buf.getvalue())
 
 

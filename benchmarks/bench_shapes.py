@@ -141,6 +141,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="print the plan and an estimate")
+    p.add_argument(
+        "--render",
+        default=None,
+        metavar="DIR",
+        help="only redo table, CSV and figures of an earlier run's directory",
+    )
     p.add_argument("--ptds-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.policies = args.policies or ["auto"] + [p for p in policy_names() if p != "auto"]
@@ -429,17 +435,18 @@ class Distributed:
 
     def use_streams(self, streams: int | None, policy: str = "auto", timeline: bool = False):
         """Register the plugin for ``streams`` and ``policy``; ``None``: unregister it."""
+        if self.plugin_name is not None:  # the plugin is idempotent: replace it explicitly
+            self.client.unregister_worker_plugin(self.plugin_name)
+            self.plugin_name = None
         if streams is None:
-            if self.plugin_name is not None:
-                self.client.unregister_worker_plugin(self.plugin_name)
-                self.plugin_name = None
-            dask.config.set(OFF)
             return
-        config = gpustreams_config(self.backend, streams, policy, timeline)
-        dask.config.set(config)  # in-process workers read it; the plugin also gets it
-        plugin = make_plugin(self.backend, streams, policy, timeline)
+        from dask_gpustreams.integrations.distributed import StreamsPlugin
+
+        plugin = StreamsPlugin(
+            backend=self.backend, streams=streams, policy=policy, timeline=timeline
+        )
         self.client.register_plugin(plugin)
-        self.plugin_name = getattr(plugin, "name", None) or type(plugin).__name__
+        self.plugin_name = plugin.name
 
 
 def plugin_problem() -> str | None:
@@ -449,28 +456,6 @@ def plugin_problem() -> str | None:
     except ImportError as e:
         return f"dask_gpustreams.integrations.distributed.StreamsPlugin is not importable ({e})"
     return None
-
-
-def make_plugin(backend: str, streams: int, policy: str, timeline: bool) -> Any:
-    """A ``StreamsPlugin`` for these settings, whatever its constructor takes."""
-    import inspect
-
-    from dask_gpustreams.integrations.distributed import StreamsPlugin
-
-    values = {
-        "enabled": True,
-        "backend": backend,
-        "streams": streams,
-        "policy": policy,
-        "timeline": timeline,
-    }
-    params = inspect.signature(StreamsPlugin).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return StreamsPlugin(**values)
-    if "config" in params:
-        config = dask_gpustreams.StreamsConfig(backend, streams, policy, timeline)
-        return StreamsPlugin(config=config)
-    return StreamsPlugin(**{k: v for k, v in values.items() if k in params})
 
 
 # --- the modes ------------------------------------------------------------------------------------
@@ -584,7 +569,7 @@ def run_gantt(runner: Runner, loads: Workloads) -> None:
                 records,
                 ax=ax,
                 title=f"wide {name} · {policy} · {n} streams · "
-                f"saturation {sat:.2f} (threaded, {records and len(records)} tasks)",
+                f"saturation {sat:.2f} (threaded, {len(records)} tasks)",
             )
             leg = ax.get_legend()
             if leg is not None:
@@ -633,6 +618,8 @@ def ptds_child(spec_path: str) -> int:
     )
     loads = Workloads(args, spec["backend"], spec["calibration"])
     for scheduler, family in groups(args):
+        if runner.deadline is not None and time.monotonic() > runner.deadline:
+            break
         dist = Distributed(args, spec["backend"]) if scheduler == "distributed" else None
         try:
             run_group(runner, loads, scheduler, family, dist, ["ptds-sync"])
@@ -748,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.ptds_child:
         return ptds_child(args.ptds_child)
+    if args.render:
+        return render(args.render, args.gantt_streams)
     backend = resolve_backend(args.backend)
     set_defaults(args, backend)
     print(
@@ -781,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     ptds_done = "ptds-sync" not in args.modes
     try:
         for scheduler, family in groups(args):
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"{scheduler} · {family}: skipped, time budget spent")
+                continue
             dist = None
             if scheduler == "distributed":
                 try:
@@ -806,30 +798,50 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def finish(runner: Runner, meta: dict, out: str) -> None:
-    rows = runner.rows
+    write_outputs(runner.rows, meta, out, runner.args.gantt_streams)
+
+
+def write_outputs(rows: list[dict], meta: dict, out: str, headline_streams: int) -> None:
+    """results.json, results.csv, table.txt and the figures of ``rows``; print the table."""
     report.derive(rows)
     report.write_json(os.path.join(out, "results.json"), meta, rows)
     report.write_csv(os.path.join(out, "results.csv"), rows)
-    text = report.table(rows, headline_streams=runner.args.gantt_streams)
+    text = report.table(rows, headline_streams=headline_streams)
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
     for scheduler in SCHEDULERS:
         try:
-            report.plot_saturation(
-                rows, scheduler, os.path.join(out, f"saturation_{scheduler}.png")
-            )
-            report.plot_wall(
-                rows,
-                scheduler,
-                os.path.join(out, f"wall_{scheduler}.png"),
-                runner.args.gantt_streams,
-            )
+            path = os.path.join(out, f"saturation_{scheduler}.png")
+            report.plot_saturation(rows, scheduler, path)
+            path = os.path.join(out, f"wall_{scheduler}.png")
+            report.plot_wall(rows, scheduler, path, headline_streams)
         except ImportError as e:
             print(f"figures skipped: {e}")
             break
     failed = [r for r in rows if r["status"] in ("FAILED", "ERROR")]
-    print(f"\n{len(rows)} rows, {len(failed)} failed; {meta['elapsed_s']:.0f} s; results in {out}")
+    elapsed = meta.get("elapsed_s")
+    print(
+        f"\n{len(rows)} rows, {len(failed)} failed"
+        + (f"; {elapsed:.0f} s" if elapsed is not None else "")
+        + f"; results in {out}"
+    )
+
+
+def render(out: str, headline_streams: int) -> int:
+    """Redo the outputs of a run directory from results.json, or from rows.jsonl if the
+    run was cut short (rows of a ptds-sync child that did not finish are in rows.jsonl too)."""
+    path = os.path.join(out, "results.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        meta, rows = data["meta"], data["rows"]
+    else:
+        with open(os.path.join(out, "rows.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        meta = {"note": "rendered from rows.jsonl of an unfinished run"}
+    write_outputs(rows, meta, out, headline_streams)
+    return 0
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def runtime_direct(policy):
 
 def via_dask(policy, scheduler="threads"):
     outs = []
-    for i in range(4):
+    for _ in range(4):
         v = None
         for _ in range(6):
             v = dask.delayed(node, pure=False)(*([v] if v is not None else []))

@@ -9,6 +9,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+MODE_ORDER = ("serial", "ptds-sync", "gpustreams", "ideal")
 CSV_FIELDS = (
     "scheduler",
     "family",
@@ -125,11 +126,15 @@ def table(rows: list[dict], headline_streams: int = 8) -> str:
                 r = by_n.get(n)
                 line += f"{_cell(r):>7}"
             out.append(line)
-        at = [
-            r
-            for r in rs
-            if r["mode"] in ("serial", "ptds-sync") or r["streams"] == headline_streams
-        ]
+        shapes = list(dict.fromkeys(r["shape"] for r in rs))
+        at = sorted(
+            (
+                r
+                for r in rs
+                if r["mode"] in ("serial", "ptds-sync") or r["streams"] == headline_streams
+            ),
+            key=lambda r: (shapes.index(r["shape"]), MODE_ORDER.index(r["mode"])),
+        )
         out.append(
             f"\n-- {scheduler} · {family}: serial, ptds-sync and every mode at "
             f"{headline_streams} streams --"
@@ -207,7 +212,10 @@ def plot_saturation(rows: list[dict], scheduler: str, path: str) -> bool:
 
 
 def plot_wall(rows: list[dict], scheduler: str, path: str, streams: int = 8) -> bool:
-    """Median wall per shape and mode (bars with min-max), gpustreams and ideal at ``streams``."""
+    """Median wall per shape and mode (bars, min-max whiskers); one panel per shape family.
+
+    ``gpustreams`` and ``ideal`` rows are those at ``streams`` streams.
+    """
     rs = [
         r
         for r in rows
@@ -220,29 +228,38 @@ def plot_wall(rows: list[dict], scheduler: str, path: str, streams: int = 8) -> 
         return False
     from matplotlib.figure import Figure
 
-    shapes = list(dict.fromkeys((r["family"], r["shape"]) for r in rs))
-    labels = list(dict.fromkeys(_label(r) for r in rs))
-    fig = Figure(figsize=(max(6, 1.6 * len(shapes) * len(labels) / 4), 4.2), layout="constrained")
-    ax = fig.subplots()
+    families = list(dict.fromkeys(r["family"] for r in rs))
+    labels = list(dict.fromkeys(_label(r) for r in sorted(rs, key=_mode_rank)))
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    fig = Figure(figsize=(12, 3.6 * len(families)), layout="constrained")
+    axes = fig.subplots(len(families), 1, squeeze=False).ravel()
     width = 0.8 / len(labels)
-    for j, label in enumerate(labels):
-        xs, ys, lo, hi = [], [], [], []
-        for i, shape in enumerate(shapes):
-            r = next(
-                (r for r in rs if (r["family"], r["shape"]) == shape and _label(r) == label), None
-            )
-            if r is None:
-                continue
-            xs.append(i + (j - (len(labels) - 1) / 2) * width)
-            ys.append(r["wall_median_ms"])
-            lo.append(r["wall_median_ms"] - r["wall_min_ms"])
-            hi.append(r["wall_max_ms"] - r["wall_median_ms"])
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=1.5, label=label)
-    ax.set_xticks(range(len(shapes)), [f"{f}\n{s}" for f, s in shapes])
-    ax.set_yscale("log")
-    ax.set_ylabel("median wall per graph (ms)")
-    ax.set_title(f"Wall time per shape and mode · {scheduler} · {streams} streams")
-    ax.legend(fontsize="x-small", ncols=2)
-    ax.grid(axis="y", alpha=0.3)
+    for ax, family in zip(axes, families, strict=True):
+        mine = [r for r in rs if r["family"] == family]
+        shapes = list(dict.fromkeys(r["shape"] for r in mine))
+        for j, label in enumerate(labels):
+            xs, ys, lo, hi = [], [], [], []
+            for i, shape in enumerate(shapes):
+                r = next((r for r in mine if r["shape"] == shape and _label(r) == label), None)
+                if r is None:
+                    continue
+                xs.append(i + (j - (len(labels) - 1) / 2) * width)
+                ys.append(r["wall_median_ms"])
+                lo.append(r["wall_median_ms"] - r["wall_min_ms"])
+                hi.append(r["wall_max_ms"] - r["wall_median_ms"])
+            if xs:
+                ax.bar(xs, ys, width, yerr=[lo, hi], capsize=1.5, color=colors[label], label=label)
+        ax.set_xticks(range(len(shapes)), shapes)
+        ax.set_yscale("log")
+        ax.set_ylabel("median wall per graph (ms)")
+        ax.set_title(f"{family} shapes", fontsize="medium")
+        ax.grid(axis="y", alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside right upper", fontsize="small")
+    fig.suptitle(f"Wall time per shape and mode · {scheduler} scheduler · {streams} streams")
     fig.savefig(path, dpi=110)
     return True
+
+
+def _mode_rank(r: dict) -> int:
+    return MODE_ORDER.index(r["mode"])

@@ -9,6 +9,7 @@ starts, so a bad value fails the ``compute`` call, not a task deep in a graph.
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -46,26 +47,22 @@ class StreamsConfig:
 
         if self.backend not in BACKENDS:
             raise _bad_value("backend", self.backend, " | ".join(BACKENDS))
-        if isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1:
-            raise _bad_value("streams", self.streams, "an int >= 1")
         if self.policy not in policy_names():
             raise _bad_value("policy", self.policy, " | ".join(policy_names()))
         if not isinstance(self.timeline, bool):
             raise _bad_value("timeline", self.timeline, "True | False")
-        if (
-            isinstance(self.copy_streams, bool)
-            or not isinstance(self.copy_streams, int)
-            or self.copy_streams < 1
-        ):
-            raise _bad_value("copy-streams", self.copy_streams, "an int >= 1")
-        if isinstance(self.pinned_pool_size, bool) or not isinstance(self.pinned_pool_size, int):
-            raise _bad_value(
-                "pinned-pool-size", self.pinned_pool_size, "a byte size like '1 GiB' (>= 1 MiB)"
-            )
-        if self.pinned_pool_size < (1 << 20):
-            raise _bad_value(
-                "pinned-pool-size", self.pinned_pool_size, "a byte size like '1 GiB' (>= 1 MiB)"
-            )
+        size = "a byte size like '1 GiB' (>= 1 MiB)"
+        for field, key, minimum, allowed in [
+            ("streams", "streams", 1, "an int >= 1"),
+            ("copy_streams", "copy-streams", 1, "an int >= 1"),
+            ("pinned_pool_size", "pinned-pool-size", 1 << 20, size),
+        ]:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise _bad_value(key, value, allowed)
+            if value < minimum:
+                raise _bad_value(key, value, allowed)
+            object.__setattr__(self, field, int(value))
 
     @classmethod
     def from_dask_config(cls, **overrides: Any) -> StreamsConfig:

@@ -65,7 +65,7 @@ def gpustreams():
 class ByKey(StreamPolicy):
     """Test policy: ``placement[key]`` is the stream index of ``key`` (0 when absent)."""
 
-    name = "test-by-key"
+    name = "test-placement"
     placement: dict = {}
 
     def select(self, task, pool):
@@ -74,7 +74,7 @@ class ByKey(StreamPolicy):
 
 @pytest.fixture
 def by_key():
-    """Registers the ``test-by-key`` policy; returns its placement dict (key -> stream index)."""
+    """Registers the ``test-placement`` policy; returns its placement dict (key -> stream index)."""
     placement: dict = {}
     policy = type("ByKeyPolicy", (ByKey,), {"placement": placement})
     base.register_policy(policy)

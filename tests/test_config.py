@@ -78,7 +78,7 @@ def test_invalid_value_is_rejected_by_the_config(name, value, message):
 @pytest.mark.parametrize("name, value, message", INVALID, ids=INVALID_IDS)
 def test_invalid_value_fails_compute_before_any_task_runs(gpustreams, name, value, message):
     ran = []
-    with gpustreams(streams=2), dask.config.set({f"gpustreams.{name}": value}):
+    with gpustreams(streams=2), dask.config.set({f"gpustreams.{name}": value}):  # noqa: SIM117
         with pytest.raises(ValueError, match=f"^{message}"):
             delayed(ran.append)(1).compute()
     assert ran == []
@@ -92,12 +92,12 @@ needs_no_gpu = pytest.mark.skipif(gpu_visible()[0], reason="a GPU is visible her
 @needs_no_gpu
 def test_cupy_backend_without_a_gpu_fails_compute_with_the_reason(gpustreams):
     ran = []
-    with gpustreams(), dask.config.set({"gpustreams.backend": "cupy"}):
-        with pytest.raises(
-            ValueError,
-            match=r"^gpustreams\.backend='cupy' cannot start: CuPy (is not installed|sees no device)"
-            r".*; allowed values are auto \| cupy \| sim",
-        ):
+    message = (
+        r"^gpustreams\.backend='cupy' cannot start: CuPy (is not installed|sees no device)"
+        r".*; allowed values are auto \| cupy \| sim"
+    )
+    with gpustreams(), dask.config.set({"gpustreams.backend": "cupy"}):  # noqa: SIM117
+        with pytest.raises(ValueError, match=message):
             delayed(ran.append)(1).compute()
     assert ran == []
     assert runtime_module._runtimes == {}

@@ -147,6 +147,7 @@ def plugin_state(dask_worker):
     return {
         "registry": len(plugin.registry),
         "failures": len(plugin.failures),
+        "taint": len(plugin._taint),
         "tasks": len(dask_worker.state.tasks),
         "inflight": runtime.collect() if runtime is not None else 0,
         "streams": runtime.pool.n_streams if runtime is not None else None,
@@ -266,6 +267,24 @@ def test_kernel_failure_is_the_error_of_its_key(client):
     client.cancel([*futures, graph])  # raised exceptions keep their futures alive
 
 
+def test_failure_reported_inside_a_task_still_fails_the_other_consumers(client):
+    """A sync inside ``total`` reports the failure first; the device then no longer passes it
+    on to work waiting for it, yet neither the failed key nor its other consumer is served."""
+    a, _ = workers(client)
+    x = client.submit(produce, 100, 1.0, 0.0, workers=[a], pure=False)
+    futures = [x]
+    for _ in range(5):
+        k = client.submit(bad, x, workers=[a], pure=False)
+        t = client.submit(total, k, workers=[a], pure=False)
+        d = client.submit(inc, k, workers=[a], pure=False)
+        for f in (t, d, k):
+            with pytest.raises(KernelError) as info:
+                f.result(timeout=30)
+            assert info.value.key == k.key
+        futures += [k, t, d]
+    client.cancel(futures)
+
+
 def test_many_graphs_leave_registry_and_memory_flat(client):
     def run(i):
         x = delayed(produce)(64, float(i), 0.0)
@@ -281,7 +300,7 @@ def test_many_graphs_leave_registry_and_memory_flat(client):
     after = settle(client)
     for addr, state in after.items():
         # Each graph added registry entries and tasks on the workers: all gone again.
-        for field in ("registry", "tasks", "failures"):
+        for field in ("registry", "taint", "tasks", "failures"):
             assert state[field] == before[addr][field], (field, before[addr], state)
         assert state["inflight"] == 0, state
         assert state["sim_used"] <= before[addr]["sim_used"], (before[addr], state)
@@ -405,6 +424,7 @@ def test_killed_worker_process_mid_graph_gives_the_right_result():
         os.kill(pid_b, signal.SIGKILL)
         assert result.result(timeout=60) == sum(100 * (i + 1.0) for i in range(12))
         client.wait_for_workers(2, timeout=30)
+        assert pid_b not in client.run(os.getpid).values()  # b was restarted by its nanny
         assert all(s is not None for s in states(client).values())  # the new worker has it
 
 

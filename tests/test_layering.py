@@ -14,7 +14,9 @@ import textwrap
 
 import pytest
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dask_gpustreams")
+PACKAGE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dask_gpustreams"
+)
 
 SCHEDULER_MODULES = ("distributed", "dask.local", "dask.threaded", "dask.multiprocessing")
 INTEGRATIONS = ("dask_gpustreams.integrations",)
@@ -81,7 +83,9 @@ def test_layer_import_statements(layer):
 
 def test_import_scanner_sees_imports_inside_functions(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("def f():\n    import distributed.worker\n    from dask.local import get_sync\n")
+    sample.write_text(
+        "def f():\n    import distributed.worker\n    from dask.local import get_sync\n"
+    )
     assert {"distributed.worker", "dask.local", "dask.local.get_sync"} <= imported_modules(
         str(sample)
     )

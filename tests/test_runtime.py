@@ -24,7 +24,7 @@ N = 100
 GATE_TIMEOUT = 5.0
 
 
-def make_runtime(streams=2, policy="test-by-key", **more):
+def make_runtime(streams=2, policy="test-placement", **more):
     return get_runtime(StreamsConfig(backend="sim", streams=streams, policy=policy, **more))
 
 
@@ -245,7 +245,11 @@ def test_timeline_records_tasks_with_device_times(by_key):
         rt.run(key, sleepy, {}, reg)
     rt.pool.synchronize()
     records = list(rt.timeline)
-    assert [(r.key, r.slot.index, r.seq) for r in records] == [("a", 0, 1), ("b", 1, 1), ("c", 0, 2)]
+    assert [(r.key, r.slot.index, r.seq) for r in records] == [
+        ("a", 0, 1),
+        ("b", 1, 1),
+        ("c", 0, 2),
+    ]
     for r in records:
         assert rt.backend.elapsed_ms(r.start, r.event) >= 30.0
     assert make_runtime(timeline=False).timeline is None
@@ -253,7 +257,9 @@ def test_timeline_records_tasks_with_device_times(by_key):
 
 def test_pool_is_capped_at_the_hardware_queues(monkeypatch):
     monkeypatch.setattr(SimBackend, "hardware_queues", lambda self: 2)
-    with pytest.warns(RuntimeWarning, match=r"gpustreams\.streams=4 exceeds the device's 2 hardware"):
+    with pytest.warns(
+        RuntimeWarning, match=r"gpustreams\.streams=4 exceeds the device's 2 hardware"
+    ):
         rt = StreamRuntime(SimBackend(), StreamsConfig(backend="sim", streams=4, policy="auto"))
     assert rt.pool.n_streams == 2
 

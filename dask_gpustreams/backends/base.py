@@ -42,6 +42,13 @@ class Backend(Protocol):
     def synchronize_event(self, event: Any) -> None:
         """Block the host until ``event`` completes; raise if the work before it failed."""
 
+    def event_error(self, event: Any) -> BaseException | None:
+        """Block the host until ``event`` completes; return the error of failed work before it.
+
+        Returns the error on every call, whether a sync has reported it already
+        or not, and never raises it; None if the work succeeded.
+        """
+
     def synchronize_stream(self, stream: Any) -> None:
         """Block the host until all work enqueued on ``stream`` completes."""
 

@@ -56,6 +56,13 @@ class CupyBackend:
     def synchronize_event(self, event: cupy.cuda.Event) -> None:
         event.synchronize()
 
+    def event_error(self, event: cupy.cuda.Event) -> BaseException | None:
+        try:
+            event.synchronize()  # CUDA reports a failed kernel's (sticky) error on every sync
+        except Exception as e:  # cupy_backends.cuda.api.runtime.CUDARuntimeError
+            return e
+        return None
+
     def synchronize_stream(self, stream: cupy.cuda.Stream) -> None:
         stream.synchronize()
 

@@ -44,6 +44,9 @@ class SimBackend:
     def synchronize_event(self, event: sim.Event) -> None:
         event.synchronize()
 
+    def event_error(self, event: sim.Event) -> BaseException | None:
+        return event.wait()
+
     def synchronize_stream(self, stream: sim.Stream) -> None:
         stream.synchronize()
 

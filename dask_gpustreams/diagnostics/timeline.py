@@ -230,15 +230,10 @@ def to_chrome_trace(records: Sequence[dict], path: str | os.PathLike | None = No
     meta: list[dict] = []
     for (worker, device), pid in processes.items():
         name = f"{worker} device {device}" if worker else f"device {device}"
-        meta.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
-        meta.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+        meta += _track_metadata("process", pid, None, name)
     for k, tid in threads.items():
-        pid = processes[k[:2]]
         name = f"{k[2]} stream {k[3]}" if several_pools else f"stream {k[3]}"
-        meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
-        meta.append(
-            {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
-        )
+        meta += _track_metadata("thread", processes[k[:2]], tid, name)
     events = [
         {
             "name": r["name"],
@@ -257,6 +252,16 @@ def to_chrome_trace(records: Sequence[dict], path: str | os.PathLike | None = No
         with open(path, "w") as f:
             json.dump(trace, f)
     return trace
+
+
+def _track_metadata(kind: str, pid: int, tid: int | None, name: str) -> list[dict]:
+    """Chrome-trace metadata events naming a process or thread track and fixing its order."""
+    ids = {"pid": pid} if tid is None else {"pid": pid, "tid": tid}
+    order = pid if tid is None else tid
+    return [
+        {"ph": "M", "name": f"{kind}_name", **ids, "args": {"name": name}},
+        {"ph": "M", "name": f"{kind}_sort_index", **ids, "args": {"sort_index": order}},
+    ]
 
 
 def plot_gantt(records: Sequence[dict], ax: Any = None, *, title: str | None = None) -> Any:
@@ -281,7 +286,7 @@ def plot_gantt(records: Sequence[dict], ax: Any = None, *, title: str | None = N
     for r in rects["rectangles"]:
         groups.setdefault((r["track"], r["name"]), []).append((r["start"], r["duration"]))
     for (track, name), spans in groups.items():
-        ax.broken_barh(spans, (track - 0.4, 0.8), facecolors=colors[name], edgecolor="white", lw=0.3)
+        ax.broken_barh(spans, (track - 0.4, 0.8), facecolors=colors[name], edgecolor="w", lw=0.3)
     ax.set_yticks(range(len(tracks)), tracks)
     ax.set_ylim(len(tracks) - 0.5, -0.5)
     ax.set_xlabel("time (ms)")

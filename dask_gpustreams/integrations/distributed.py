@@ -32,8 +32,9 @@ Egress
 
     - ``get_data`` (peer fetch, client gather, scheduler gather, AMM): the
       handler is wrapped. Keys whose events have completed are served at
-      once; the events of the others are waited for in a small thread pool
-      (``gpustreams-egress``), so the event loop keeps running meanwhile.
+      once; the events of the others (and of the work in their taint, see
+      *Failures*; normally already complete) are waited for in a small thread
+      pool (``gpustreams-egress``), so the event loop keeps running meanwhile.
       The wait is per key, never a device or stream sync (an event completes
       when the work enqueued before it on its stream has, as always).
     - spilling: a callback put first in the ``on_evict`` list of every
@@ -48,14 +49,23 @@ Failures
     A task that raises fails as in plain Dask: the exception and traceback
     reach the client and dependents are not run. A kernel that fails
     asynchronously (``KernelError`` on the simulated device, a CUDA error on
-    a GPU) is only seen at a host synchronization after it, when its key is
-    already in memory, and a scheduler has no ``memory -> erred`` transition
-    for tasks. The plugin turns it into the failure of a task run:
+    a GPU) is only seen after it, when its key is already in memory, and a
+    scheduler has no ``memory -> erred`` transition for tasks. The plugin
+    turns it into the failure of a task run.
 
-    - a task whose input's event has completed with an error fails with that
-      :class:`~dask_gpustreams.KernelError` before it runs (a non-blocking
-      check of completed events when it starts executing);
-    - when an egress wait (``get_data``, spilling) finds a failed event, the
+    What failed: a key's value is corrupt if its own event completed with an
+    error, or the event of any work it derives from on this worker did (its
+    *taint*: the records of its inputs, of their inputs, ..., kept while not
+    known to have succeeded). The plugin reads errors with
+    ``Backend.event_error``, which returns an event's error every time
+    without reporting it: a sync elsewhere (inside a task, say) may report a
+    failure first, after which the device no longer passes it on to work
+    that waits for it, and that work's own event says nothing.
+
+    - A task whose inputs derive from work that has completed with an error
+      fails with that :class:`~dask_gpustreams.KernelError` before it runs
+      (a non-blocking check of completed events when it starts executing).
+    - When an egress wait (``get_data``, spilling) finds a corrupt key, the
       key is not served; the worker records the error, drops the key and
       tells the scheduler (``release-worker-data``, as if the data were lost),
       which recomputes it for whoever wants it. When the recomputation runs
@@ -69,15 +79,16 @@ Failures
     peer's fetch and a client's gather retry forever), and no corrupt data is
     sent. After a failure, and after any task error, the egress threads
     synchronize every stream of the runtime once, ignoring errors: a stream
-    that waited for failed work is in error and skips later launches until a
-    host sync reports it, so this keeps the failure from spilling over into
-    unrelated tasks (on a GPU, a sticky CUDA error makes the worker unusable
-    anyway; restart it). A worker that dies is handled by Dask as usual.
+    in error skips what is launched on it until a sync reports the error, so
+    this keeps one failure from spilling over into unrelated tasks (on a GPU,
+    a sticky CUDA error makes the worker unusable anyway; restart it). A
+    worker that dies is handled by Dask as usual.
 
 Lifetime
     The runtime holds each task's inputs, fetched ones included, until the
-    task's event completes. Registry entries are dropped when their keys are
-    released, forgotten or erred; failure records when they are used (at most
+    task's event completes. Registry and taint entries are dropped when their
+    keys are released, forgotten or erred (taints also once their work is
+    known to have succeeded); failure records when they are used (at most
     :attr:`StreamsPlugin.max_failures` are kept, each for at most
     :attr:`StreamsPlugin.failure_ttl` seconds).
 
@@ -98,6 +109,10 @@ Known limits
     - Removing the plugin waits for the tasks it wrapped and for their
       events; with a new plugin of the same name this happens before the new
       one is set up.
+    - A worker does not see the graph: with ``policy="critical-path"`` every
+      task counts as not critical.
+    - A taint lists the still-running work a key derives from: a chain that
+      runs far ahead of the device keeps lists as long as its queued depth.
 """
 
 from __future__ import annotations
@@ -154,24 +169,17 @@ class _Raise:
 
 
 class _AfterInputs:
-    """Task function of a host-side task: wait for the inputs' events, then run the node."""
+    """Task function of a host-side task: wait for the inputs' work, then run the node."""
 
-    __slots__ = ("runtime", "registry", "node", "dep_keys")
+    __slots__ = ("wait_inputs", "node", "dep_keys")
 
-    def __init__(
-        self,
-        runtime: StreamRuntime,
-        registry: EventRegistry,
-        node: GraphNode,
-        dep_keys: tuple[Hashable, ...],
-    ):
-        self.runtime = runtime
-        self.registry = registry
+    def __init__(self, wait_inputs: Any, node: GraphNode, dep_keys: tuple[Hashable, ...]):
+        self.wait_inputs = wait_inputs
         self.node = node
         self.dep_keys = dep_keys
 
     def __call__(self, *values: Any) -> Any:
-        self.runtime.synchronize(self.dep_keys, self.registry)
+        self.wait_inputs(self.dep_keys)
         return self.node(dict(zip(self.dep_keys, values, strict=True)))
 
     def __repr__(self) -> str:
@@ -216,7 +224,6 @@ class StreamsPlugin(WorkerPlugin):
 
     name = "gpustreams"
     idempotent = True
-    _active = False  # set between setup and teardown
     #: Modules whose task functions give their inputs to host-side machinery (P2P).
     host_modules: tuple[str, ...] = ("distributed.shuffle",)
     #: How many kernel-failure records a worker keeps for keys not yet recomputed,
@@ -225,6 +232,7 @@ class StreamsPlugin(WorkerPlugin):
     failure_ttl = 60.0
     #: Seconds between releases of the inputs held for completed tasks.
     collect_interval = 0.5
+    _active = False  # True between setup and teardown
 
     def __init__(self, **overrides: Any):
         fields = StreamsConfig.__dataclass_fields__
@@ -253,6 +261,9 @@ class StreamsPlugin(WorkerPlugin):
         self.registry = EventRegistry()
         #: key -> (KernelError of a result found corrupt, when); raised when the key runs again.
         self.failures: OrderedDict[Hashable, tuple[BaseException, float]] = OrderedDict()
+        #: key -> records of the work its value derives from on this worker, not yet known
+        #: to have succeeded (its inputs, their inputs, ...).
+        self._taint: dict[Hashable, tuple[TaskRecord, ...]] = {}
         self._wrapped: set[Hashable] = set()
         self._egress = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
         self._clearing = False
@@ -283,6 +294,7 @@ class StreamsPlugin(WorkerPlugin):
             worker.handlers["get_data"] = self._get_data
         self._egress.shutdown(wait=False)
         self.registry = EventRegistry()
+        self._taint.clear()
         self.failures.clear()
 
     # ------------------------------------------------------------------ execution
@@ -300,6 +312,7 @@ class StreamsPlugin(WorkerPlugin):
                 self._clear_stream_errors_soon()
         if finish in _GONE:
             self.registry.forget((key,))
+            self._taint.pop(key, None)
 
     def _prepare(self, key: Hashable) -> None:
         ts = self.worker.state.tasks.get(key)
@@ -309,9 +322,11 @@ class StreamsPlugin(WorkerPlugin):
         dep_keys = tuple(node.dependencies)
         error, _ = self.failures.pop(key, (None, None))
         if error is None:
-            error = self._failed_input(dep_keys)
+            error, pending = self._input_states(dep_keys)
             if error is not None:
                 self._clear_stream_errors_soon()
+            elif pending:
+                self._taint[key] = pending
         if error is not None:
             ts.run_spec = _replace(node, _Raise(error), dep_keys)
             return
@@ -323,8 +338,8 @@ class StreamsPlugin(WorkerPlugin):
             ts.run_spec = _replace(node, _Raise(e), dep_keys)
             return
         if self._is_host_task(node):
-            if self.registry.records(dep_keys):
-                host = _AfterInputs(runtime, self.registry, node, dep_keys)
+            if pending:
+                host = _AfterInputs(self._wait_inputs, node, dep_keys)
                 ts.run_spec = _replace(node, host, dep_keys)
             return
         ts.run_spec = wrap_task(node, runtime, self.registry)
@@ -345,24 +360,48 @@ class StreamsPlugin(WorkerPlugin):
         module = getattr(getattr(node, "func", None), "__module__", None) or ""
         return module.startswith(self.host_modules)
 
-    def _failed_input(self, dep_keys: Iterable[Hashable]) -> KernelError | None:
-        """The error of an input whose event has completed with one (never blocks)."""
-        for record in self.registry.records(dep_keys):
-            error = self._completed_error(record)
-            if error is not None:
-                return error
-        return None
+    def _sources(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
+        """Records of the work the values of ``keys`` derive from on this worker.
 
-    def _completed_error(self, record: TaskRecord) -> KernelError | None:
-        """``record``'s error if its event has completed with one; None if fine or pending."""
+        The keys' own records and their taint: a failure reported elsewhere
+        first may not reach the events of the work that read its output.
+        """
+        sources = {}
+        for record in self.registry.records(keys):
+            sources[record] = None
+            sources.update(dict.fromkeys(self._taint.get(record.key, ())))
+        return list(sources)
+
+    def _state(self, record: TaskRecord) -> tuple[bool, KernelError | None]:
+        """Whether ``record``'s event has completed, and its error if so (never blocks)."""
         backend = self.runtime.backend
         try:
             if not backend.done(record.event):
-                return None
-            backend.synchronize_event(record.event)  # completed: returns or raises at once
-        except Exception as e:
-            return _as_kernel_error(record.key, e)
-        return None
+                return False, None
+            error = backend.event_error(record.event)  # completed: returns at once
+        except Exception as e:  # a CUDA error from the query itself
+            error = e
+        return True, None if error is None else _as_kernel_error(record.key, error)
+
+    def _input_states(
+        self, dep_keys: Iterable[Hashable]
+    ) -> tuple[KernelError | None, tuple[TaskRecord, ...]]:
+        """The error of failed work the inputs derive from, and the work still pending."""
+        pending = []
+        for record in self._sources(dep_keys):
+            done, error = self._state(record)
+            if error is not None:
+                return error, ()
+            if not done:
+                pending.append(record)
+        return None, tuple(pending)
+
+    def _wait_inputs(self, dep_keys: tuple[Hashable, ...]) -> None:
+        """Worker thread: block until the work the inputs derive from is done; raise its error."""
+        for record in self._sources(dep_keys):
+            error = self.runtime.backend.event_error(record.event)
+            if error is not None:
+                raise _as_kernel_error(record.key, error)
 
     def _collect(self) -> None:
         """Periodically: release the inputs of completed tasks, expire old failure records."""
@@ -391,45 +430,45 @@ class StreamsPlugin(WorkerPlugin):
         return await self._get_data(comm, keys=keys, who=who, serializers=serializers)
 
     async def _wait_for(self, keys: Collection[Hashable]) -> dict[Hashable, KernelError]:
-        """Wait, off the event loop, for the events of ``keys``; return those that failed."""
+        """Wait, off the event loop, for the work of ``keys``; return the keys whose work failed."""
         loop = asyncio.get_running_loop()
         while True:
-            records = self.registry.records(keys)
-            pending = [r for r in records if not self._done(r)]
+            sources = {r.key: self._sources((r.key,)) for r in self.registry.records(keys)}
+            pending = [r for rs in sources.values() for r in rs if not self._state(r)[0]]
             if not pending:
                 break
             await loop.run_in_executor(self._egress, self._wait_events, pending)
         failed = {}
-        for record in records:
-            error = self._completed_error(record)
+        for key, records in sources.items():
+            error = next(filter(None, (self._state(r)[1] for r in records)), None)
             if error is not None:
-                failed[record.key] = error
+                failed[key] = error
+            else:
+                self._taint.pop(key, None)  # all done and fine
         return failed
 
-    def _done(self, record: TaskRecord) -> bool:
-        try:
-            return self.runtime.backend.done(record.event)
-        except Exception:  # a CUDA error from the query: report it through synchronize
-            return True
-
     def _wait_events(self, records: list[TaskRecord]) -> None:
-        """Egress thread: block until each record's event has completed (errors come later)."""
+        """Egress thread: block until each record's event has completed (errors read later)."""
         for record in records:
-            with contextlib.suppress(Exception):  # read again by _completed_error
-                self.runtime.backend.synchronize_event(record.event)
+            with contextlib.suppress(Exception):
+                self.runtime.backend.event_error(record.event)
 
     def _before_spill(self, key: Hashable, value: Any) -> None:
         """First ``on_evict`` callback: the key's work must be complete before it is serialized."""
-        record = self.registry.get(key)
-        if record is None or self.runtime is None:
+        if self.runtime is None:
             return
-        try:
-            self.runtime.backend.synchronize_event(record.event)
-        except Exception as e:
-            # Spilled anyway (the value is garbage either way); the key is dropped next.
-            error = _as_kernel_error(key, e)
-            self.worker.loop.add_callback(self._drop, self.worker, {key: error})
-            self._clear_stream_errors_soon()
+        for record in self._sources((key,)):
+            try:
+                error = self.runtime.backend.event_error(record.event)  # blocks the loop
+            except Exception as e:
+                error = e
+            if error is not None:
+                # Spilled anyway (the value is garbage either way); the key is dropped next.
+                failed = {key: _as_kernel_error(record.key, error)}
+                self.worker.loop.add_callback(self._drop, self.worker, failed)
+                self._clear_stream_errors_soon()
+                return
+        self._taint.pop(key, None)
 
     # ------------------------------------------------------------------ failures
 
@@ -438,7 +477,7 @@ class StreamsPlugin(WorkerPlugin):
 
         Runs on the event loop, outside the state machine. A key with dependents that
         still need it on this worker is released once they have left (they fail on
-        their own through :meth:`_failed_input`).
+        their own when they start, see :meth:`_input_states`).
         """
         for key, error in failed.items():
             if key not in self.failures:

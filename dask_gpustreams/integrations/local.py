@@ -49,7 +49,11 @@ class LocalSchedulerHook(Callback):
         if run is None:
             return
         runtime, registry = run
-        if not errored:
+        if errored:
+            # The exception being raised wins; wait for this graph's work so that a
+            # kernel failure it left behind is reported here, not by the next compute.
+            runtime.drain(registry)
+        else:
             runtime.synchronize(state.get("cache", ()), registry)
         runtime.collect()
 

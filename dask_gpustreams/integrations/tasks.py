@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from typing import Any
 
@@ -37,10 +38,28 @@ class OnStream:
     def __repr__(self) -> str:
         return f"OnStream({self.node!r})"
 
+    def __reduce__(self):
+        # Pickled for another process (the multiprocessing scheduler): streams and
+        # events stay here, so the task runs there as it would without the plugin.
+        return (Unwrapped, (self.node, self.dep_keys))
 
-def transfer_rewrites(runtime: StreamRuntime) -> dict[int, Any]:
-    """``id(f) -> replacement`` for the backend's upload and download functions."""
-    backend = runtime.backend
+
+class Unwrapped:
+    """A wrapped task's function once it left the process: the original node, no stream."""
+
+    __slots__ = ("node", "dep_keys")
+
+    def __init__(self, node: GraphNode, dep_keys: tuple[Hashable, ...]):
+        self.node = node
+        self.dep_keys = dep_keys
+
+    def __call__(self, *values: Any) -> Any:
+        return self.node(dict(zip(self.dep_keys, values, strict=True)))
+
+
+@functools.cache
+def transfer_rewrites(backend: type) -> dict[int, Any]:
+    """``id(f) -> replacement`` for the upload and download functions of a backend class."""
     table = {id(f): to_device for f in backend.upload_functions}
     table.update({id(f): to_host for f in backend.download_functions})
     return table
@@ -97,7 +116,7 @@ def wrap_task(
         )
     if not isinstance(node, Task) or isinstance(node.func, OnStream) or node.is_coro:
         return node
-    node = rewrite_transfers(node, transfer_rewrites(runtime))
+    node = rewrite_transfers(node, transfer_rewrites(type(runtime.backend)))
     dep_keys = tuple(node.dependencies)
     return Task(
         node.key,

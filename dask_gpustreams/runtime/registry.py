@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 from dask_gpustreams.runtime.pool import StreamSlot
@@ -39,6 +39,9 @@ class EventRegistry:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._records))
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._records

@@ -7,6 +7,7 @@ for each task with the task's inputs and an :class:`EventRegistry`, and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -132,6 +133,12 @@ class StreamRuntime:
         """
         for record in registry.records(keys):
             self.backend.synchronize_event(record.event)
+
+    def drain(self, registry: EventRegistry) -> None:
+        """Wait for the work of every key of ``registry``, reporting (not raising) failures."""
+        for record in registry.records(registry):
+            with contextlib.suppress(Exception):
+                self.backend.synchronize_event(record.event)
 
     def collect(self) -> int:
         """Release the inputs of every task whose event has completed; return those left."""

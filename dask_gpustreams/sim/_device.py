@@ -12,6 +12,7 @@ reported, it is neither raised nor passed on again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -108,11 +109,13 @@ class Stream:
         self.enqueue(wait)
 
     def synchronize(self) -> None:
-        """Block until all enqueued work is done; raise (and clear) the stream's error."""
-        event = self.record()
-        event._marker.done.wait()
-        if self._error is not None:
-            raise self.device._consume(self._error)
+        """Block until all enqueued work is done; raise (and clear) the stream's error.
+
+        The error is the one the sync's own marker saw, not the stream's error
+        read afterwards: work enqueued after the sync may fail meanwhile, and
+        clearing its error here would hide it from that work's events.
+        """
+        self.record().synchronize()
 
     def __enter__(self) -> Stream:
         self.device._push(self)
@@ -136,6 +139,18 @@ class Event:
         marker = self._marker
         return marker is None or marker.done.is_set()
 
+    def wait(self) -> KernelError | None:
+        """Block until the recorded point is reached; return the error of failed work before it.
+
+        Unlike :meth:`synchronize`, this neither raises nor reports the error:
+        it returns it on every call, reported or not (None if the work succeeded).
+        """
+        marker = self._marker
+        if marker is None:
+            return None
+        marker.done.wait()
+        return marker.error
+
     def synchronize(self) -> None:
         """Block until the recorded point is reached; raise the error of failed work before it."""
         marker = self._marker
@@ -155,6 +170,11 @@ class Event:
 
 
 _factory_token = object()
+
+
+def _clear_error(error: KernelError, stream: Stream) -> None:
+    if stream._error is error:
+        stream._error = None
 
 
 class Device:
@@ -183,7 +203,8 @@ class Device:
         self._reported_errors.add(error)
         for stream in list(self._streams):
             if stream._error is error:
-                stream._error = None
+                # In stream order: work enqueued before the report still sees the error.
+                stream.enqueue(functools.partial(_clear_error, error))
         return error
 
     def _reported(self, error: KernelError) -> bool:

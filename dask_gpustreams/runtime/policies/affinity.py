@@ -104,8 +104,13 @@ class Auto(StreamPolicy):
         index = slot.index
         known = self._levels.setdefault(index, {})
         known[slot.seq + slot.pending + 1] = self._tail[index] = start + 1
-        if len(known) > self.history:
+        if len(known) > self.history:  # drop completed tasks, oldest first
             done = slot.seq - len(slot.inflight)
-            for seq in [s for s in known if s <= done]:
+            stale = []
+            for seq in known:
+                if seq > done:
+                    break
+                stale.append(seq)
+            for seq in stale:
                 del known[seq]
         return slot

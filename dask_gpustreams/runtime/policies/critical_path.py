@@ -16,11 +16,15 @@ from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
 
 @register_policy
 class CriticalPath(StreamPolicy):
-    """Critical tasks on the least-loaded high-priority stream, the rest on the others.
+    """Critical tasks first on high-priority streams; the rest on the others.
 
     A quarter of the pool (at least one stream, and at least one left over)
     is created with the device's top priority, so the GPU schedules the blocks
-    of critical kernels first when both kinds are queued.
+    of critical kernels first when both kinds are queued. A critical task takes
+    the least-loaded stream of the whole pool, high-priority streams winning
+    ties, so a graph that is mostly critical still spreads; other tasks keep
+    to the normal streams. Without graph knowledge (``critical`` is None, as
+    on distributed workers) every task takes the least-loaded stream.
     """
 
     name = "critical-path"
@@ -32,10 +36,8 @@ class CriticalPath(StreamPolicy):
     def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
         slots = pool.slots
         n_high = pool.n_high_priority
-        if n_high == 0:
+        if n_high == 0 or task.critical is None or task.critical:
             return least_loaded(pool, slots)
-        if task.critical:
-            return least_loaded(pool, slots[:n_high])
         return least_loaded(pool, slots[n_high:])
 
 

@@ -1,0 +1,98 @@
+"""The ``auto`` policy while the host runs far ahead of the device (the benchmark's regime).
+
+Streams are held by a gate, so nothing completes while a whole graph is
+assigned, as when kernels are long: every choice must then come from what
+is queued, not from what has finished.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dask_gpustreams import sim
+from dask_gpustreams.backends.sim import SimBackend
+from dask_gpustreams.runtime import EventRegistry, StreamPool, TaskRecord
+from dask_gpustreams.runtime.policies import Auto, TaskInfo
+
+
+@pytest.fixture
+def blocked():
+    """``run(key, producers, gate=None)``: assign, wait and record a task on 4 sim streams.
+
+    Each task's kernel waits for ``gate`` (default: one gate opened when the
+    test ends), so by default nothing completes while the graph is assigned.
+    """
+    backend = SimBackend()
+    pool = StreamPool(backend, 4)
+    held = threading.Event()
+    policy = Auto()
+    registry = EventRegistry()
+
+    def run(key, producers=(), gate=None):
+        """What the runtime does for one task, with a kernel held by ``gate``."""
+        with pool.assign_lock:
+            slot = policy.select(TaskInfo(key, tuple(producers), registry), pool)
+            pool.assign(slot)
+        for r in producers:
+            if r.slot is not slot:
+                pool.wait(slot, r.slot, r.event, r.seq)
+        with backend.use_stream(slot.stream):
+            sim.launch((gate or held).wait, 10)
+        event = backend.create_event()
+        seq = pool.record(slot, event, None, True)
+        record = TaskRecord(key, slot, event, seq)
+        registry.add(record)
+        return record
+
+    yield run
+    held.set()
+    pool.synchronize()
+
+
+def streams(records):
+    return sorted(r.slot.index for r in records)
+
+
+def test_chains_stay_on_their_streams(blocked):
+    heads = [blocked(("c", i, 0)) for i in range(4)]
+    assert streams(heads) == [0, 1, 2, 3]
+    last = heads
+    for d in range(1, 5):
+        last = [blocked(("c", i, d), [last[i]]) for i in range(4)]
+        assert [r.slot for r in last] == [h.slot for h in heads]
+
+
+def test_fanouts_spread_behind_each_join(blocked):
+    join = blocked("root")
+    for d in range(3):
+        branches = [blocked(("b", d, i), [join]) for i in range(4)]
+        assert streams(branches) == [0, 1, 2, 3]  # no branch queued behind a sibling
+        assert branches[0].slot is join.slot  # the first one needs no event
+        join = blocked(("join", d), branches)
+
+
+def test_layers_spread_when_every_stream_is_busy(blocked):
+    # chainlink: (i, d) reads (i, d-1) and (i+1, d-1); all of layer d-1 is still queued.
+    layer = [blocked(("l", i, 0)) for i in range(4)]
+    for d in range(1, 5):
+        layer = [blocked(("l", i, d), [layer[i], layer[(i + 1) % 4]]) for i in range(4)]
+        assert streams(layer) == [0, 1, 2, 3]
+
+
+def test_a_branch_avoids_a_stream_freed_early_and_taken_by_a_sibling(blocked):
+    # One branch of a fan-out ends early; its stream takes the next fan-out's first
+    # branch. The other branches must go to streams whose work the join waits for
+    # anyway, not queue behind that sibling (equal queue lengths, unequal waits).
+    done = threading.Event()
+    done.set()
+    root = blocked("root", gate=done)
+    early = threading.Event()
+    branches = [blocked(("b", i), [root], gate=early if i == 1 else None) for i in range(4)]
+    assert streams(branches) == [0, 1, 2, 3]
+    join = blocked("join", branches)
+    early.set()
+    branches[1].event.synchronize()
+    after = [blocked(("c", i), [join]) for i in range(4)]
+    assert streams(after) == [0, 1, 2, 3]
