@@ -152,6 +152,7 @@ class TileGemm:
     def __call__(self, a: Any, b: Any, c: Any = None) -> Any:
         if self.backend == "cupy":
             import cupy
+            import cupy.cublas
 
             if c is None:
                 return cupy.matmul(a, b)

@@ -9,6 +9,9 @@ from typing import Any
 
 from dask_gpustreams.backends.base import Backend
 
+#: In-flight tasks on a stream before recording another one drops the completed ones.
+COLLECT_AT = 16
+
 
 class StreamSlot:
     """One stream of a pool, with the tasks recorded on it that are not known to be done.
@@ -108,8 +111,11 @@ class StreamPool:
         inflight = slot.inflight
         done = self.backend.done
         with slot.lock:
-            while inflight and done(inflight[0][0]):
-                inflight.popleft()
+            # Completed work is dropped in batches: a query per task costs more than
+            # holding a few finished tasks' inputs a little longer.
+            if len(inflight) >= COLLECT_AT:
+                while inflight and done(inflight[0][0]):
+                    inflight.popleft()
             self.backend.record(event, slot.stream)
             if assigned:
                 slot.pending -= 1
