@@ -9,10 +9,6 @@ from typing import Any
 
 from dask_gpustreams.backends.base import Backend
 
-#: In-flight tasks on a stream before recording another one drops the completed ones.
-COLLECT_AT = 16
-
-
 class StreamSlot:
     """One stream of a pool, with the tasks recorded on it that are not known to be done.
 
@@ -111,11 +107,8 @@ class StreamPool:
         inflight = slot.inflight
         done = self.backend.done
         with slot.lock:
-            # Completed work is dropped in batches: a query per task costs more than
-            # holding a few finished tasks' inputs a little longer.
-            if len(inflight) >= COLLECT_AT:
-                while inflight and done(inflight[0][0]):
-                    inflight.popleft()
+            while inflight and done(inflight[0][0]):
+                inflight.popleft()
             self.backend.record(event, slot.stream)
             if assigned:
                 slot.pending -= 1
