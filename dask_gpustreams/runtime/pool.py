@@ -9,6 +9,7 @@ from typing import Any
 
 from dask_gpustreams.backends.base import Backend
 
+
 class StreamSlot:
     """One stream of a pool, with the tasks recorded on it that are not known to be done.
 
