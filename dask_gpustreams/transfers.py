@@ -28,8 +28,12 @@ def _runtime_task() -> tuple[Any, Any, list | None]:
 def to_device(x: Any, dtype: Any = None) -> Any:
     """``x`` on the device; device arrays of the right dtype are returned unchanged."""
     runtime, stream, holds = _runtime_task()
-    if runtime.backend.is_device_array(x):
-        return x if dtype is None or np.dtype(dtype) == x.dtype else x.astype(dtype)
+    backend = runtime.backend
+    if backend.is_device_array(x):
+        if dtype is None or np.dtype(dtype) == x.dtype:
+            return x
+        with backend.use_stream(stream):
+            return backend.upload_functions[0](x, dtype)
     host = np.asarray(x, dtype=dtype)
     return runtime.transfers.to_device(host, stream, holds)
 

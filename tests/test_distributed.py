@@ -522,6 +522,17 @@ def test_a_backend_that_cannot_start_fails_the_task():
             client.submit(on_pool_stream, pure=False).result()
 
 
+def test_a_failure_while_wrapping_fails_the_task_instead_of_running_it_unwrapped(monkeypatch):
+    def broken(self, key):
+        raise RuntimeError(f"cannot wrap {key}")
+
+    monkeypatch.setattr(StreamsPlugin, "_prepare", broken)
+    with cluster(n_workers=1) as client:  # in-process workers share the patched class
+        future = client.submit(on_pool_stream, pure=False, key="victim")
+        with pytest.raises(RuntimeError, match="cannot wrap victim"):
+            future.result()
+
+
 def test_unregistering_restores_the_worker():
     with cluster(n_workers=1) as client:
         x = client.submit(produce, 1000, 1.0, 0.1, pure=False)

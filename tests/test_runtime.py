@@ -296,3 +296,48 @@ def test_pool_records_in_stream_order_and_skips_covered_waits():
     gate.set()
     pool.synchronize()
     assert (pool.collect(s0), len(s0.inflight)) == (0, 0)
+
+
+def test_a_task_failing_before_its_event_leaves_no_pending_count(by_key, monkeypatch):
+    rt = make_runtime(streams=2)
+    by_key["t"] = 1
+    monkeypatch.setattr(SimBackend, "create_event", lambda self, timing=False: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        rt.run("t", lambda inputs: None, {}, EventRegistry())
+    assert [slot.pending for slot in rt.pool.slots] == [0, 0]
+
+
+def test_host_far_ahead_of_a_stream_waits_for_its_oldest_task(by_key):
+    """Back-pressure bounds the inputs held per stream; results stay exact."""
+    rt = make_runtime(streams=1)
+    rt.pool.max_inflight = 4
+    gate = threading.Event()
+    registry = EventRegistry()
+    values = {}
+
+    def add_one(key):
+        def kernel(out, x):
+            np.add(x, 1.0, out=out)
+
+        def task(inputs):
+            out = sim.empty(N)
+            sim.launch(kernel, out, inputs[key])
+            return out
+
+        return task
+
+    def chain():
+        values["x0"] = rt.run("x0", produce(0.0, gate), {}, registry)
+        for i in range(1, 10):
+            prev = f"x{i - 1}"
+            values[f"x{i}"] = rt.run(f"x{i}", add_one(prev), {prev: values[prev]}, registry)
+
+    host = threading.Thread(target=chain)
+    host.start()
+    host.join(timeout=0.3)
+    assert host.is_alive()  # blocked behind the gated first kernel
+    assert len(rt.pool.slots[0].inflight) <= 4
+    gate.set()
+    host.join(GATE_TIMEOUT)
+    rt.synchronize(["x9"], registry)
+    np.testing.assert_array_equal(values["x9"]._view, np.full(N, 9.0))

@@ -162,3 +162,51 @@ def test_invalid_pinned_pool_size(value):
         pytest.raises(ValueError, match=message),
     ):
         StreamsConfig.from_dask_config()
+
+
+def test_pinned_pool_is_usable_after_a_failed_upload(monkeypatch):
+    rt = get_runtime(StreamsConfig(backend="sim", pinned_pool_size=1 << 20))
+    stream = rt.backend.current_stream()
+    real_empty = SimBackend.empty
+    failures = iter(range(20))
+
+    def flaky_empty(self, shape, dtype):
+        if next(failures, None) is not None:
+            raise MemoryError("out of device memory")
+        return real_empty(self, shape, dtype)
+
+    monkeypatch.setattr(SimBackend, "empty", flaky_empty)
+    for _ in range(20):  # more failures than the pool has buffers of this size
+        with pytest.raises(MemoryError, match="out of device memory"):
+            rt.transfers.to_device(np.ones(2**16), stream)
+    x = rt.transfers.to_device(np.ones(2**16), stream)
+    np.testing.assert_array_equal(rt.transfers.to_host(x, stream), np.ones(2**16))
+
+
+def test_calls_with_more_arguments_keep_their_meaning(gpustreams):
+    host = np.arange(6, dtype=np.float64)
+    with gpustreams(streams=2):
+        x = dask.delayed(sim.asarray)(host, "float32")
+        y = dask.delayed(sim.asnumpy)(x)
+        result = y.compute()
+    assert result.dtype == np.float32
+    np.testing.assert_array_equal(result, host.astype(np.float32))
+
+
+def test_to_device_converts_device_arrays_between_dtypes():
+    with dask.config.set({"gpustreams.backend": "sim"}):
+        x = to_device(np.arange(4, dtype=np.int64))
+        y = to_device(x, "float32")
+        assert to_device(x) is x
+    assert y.dtype == np.float32
+    np.testing.assert_array_equal(to_host(y), np.arange(4, dtype=np.float32))
+
+
+def test_several_copy_streams_are_all_used():
+    rt = get_runtime(StreamsConfig(backend="sim", copy_streams=2))
+    stream = rt.backend.current_stream()
+    for i in range(8):
+        x = rt.transfers.to_device(np.full(10, float(i)), stream)
+        assert rt.transfers.to_host(x, stream)[0] == i
+    assert [s.seq for s in rt.transfers.h2d.slots] == [4, 4]
+    assert [s.seq for s in rt.transfers.d2h.slots] == [4, 4]

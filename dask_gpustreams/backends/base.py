@@ -18,6 +18,7 @@ class Backend(Protocol):
     device_id: int
     #: Functions that copy host data to this device / device data to the host, which
     #: integrations may replace by the runtime's staged copies (``cupy.asarray``, ...).
+    #: The first upload function also converts device arrays between dtypes.
     upload_functions: tuple
     download_functions: tuple
 

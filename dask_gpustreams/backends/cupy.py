@@ -24,8 +24,8 @@ class CupyBackend:
     """Streams, events and arrays of the device current when it is created."""
 
     name = "cupy"
-    name = "cupy"
-    upload_functions = (cupy.asarray, cupy.array)
+    # Not cupy.array: it always copies, a device array too, where to_device would not.
+    upload_functions = (cupy.asarray,)
     download_functions = (cupy.asnumpy, cupy.ndarray.get)
 
     def __init__(self) -> None:

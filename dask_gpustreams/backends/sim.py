@@ -15,7 +15,6 @@ class SimBackend:
     """Streams, events and arrays of :func:`dask_gpustreams.sim.get_device`."""
 
     name = "sim"
-    name = "sim"
     upload_functions = (sim.asarray,)
     download_functions = (sim.asnumpy,)
 

@@ -304,7 +304,13 @@ class StreamsPlugin(WorkerPlugin):
         if not self._active:
             return
         if finish == "executing":
-            self._prepare(key)
+            try:
+                self._prepare(key)
+            except Exception as e:  # distributed only logs this: fail the task instead
+                ts = self.worker.state.tasks.get(key)
+                if ts is not None and ts.run_spec is not None:
+                    node = ts.run_spec
+                    ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
             return
         if start in _RUNNING or finish in _GONE:
             self._wrapped.discard(key)

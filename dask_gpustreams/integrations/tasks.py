@@ -83,7 +83,9 @@ def rewrite_transfers(node: GraphNode, table: dict[int, Any]) -> GraphNode:
         args = (new_inner, *args[1:])
     else:
         new_args = tuple(rewrite_transfers(a, table) for a in args)
-        replacement = table.get(id(func))
+        # Only the plain one-argument call: other arguments (dtype, order, stream, out)
+        # keep their meaning with the original function.
+        replacement = table.get(id(func)) if len(args) == 1 and not node.kwargs else None
         if replacement is None and all(a is b for a, b in zip(new_args, args, strict=True)):
             return node
         func = replacement or func

@@ -30,7 +30,6 @@ class PinnedPool:
         self._free: dict[int, list[np.ndarray]] = defaultdict(list)
         self._inflight: deque[tuple[Any, np.ndarray]] = deque()
         self._total = 0
-        self._held = 0
         self._changed = threading.Condition()
 
     def total_bytes(self) -> int:
@@ -67,14 +66,18 @@ class PinnedPool:
                     continue
                 else:
                     continue
-                self._held += 1
                 return buffer
 
-    def release(self, buffer: np.ndarray, event: Any) -> None:
-        """Give ``buffer`` back; it is reused once ``event`` (its copy) has completed."""
+    def release(self, buffer: np.ndarray, event: Any | None) -> None:
+        """Give ``buffer`` back; it is reused once ``event`` (its copy) has completed.
+
+        ``event`` None: no copy was enqueued, the buffer is free at once.
+        """
         with self._changed:
-            self._held -= 1
-            self._inflight.append((event, buffer))
+            if event is None:
+                self._free[buffer.nbytes].append(buffer)
+            else:
+                self._inflight.append((event, buffer))
             self._changed.notify_all()
 
     def _reclaim(self) -> None:

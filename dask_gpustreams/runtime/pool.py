@@ -9,6 +9,9 @@ from typing import Any
 
 from dask_gpustreams.backends.base import Backend
 
+#: Default of :attr:`StreamPool.max_inflight`: bounds the inputs held per stream.
+MAX_INFLIGHT = 256
+
 
 class StreamSlot:
     """One stream of a pool, with the tasks recorded on it that are not known to be done.
@@ -51,6 +54,8 @@ class StreamPool:
         self.n_high_priority = min(n_high_priority, n_streams)
         self._slots: list[StreamSlot] | None = None
         self._lock = threading.Lock()
+        #: Tasks queued on one stream before recording another waits for the oldest.
+        self.max_inflight = MAX_INFLIGHT
         #: Held while a task's stream is chosen, so concurrent choices see each other.
         self.assign_lock = threading.Lock()
 
@@ -90,6 +95,11 @@ class StreamPool:
         with slot.lock:
             slot.pending += 1
 
+    def unassign(self, slot: StreamSlot) -> None:
+        """Undo :meth:`assign` for a task that failed before its event was recorded."""
+        with slot.lock:
+            slot.pending -= 1
+
     def load(self, slot: StreamSlot) -> int:
         """Tasks assigned to ``slot`` whose completion event has not been seen to fire."""
         return self.collect(slot) + slot.pending
@@ -110,6 +120,10 @@ class StreamPool:
         with slot.lock:
             while inflight and done(inflight[0][0]):
                 inflight.popleft()
+            if len(inflight) >= self.max_inflight:
+                # Back-pressure: the host is far ahead of this stream, and every task
+                # queued holds its inputs; wait (never raise) for the oldest one.
+                self.backend.event_error(inflight.popleft()[0])
             self.backend.record(event, slot.stream)
             if assigned:
                 slot.pending -= 1

@@ -97,29 +97,33 @@ class StreamRuntime:
         with pool.assign_lock:
             slot = self.policy.select(TaskInfo(key, producers, registry, critical), pool)
             pool.assign(slot)
-        latest: dict[int, TaskRecord] = {}
-        for r in producers:
-            if r.slot is not slot:
-                seen = latest.get(r.slot.index)
-                if seen is None or r.seq > seen.seq:
-                    latest[r.slot.index] = r
-        for r in latest.values():
-            pool.wait(slot, r.slot, r.event, r.seq)
-        start = None
-        if self.timeline is not None:
-            start = backend.create_event(timing=True)
-            backend.record(start, slot.stream)
-        event = backend.create_event(timing=start is not None)
+        event = start = None
         holds: list = []
         active = _active.__dict__
-        active["runtime"], active["stream"], active["holds"] = self, slot.stream, holds
+        previous = active.get("runtime"), active.get("stream"), active.get("holds")
         try:
+            latest: dict[int, TaskRecord] = {}
+            for r in producers:
+                if r.slot is not slot:
+                    seen = latest.get(r.slot.index)
+                    if seen is None or r.seq > seen.seq:
+                        latest[r.slot.index] = r
+            for r in latest.values():
+                pool.wait(slot, r.slot, r.event, r.seq)
+            if self.timeline is not None:
+                start = backend.create_event(timing=True)
+                backend.record(start, slot.stream)
+            event = backend.create_event(timing=start is not None)
+            active["runtime"], active["stream"], active["holds"] = self, slot.stream, holds
             with backend.use_stream(slot.stream, key):
                 result = fn(inputs)
         finally:
-            active["runtime"] = active["stream"] = active["holds"] = None
-            # Recorded even if fn raised: kernels it enqueued may still read the inputs.
-            seq = pool.record(slot, event, (inputs, holds) if holds else inputs, True)
+            active["runtime"], active["stream"], active["holds"] = previous
+            if event is None:
+                pool.unassign(slot)
+            else:
+                # Recorded even if fn raised: kernels it enqueued may still read the inputs.
+                seq = pool.record(slot, event, (inputs, holds) if holds else inputs, True)
         record = TaskRecord(key, slot, event, seq, start)
         registry.add(record)
         if self.timeline is not None:

@@ -29,11 +29,11 @@ class Transfers:
         self.h2d = StreamPool(backend, copy_streams)
         self.d2h = StreamPool(backend, copy_streams)
         self.pinned = PinnedPool(backend, pinned_limit)
-        self._counter = itertools.count()
+        self._turns = {id(self.h2d): itertools.count(), id(self.d2h): itertools.count()}
 
     def _next(self, pool: StreamPool) -> StreamSlot:
         slots = pool.slots
-        return slots[next(self._counter) % len(slots)]
+        return slots[next(self._turns[id(pool)]) % len(slots)]
 
     def to_device(self, host: Any, stream: Any, holds: list | None = None) -> Any:
         """Upload ``host`` on a copy stream; ``stream`` waits for the copy, the host does not.
@@ -54,22 +54,26 @@ class Transfers:
                 return backend.empty(host.shape, host.dtype)
         slot = self._next(self.h2d)
         buffer = self.pinned.acquire(host.nbytes)
-        staged = buffer[: host.nbytes].view(host.dtype).reshape(host.shape)
-        np.copyto(staged, host)
-        if holds is not None:
-            with backend.use_stream(slot.stream):
-                out = backend.empty(host.shape, host.dtype)
-            holds.append(out)
-        else:
-            with backend.use_stream(stream):
-                out = backend.empty(host.shape, host.dtype)
-            allocated = backend.create_event()
-            backend.record(allocated, stream)
-            backend.wait_event(slot.stream, allocated)
-        copied = backend.create_event()
-        backend.copy_to_device(out, staged, slot.stream)
-        self.h2d.record(slot, copied, None)
-        self.pinned.release(buffer, copied)
+        copied = None
+        try:
+            staged = buffer[: host.nbytes].view(host.dtype).reshape(host.shape)
+            np.copyto(staged, host)
+            if holds is not None:
+                with backend.use_stream(slot.stream):
+                    out = backend.empty(host.shape, host.dtype)
+                holds.append(out)
+            else:
+                with backend.use_stream(stream):
+                    out = backend.empty(host.shape, host.dtype)
+                allocated = backend.create_event()
+                backend.record(allocated, stream)
+                backend.wait_event(slot.stream, allocated)
+            copied = backend.create_event()
+            backend.copy_to_device(out, staged, slot.stream)
+            self.h2d.record(slot, copied, None)
+        finally:
+            # Reused once the copy is done; at once if it was never enqueued.
+            self.pinned.release(buffer, copied)
         backend.wait_event(stream, copied)
         return out
 
@@ -81,11 +85,12 @@ class Transfers:
         backend.record(ready, stream)
         backend.wait_event(slot.stream, ready)
         buffer = self.pinned.acquire(device.nbytes)
-        staged = buffer[: device.nbytes].view(device.dtype).reshape(device.shape)
-        copied = backend.create_event()
-        backend.copy_to_host(staged, device, slot.stream)
-        self.d2h.record(slot, copied, device)
+        copied = None
         try:
+            staged = buffer[: device.nbytes].view(device.dtype).reshape(device.shape)
+            copied = backend.create_event()
+            backend.copy_to_host(staged, device, slot.stream)
+            self.d2h.record(slot, copied, device)
             backend.synchronize_event(copied)
             return staged.copy()
         finally:
