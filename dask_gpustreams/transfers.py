@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from dask_gpustreams.runtime import get_runtime
-from dask_gpustreams.runtime.transfers import active_task
+from dask_gpustreams.runtime.context import active_task
 
 
 def _runtime_task() -> tuple[Any, Any, list | None]:

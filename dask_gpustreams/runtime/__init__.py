@@ -1,4 +1,4 @@
-"""The scheduler-independent stream runtime: pools, event registry, lifetime, task wrapper."""
+"""The scheduler-independent stream runtime: pools, event registry, lifetime, copies, policies."""
 
 from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord

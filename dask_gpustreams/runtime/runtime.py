@@ -18,10 +18,11 @@ from typing import Any
 
 from dask_gpustreams.backends import Backend, create_backend, current_device, resolve_backend
 from dask_gpustreams.config import StreamsConfig
+from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
 from dask_gpustreams.runtime.pool import StreamPool
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
-from dask_gpustreams.runtime.transfers import Transfers, _active
+from dask_gpustreams.runtime.transfers import Transfers
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -54,7 +55,7 @@ class StreamRuntime:
                 f"would serialize falsely. Set {variable}={n_streams} in the environment "
                 "before the CUDA context is created to use more.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             n_streams = queues
         self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
@@ -99,7 +100,7 @@ class StreamRuntime:
             pool.assign(slot)
         event = start = None
         holds: list = []
-        active = _active.__dict__
+        active = task_state.__dict__
         previous = active.get("runtime"), active.get("stream"), active.get("holds")
         try:
             latest: dict[int, TaskRecord] = {}
@@ -139,7 +140,7 @@ class StreamRuntime:
             self.backend.synchronize_event(record.event)
 
     def drain(self, registry: EventRegistry) -> None:
-        """Wait for the work of every key of ``registry``, reporting (not raising) failures."""
+        """Wait for the work of every key of ``registry``; failures are consumed, not raised."""
         for record in registry.records(registry):
             with contextlib.suppress(Exception):
                 self.backend.synchronize_event(record.event)

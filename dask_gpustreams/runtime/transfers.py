@@ -11,7 +11,6 @@ waits (on the host) for its own copy only.
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import Any
 
 import numpy as np
@@ -100,15 +99,3 @@ class Transfers:
         """Block until every copy stream is idle."""
         self.h2d.synchronize()
         self.d2h.synchronize()
-
-
-_active = threading.local()
-
-
-def active_task() -> tuple[Any, Any, list | None]:
-    """``(runtime, stream, holds)`` of the task the runtime runs in this thread, or Nones."""
-    return (
-        getattr(_active, "runtime", None),
-        getattr(_active, "stream", None),
-        getattr(_active, "holds", None),
-    )
