@@ -89,7 +89,9 @@ class StreamRuntime:
 
         The stream first waits (on the device) for the events of the inputs
         produced on other streams; the inputs are held until the task's own
-        event completes. Returns as soon as the task's work is enqueued.
+        event completes. Returns as soon as the task's work is enqueued, unless
+        more than ``pool.max_inflight`` tasks are queued on the stream: then it
+        first waits for the oldest (back-pressure bounds the inputs held).
         """
         backend = self.backend
         pool = self.pool
