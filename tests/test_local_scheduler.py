@@ -22,7 +22,7 @@ from dask.callbacks import Callback
 
 from dask_gpustreams import KernelError, sim
 from dask_gpustreams.integrations.local import hook
-from dask_gpustreams.integrations.tasks import OnStream
+from dask_gpustreams.integrations.tasks import StreamTask
 from dask_gpustreams.runtime import StreamPool, get_runtime
 from dask_gpustreams.runtime import runtime as runtime_module
 from dask_gpustreams.runtime.policies import make_policy, policy_names
@@ -396,14 +396,14 @@ class SeenTasks(Callback):
         self.funcs = []
 
     def _pretask(self, key, dsk, state):
-        self.funcs.append(getattr(dsk[key], "func", None))
+        self.funcs.append(dsk[key])
 
 
 def test_enabled_through_dask_config_runs_tasks_on_pool_streams(gpustreams):
     with gpustreams(streams=3, policy="round-robin"), SeenTasks() as seen:
         slots = dask.compute(*[delayed(where_am_i, pure=False)() for _ in range(6)])
     assert sorted(slots) == [0, 0, 1, 1, 2, 2]
-    assert all(isinstance(f, OnStream) for f in seen.funcs)
+    assert all(isinstance(f, StreamTask) for f in seen.funcs)
 
 
 def test_disabled_wraps_nothing(rng):
@@ -416,7 +416,7 @@ def test_disabled_wraps_nothing(rng):
     assert type(result) is np.ndarray
     np.testing.assert_array_equal(result, -A)
     assert isinstance(x, sim.SimArray)
-    assert seen.funcs and not any(isinstance(f, OnStream) for f in seen.funcs)
+    assert seen.funcs and not any(isinstance(f, StreamTask) for f in seen.funcs)
     assert runtime_module._runtimes == {}
     assert hook._runs == {}
 

@@ -1,5 +1,7 @@
 """Copy streams and pinned staging on the simulated device: exact results, no reuse in flight."""
 
+import gc
+import logging
 import threading
 import time
 
@@ -210,3 +212,94 @@ def test_several_copy_streams_are_all_used():
         assert rt.transfers.to_host(x, stream)[0] == i
     assert [s.seq for s in rt.transfers.h2d.slots] == [4, 4]
     assert [s.seq for s in rt.transfers.d2h.slots] == [4, 4]
+
+
+def test_download_is_counted_as_taken_pinned_memory_while_alive():
+    rt = get_runtime(StreamsConfig(backend="sim", pinned_pool_size=1 << 20))
+    stream = rt.backend.current_stream()
+    pinned = rt.transfers.pinned
+    result = rt.transfers.to_host(rt.transfers.to_device(np.arange(1000.0), stream), stream)
+    np.testing.assert_array_equal(result, np.arange(1000.0))
+    assert pinned.taken_bytes() == 8000
+    view = result[::2]
+    del result
+    gc.collect()
+    assert pinned.taken_bytes() == 8000  # a view keeps the buffer alive
+    del view
+    gc.collect()
+    assert pinned.taken_bytes() == 0
+
+
+def test_results_held_beyond_the_allowance_are_staged_exactly():
+    host = np.random.default_rng(4).standard_normal((16, 2**16))  # chunks of 512 KiB
+    meta = np.empty((0, 0))
+    x = (
+        da.from_array(host, chunks=(1, 2**16))
+        .map_blocks(sim.asarray, meta=meta)
+        .map_blocks(slow_kernel(5, 3.0), meta=meta)
+        .map_blocks(sim.asnumpy, meta=meta)
+    )
+    with dask.config.set(config(**{"gpustreams.pinned-pool-size": 1 << 20})):
+        held = x.persist()  # holds all 16 results: 2 pinned, 14 staged
+        rt = get_runtime()
+        pinned = rt.transfers.pinned
+        assert pinned.taken_bytes() == 1 << 20
+        stream = rt.backend.current_stream()
+        up = rt.transfers.to_device(np.ones(2**17), stream)  # a chunk as large as the pool
+        np.testing.assert_array_equal(rt.transfers.to_host(up, stream), np.ones(2**17))
+        np.testing.assert_array_equal(held.compute(), host * 3.0)
+    del held
+    gc.collect()
+    assert pinned.taken_bytes() == 0
+
+
+def test_results_are_never_overwritten_by_later_downloads():
+    rt = get_runtime(StreamsConfig(backend="sim", pinned_pool_size=1 << 20))
+    stream = rt.backend.current_stream()
+    pinned = rt.transfers.pinned
+    n = 2**15  # 256 KiB of float64: four results fill the allowance
+
+    def download(value):
+        return rt.transfers.to_host(rt.transfers.to_device(np.full(n, value), stream), stream)
+
+    first = [download(i) for i in range(2)]
+    later = [download(i) for i in range(2, 40)]  # two more pinned, then staged
+    assert pinned.taken_bytes() == 4 * n * 8
+    for i, result in enumerate(later, start=2):
+        np.testing.assert_array_equal(result, np.full(n, float(i)))
+    del later
+    gc.collect()
+    for i in range(40, 80):  # pinned, and freed at once
+        np.testing.assert_array_equal(download(i), np.full(n, float(i)))
+    for i, result in enumerate(first):
+        np.testing.assert_array_equal(result, np.full(n, float(i)))
+    assert pinned.taken_bytes() == 2 * n * 8
+
+
+def test_failed_pinned_result_allocation_falls_back_to_staging(monkeypatch, caplog):
+    rt = get_runtime(StreamsConfig(backend="sim", pinned_pool_size=1 << 20))
+    stream = rt.backend.current_stream()
+    x = rt.transfers.to_device(np.arange(1000.0), stream)
+    real_alloc = SimBackend.alloc_pinned
+    refusals = iter([RuntimeError("cudaErrorMemoryAllocation: out of memory")])
+
+    def refuse_once(self, nbytes):
+        error = next(refusals, None)
+        if error is not None:
+            raise error
+        return real_alloc(self, nbytes)
+
+    monkeypatch.setattr(SimBackend, "alloc_pinned", refuse_once)
+    with caplog.at_level(logging.DEBUG, logger="dask_gpustreams"):
+        result = rt.transfers.to_host(x, stream)
+    np.testing.assert_array_equal(result, np.arange(1000.0))
+    assert rt.transfers.pinned.taken_bytes() == 0
+    assert "no pinned buffer of 7.81 kiB" in caplog.text
+
+
+@pytest.mark.parametrize("shape, dtype", [((0,), np.float64), ((3, 0), np.complex64)])
+def test_zero_size_download(shape, dtype):
+    rt = get_runtime(StreamsConfig(backend="sim"))
+    stream = rt.backend.current_stream()
+    result = rt.transfers.to_host(rt.transfers.to_device(np.empty(shape, dtype), stream), stream)
+    assert result.shape == shape and result.dtype == dtype

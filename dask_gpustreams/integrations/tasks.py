@@ -3,58 +3,58 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
-from dask._task_spec import Alias, GraphNode, Task, TaskRef, _execute_subgraph
+from dask._task_spec import Alias, GraphNode, Task, _execute_subgraph
 
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 from dask_gpustreams.transfers import to_device, to_host
 
 
-class OnStream:
-    """The function of a wrapped task: runs the original node through the runtime."""
+class StreamTask(GraphNode):
+    """A graph node that runs ``node`` through the stream runtime, with its key and dependencies.
 
-    __slots__ = ("runtime", "registry", "node", "dep_keys", "critical")
+    Called by the scheduler with the values of its dependencies, as ``node``
+    would be. Pickled for another process (the multiprocessing scheduler), it
+    becomes ``node`` again: streams and events stay in this process.
+    """
+
+    __slots__ = ("node", "runtime", "registry", "critical")
 
     def __init__(
         self,
+        node: GraphNode,
         runtime: StreamRuntime,
         registry: EventRegistry,
-        node: GraphNode,
-        dep_keys: tuple[Hashable, ...],
-        critical: bool | None,
+        critical: bool | None = None,
     ):
+        self.key = node.key
+        self._dependencies = node.dependencies
+        self.node = node
         self.runtime = runtime
         self.registry = registry
-        self.node = node
-        self.dep_keys = dep_keys
         self.critical = critical
 
-    def __call__(self, *values: Any) -> Any:
-        inputs = dict(zip(self.dep_keys, values, strict=True))
-        return self.runtime.run(self.node.key, self.node, inputs, self.registry, self.critical)
+    @property
+    def data_producer(self) -> bool:
+        return self.node.data_producer
 
-    def __repr__(self) -> str:
-        return f"OnStream({self.node!r})"
+    def __call__(self, values: Mapping[Hashable, Any]) -> Any:
+        return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
 
     def __reduce__(self):
-        # Pickled for another process (the multiprocessing scheduler): streams and
-        # events stay here, so the task runs there as it would without the plugin.
-        return (Unwrapped, (self.node, self.dep_keys))
+        return self.node.__reduce__()
 
+    def __dask_tokenize__(self) -> Any:
+        return ("StreamTask", self.node)
 
-class Unwrapped:
-    """A wrapped task's function once it left the process: the original node, no stream."""
+    def substitute(self, subs: dict, key: Hashable | None = None) -> GraphNode:
+        node = self.node.substitute(subs, key)
+        return StreamTask(node, self.runtime, self.registry, self.critical)
 
-    __slots__ = ("node", "dep_keys")
-
-    def __init__(self, node: GraphNode, dep_keys: tuple[Hashable, ...]):
-        self.node = node
-        self.dep_keys = dep_keys
-
-    def __call__(self, *values: Any) -> Any:
-        return self.node(dict(zip(self.dep_keys, values, strict=True)))
+    def __repr__(self) -> str:
+        return f"StreamTask({self.node!r})"
 
 
 @functools.cache
@@ -82,10 +82,14 @@ def rewrite_transfers(node: GraphNode, table: dict[int, Any]) -> GraphNode:
             return node
         args = (new_inner, *args[1:])
     else:
+        replacement = table.get(id(func))
+        if replacement is None and not any(isinstance(a, Task) for a in args):
+            return node
         new_args = tuple(rewrite_transfers(a, table) for a in args)
         # Only the plain one-argument call: other arguments (dtype, order, stream, out)
         # keep their meaning with the original function.
-        replacement = table.get(id(func)) if len(args) == 1 and not node.kwargs else None
+        if len(args) != 1 or node.kwargs:
+            replacement = None
         if replacement is None and all(a is b for a, b in zip(new_args, args, strict=True)):
             return node
         func = replacement or func
@@ -99,7 +103,7 @@ def wrap_task(
     registry: EventRegistry,
     critical: bool | None = None,
 ) -> GraphNode:
-    """``node`` as a Task that runs it on a pool stream, keeping its key and dependencies.
+    """``node`` as a :class:`StreamTask`, which runs it on a pool stream.
 
     Calls of the backend's upload/download functions inside it become staged
     copies on the copy streams (:func:`rewrite_transfers`). An ``Alias`` runs
@@ -109,20 +113,11 @@ def wrap_task(
     Other nodes that are not plain synchronous tasks (data, coroutines) and
     nodes already wrapped are returned unchanged, so wrapping is idempotent.
     """
-    if isinstance(node, Alias) and node.target != node.key:
-        return Task(
-            node.key,
-            OnStream(runtime, registry, node, (node.target,), critical),
-            TaskRef(node.target),
-            _data_producer=node.data_producer,
-        )
-    if not isinstance(node, Task) or isinstance(node.func, OnStream) or node.is_coro:
+    if isinstance(node, Alias):
+        if node.target == node.key:
+            return node
+    elif not isinstance(node, Task) or node.is_coro:
         return node
-    node = rewrite_transfers(node, transfer_rewrites(type(runtime.backend)))
-    dep_keys = tuple(node.dependencies)
-    return Task(
-        node.key,
-        OnStream(runtime, registry, node, dep_keys, critical),
-        *(TaskRef(d) for d in dep_keys),
-        _data_producer=node.data_producer,
-    )
+    else:
+        node = rewrite_transfers(node, transfer_rewrites(type(runtime.backend)))
+    return StreamTask(node, runtime, registry, critical)

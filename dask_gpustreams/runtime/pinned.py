@@ -5,11 +5,17 @@ event of the copy that reads or writes it has completed, so the host side of
 a copy in flight is never overwritten. When the pool is full, :meth:`acquire`
 waits for the oldest copy in flight (back-pressure), never hands out a busy
 buffer, and raises only for a copy larger than the whole pool.
+
+:meth:`PinnedPool.take` hands out pinned buffers that leave the pool for good
+(download results), counted in an allowance of their own until they are
+garbage, so staging never waits on memory that users hold.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
 from collections import defaultdict, deque
 from typing import Any
 
@@ -18,11 +24,16 @@ from dask.utils import format_bytes
 
 from dask_gpustreams.backends.base import Backend
 
+logger = logging.getLogger("dask_gpustreams")
+
 _ROUND = 1 << 16
 
 
 class PinnedPool:
-    """Up to ``limit`` bytes of pinned buffers, cached by size and reused in event order."""
+    """Up to ``limit`` bytes of pinned buffers, cached by size and reused in event order.
+
+    Apart from those, up to ``limit`` bytes of buffers taken with :meth:`take`.
+    """
 
     def __init__(self, backend: Backend, limit: int):
         self.backend = backend
@@ -30,11 +41,21 @@ class PinnedPool:
         self._free: dict[int, list[np.ndarray]] = defaultdict(list)
         self._inflight: deque[tuple[Any, np.ndarray]] = deque()
         self._total = 0
+        self._taken = 0
+        # Sizes of taken buffers that died. Their finalizers run in any thread, at any
+        # allocation, even inside this pool's lock: they only append, the lock's holders drain.
+        self._returned: deque[int] = deque()
         self._changed = threading.Condition()
 
     def total_bytes(self) -> int:
-        """Pinned bytes allocated (free, in use and in flight)."""
+        """Pinned staging bytes allocated (free, in use and in flight)."""
         return self._total
+
+    def taken_bytes(self) -> int:
+        """Pinned bytes handed out by :meth:`take` and still alive."""
+        with self._changed:
+            self._settle()
+            return self._taken
 
     def inflight(self) -> int:
         """Buffers whose copy may still be running."""
@@ -68,6 +89,30 @@ class PinnedPool:
                     continue
                 return buffer
 
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A pinned ``uint8`` buffer of ``nbytes`` that the caller keeps, or None at once.
+
+        Its bytes count against an allowance of ``limit`` bytes, apart from
+        staging, until the buffer and every view of it are garbage. None (no
+        wait: results may be held forever) when the allowance has no room or
+        the allocation fails; the caller then stages its copy instead.
+        """
+        with self._changed:
+            self._settle()
+            if self._taken + nbytes > self.limit:
+                return None
+            self._taken += nbytes
+        try:
+            buffer = self.backend.alloc_pinned(nbytes)
+        except Exception as e:  # cudaErrorMemoryAllocation and friends
+            logger.debug(
+                "gpustreams: no pinned buffer of %s (%s); staging", format_bytes(nbytes), e
+            )
+            self._returned.append(nbytes)
+            return None
+        weakref.finalize(buffer, self._returned.append, nbytes)
+        return buffer
+
     def release(self, buffer: np.ndarray, event: Any | None) -> None:
         """Give ``buffer`` back; it is reused once ``event`` (its copy) has completed.
 
@@ -79,6 +124,11 @@ class PinnedPool:
             else:
                 self._inflight.append((event, buffer))
             self._changed.notify_all()
+
+    def _settle(self) -> None:
+        returned = self._returned
+        while returned:
+            self._taken -= returned.popleft()
 
     def _reclaim(self) -> None:
         done = self.backend.done

@@ -21,20 +21,26 @@ class StreamSlot:
     back to a memory pool while a kernel on this stream may still read it.
     """
 
-    __slots__ = ("index", "stream", "priority", "inflight", "pending", "lock", "seq", "waited")
+    __slots__ = ("index", "stream", "priority", "inflight", "_assigned", "lock", "seq", "waited")
 
     def __init__(self, index: int, stream: Any, priority: int):
         self.index = index
         self.stream = stream
         self.priority = priority
         self.inflight: deque[tuple[Any, Any]] = deque()
-        # Tasks assigned to this stream whose event is not recorded yet.
-        self.pending = 0
+        # One token per task assigned to this stream whose event is not recorded yet
+        # (deque appends and pops are atomic, so counting takes no lock).
+        self._assigned: deque[None] = deque()
         self.lock = threading.Lock()
         # Number of events recorded on this stream, and for each other slot the
         # highest such number this stream already waits for.
         self.seq = 0
         self.waited: dict[int, int] = {}
+
+    @property
+    def pending(self) -> int:
+        """Tasks assigned to this stream whose event is not recorded yet."""
+        return len(self._assigned)
 
     def __repr__(self) -> str:
         return f"<StreamSlot {self.index} priority={self.priority} inflight={len(self.inflight)}>"
@@ -92,13 +98,11 @@ class StreamPool:
 
     def assign(self, slot: StreamSlot) -> None:
         """Count a task as assigned to ``slot`` until :meth:`record` records its event."""
-        with slot.lock:
-            slot.pending += 1
+        slot._assigned.append(None)
 
     def unassign(self, slot: StreamSlot) -> None:
         """Undo :meth:`assign` for a task that failed before its event was recorded."""
-        with slot.lock:
-            slot.pending -= 1
+        slot._assigned.pop()
 
     def load(self, slot: StreamSlot) -> int:
         """Tasks assigned to ``slot`` whose completion event has not been seen to fire."""
@@ -125,19 +129,25 @@ class StreamPool:
                 # queued holds its inputs; wait (never raise) for the oldest one.
                 self.backend.event_error(inflight.popleft()[0])
             self.backend.record(event, slot.stream)
-            if assigned:
-                slot.pending -= 1
             slot.seq += 1
             inflight.append((event, refs))
+            if assigned:
+                slot._assigned.pop()
             return slot.seq
 
     def wait(self, slot: StreamSlot, producer: StreamSlot, event: Any, seq: int) -> None:
-        """Make ``slot`` wait for ``producer``'s event number ``seq`` unless it already does."""
-        with slot.lock:
-            if slot.waited.get(producer.index, 0) >= seq:
-                return
-            self.backend.wait_event(slot.stream, event)
-            slot.waited[producer.index] = seq
+        """Make ``slot`` wait for ``producer``'s event number ``seq`` unless it already does.
+
+        Takes no lock: a wait is noted only after it is enqueued, so a task that
+        skips its own wait is launched behind it; racing notes at worst repeat a wait.
+        """
+        waited = slot.waited
+        index = producer.index
+        if waited.get(index, 0) >= seq:
+            return
+        self.backend.wait_event(slot.stream, event)
+        if seq > waited.get(index, 0):
+            waited[index] = seq
 
     def synchronize(self) -> None:
         """Block until every stream of the pool is idle; release everything held."""

@@ -20,7 +20,7 @@ from dask_gpustreams.backends import Backend, create_backend, current_device, re
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
-from dask_gpustreams.runtime.pool import StreamPool
+from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 from dask_gpustreams.runtime.transfers import Transfers
 
@@ -105,14 +105,8 @@ class StreamRuntime:
         active = task_state.__dict__
         previous = active.get("runtime"), active.get("stream"), active.get("holds")
         try:
-            latest: dict[int, TaskRecord] = {}
-            for r in producers:
-                if r.slot is not slot:
-                    seen = latest.get(r.slot.index)
-                    if seen is None or r.seq > seen.seq:
-                        latest[r.slot.index] = r
-            for r in latest.values():
-                pool.wait(slot, r.slot, r.event, r.seq)
+            if producers:
+                self._wait_for(slot, producers)
             if self.timeline is not None:
                 start = backend.create_event(timing=True)
                 backend.record(start, slot.stream)
@@ -132,6 +126,17 @@ class StreamRuntime:
         if self.timeline is not None:
             self.timeline.append(record)
         return result
+
+    def _wait_for(self, slot: StreamSlot, producers: list[TaskRecord]) -> None:
+        """Make ``slot`` wait for the latest event of each other stream among ``producers``."""
+        latest: dict[int, TaskRecord] = {}
+        for r in producers:
+            if r.slot is not slot:
+                seen = latest.get(r.slot.index)
+                if seen is None or r.seq > seen.seq:
+                    latest[r.slot.index] = r
+        for r in latest.values():
+            self.pool.wait(slot, r.slot, r.event, r.seq)
 
     def synchronize(self, keys: Iterable[Hashable], registry: EventRegistry) -> None:
         """Block until the work producing ``keys`` is done; raise if it failed.

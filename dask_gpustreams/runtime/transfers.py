@@ -5,7 +5,9 @@ beside the compute streams, so copies of one chunk overlap kernels of others.
 Both are ordered with compute by events: the compute stream that uses an
 upload waits for its copy event, a download's copy stream waits for the
 compute stream's work so far. A download returns a complete NumPy array: it
-waits (on the host) for its own copy only.
+waits (on the host) for its own copy only. While the pinned pool's allowance
+for results has room, the device copies straight into the pinned array that
+is returned; beyond it, into a staging buffer that is copied to pageable memory.
 """
 
 from __future__ import annotations
@@ -77,12 +79,24 @@ class Transfers:
         return out
 
     def to_host(self, device: Any, stream: Any) -> np.ndarray:
-        """Download ``device`` (ordered after the work enqueued so far on ``stream``)."""
+        """Download ``device`` (ordered after the work enqueued so far on ``stream``).
+
+        Returns pinned memory of its own while :meth:`PinnedPool.take` has
+        room (no host memcpy), else a pageable copy of a staging buffer.
+        """
         backend = self.backend
         slot = self._next(self.d2h)
         ready = backend.create_event()
         backend.record(ready, stream)
         backend.wait_event(slot.stream, ready)
+        taken = self.pinned.take(device.nbytes)
+        if taken is not None:
+            out = taken.view(device.dtype).reshape(device.shape)
+            copied = backend.create_event()
+            backend.copy_to_host(out, device, slot.stream)
+            self.d2h.record(slot, copied, device)
+            backend.synchronize_event(copied)
+            return out
         buffer = self.pinned.acquire(device.nbytes)
         copied = None
         try:

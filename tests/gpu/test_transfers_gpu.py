@@ -41,3 +41,18 @@ def test_pipeline_exact_with_small_pinned_pool(funcs):
         rt = get_runtime()
         assert sum(s.seq for s in rt.transfers.h2d.slots) >= 64
         assert rt.transfers.pinned.total_bytes() <= 2 << 20
+
+
+def test_download_returns_pinned_memory_while_the_allowance_has_room():
+    cfg = {"gpustreams.enabled": True, "gpustreams.backend": "cupy", "gpustreams.streams": 2}
+    host = np.arange(1 << 16, dtype=np.float32)
+    with dask.config.set(cfg):
+        pinned = get_runtime().transfers.pinned
+        before = pinned.taken_bytes()
+        result = to_host(slow_double(cupy.asarray(host)))
+        np.testing.assert_array_equal(result, host * 2.0)
+        attributes = cupy.cuda.runtime.pointerGetAttributes(result.ctypes.data)
+        assert attributes.type == 1  # cudaMemoryTypeHost: page-locked
+        assert pinned.taken_bytes() == before + host.nbytes
+        del result
+        assert pinned.taken_bytes() == before

@@ -1,0 +1,168 @@
+"""Where a threaded-scheduler run loses time against the hand launch (diagnostic probe).
+
+For each wide shape, runs the graph with the plugin on (timeline on) and logs,
+per task, the host times of ``StreamRuntime.run`` (enter, exit) and the device
+start and end of its kernel on one clock (a reference event synchronized at
+the start). Prints: wall, time to the first launch, median host cost per
+task, how many kernels started within 50 us of their launch (the stream was
+waiting for the host), and when the last launch happened.
+
+    python -m benchmarks.probe_host --threads 8,4,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+
+import dask
+import dask.threaded
+
+import dask_gpustreams  # noqa: F401
+from benchmarks import bench_shapes as bs
+from dask_gpustreams.runtime import runtime as rt
+
+LOG: list = []
+_orig_run = rt.StreamRuntime.run
+
+
+def _logged_run(self, key, fn, inputs, registry, critical=None):
+    t0 = time.perf_counter()
+    out = _orig_run(self, key, fn, inputs, registry, critical)
+    LOG.append((key, t0, time.perf_counter(), threading.get_ident()))
+    return out
+
+
+def probe(wl, threads: int, policy: str, streams: int, reps: int) -> dict:
+    import cupy
+
+    rows = []
+    for rep in range(reps + 1):
+        dsk, keys = wl.graph(("p", rep, threads, policy))
+        cfg = bs.gpustreams_config("cupy", streams, policy, timeline=True)
+        LOG.clear()
+        with dask.config.set(cfg):
+            runtime = rt.get_runtime()
+            runtime.timeline.clear()
+            cupy.cuda.runtime.deviceSynchronize()
+            ref = cupy.cuda.Event()
+            ref.record(cupy.cuda.Stream.null)
+            ref.synchronize()
+            h0 = time.perf_counter()
+            results = dask.threaded.get(dsk, keys, num_workers=threads)
+            wall = (time.perf_counter() - h0) * 1e3
+        err = wl.check(list(results))
+        if rep == 0:
+            continue  # warm-up
+        recs = {r.key: r for r in runtime.timeline}
+        gstart = {k: cupy.cuda.get_elapsed_time(ref, r.start) for k, r in recs.items()}
+        host = {k: ((a - h0) * 1e3, (b - h0) * 1e3) for k, a, b, _ in LOG}
+        waiting = sum(1 for k, (a, b) in host.items() if k in gstart and gstart[k] - b < 0.05)
+        rows.append(
+            {
+                "wall": wall,
+                "first": min(a for a, _ in host.values()),
+                "last": max(b for _, b in host.values()),
+                "per_task_us": statistics.median((b - a) * 1e3 for a, b in host.values()),
+                "host_waited": waiting,
+                "gpu_first": min(gstart.values()),
+                "error": err,
+            }
+        )
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "error"}
+    med["errors"] = [r["error"] for r in rows if r["error"]]
+    return med
+
+
+def profile_host(a) -> int:
+    """Host cost per task (kernels of a few us) by scheduler and threads; cProfile of sync."""
+    import cProfile
+    import pstats
+
+    from benchmarks import kernels
+    from benchmarks.shapes import wide_shape
+    from benchmarks.workloads import spin_workload
+
+    spin = kernels.Spin("cupy", kernels.default_blocks("cupy"), 100, 0.0)
+    for name in a.shapes.split(","):
+        wl = spin_workload(wide_shape(name, 8, 16, 0), "cupy", spin, 0.001)
+        for enabled in (False, True):
+            cfg = bs.gpustreams_config("cupy", a.streams, "auto") if enabled else bs.OFF
+            for threads in (0, 1, 2, 4, 8):
+                walls = []
+                for rep in range(12):
+                    dsk, keys = wl.graph(("prof", rep, threads, enabled))
+                    with dask.config.set(cfg):
+                        t0 = time.perf_counter()
+                        if threads:
+                            res = dask.threaded.get(dsk, keys, num_workers=threads)
+                        else:
+                            res = dask.get(dsk, keys)
+                        walls.append(time.perf_counter() - t0)
+                err = wl.check(list(res))
+                us = statistics.median(walls[2:]) / len(wl.shape.nodes) * 1e6
+                print(
+                    f"{name:10} plugin={'on ' if enabled else 'off'} threads={threads or 'sync'}: "
+                    f"{us:6.1f} us/task" + (f" ERR {err}" if err else ""),
+                    flush=True,
+                )
+    wl = spin_workload(wide_shape("linear", 8, 16, 0), "cupy", spin, 0.001)
+    prof = cProfile.Profile()
+    with dask.config.set(bs.gpustreams_config("cupy", a.streams, "auto")):
+        for rep in range(30):
+            dsk, keys = wl.graph(("cprof", rep))
+            if rep == 2:
+                prof.enable()
+            dask.get(dsk, keys)
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", default="8")
+    p.add_argument("--policies", default="auto")
+    p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--switch", default="", help="sys.setswitchinterval values to try")
+    p.add_argument("--profile", action="store_true", help="host cost per task with short kernels")
+    a = p.parse_args(argv)
+    if a.profile:
+        return profile_host(a)
+    args = bs.parse_args(["--backend", "cupy", "--schedulers", "threaded", "--families", "wide"])
+    bs.set_defaults(args, "cupy")
+    loads = bs.Workloads(args, "cupy", bs.calibrate(args, "cupy"))
+    rt.StreamRuntime.run = _logged_run
+    switches = [None] + [float(s) for s in a.switch.split(",") if s]
+    print(
+        f"{'shape':10} {'policy':13} thr  switch   wall ms  first ms  last ms  "
+        "host us/task  waited  gpu-first  sat"
+    )
+    default_switch = sys.getswitchinterval()
+    for name in a.shapes.split(","):
+        wl = loads.get("threaded", "wide", name)
+        ideal_ms = wl.kernel_ms * len(wl.shape.nodes)
+        for policy in a.policies.split(","):
+            for threads in (int(t) for t in a.threads.split(",")):
+                for sw in switches:
+                    sys.setswitchinterval(sw or default_switch)
+                    m = probe(wl, threads, policy, a.streams, a.reps)
+                    print(
+                        f"{name:10} {policy:13} {threads:3} {sw or default_switch:7.4f} "
+                        f"{m['wall']:8.1f} {m['first']:9.2f} {m['last']:8.1f} "
+                        f"{m['per_task_us']:13.0f} {m['host_waited']:7.0f} "
+                        f"{m['gpu_first']:10.2f} {ideal_ms / m['wall']:5.2f}"
+                        + (f"  ERR {m['errors'][0]}" if m["errors"] else ""),
+                        flush=True,
+                    )
+    sys.setswitchinterval(default_switch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
