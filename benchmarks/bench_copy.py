@@ -5,7 +5,9 @@ The pipeline is what users write today::
     da.from_array(host, chunks=...).map_blocks(cupy.asarray).map_blocks(kernel)
       .map_blocks(cupy.asnumpy)
 
-and is run unchanged with the plugin off and on (threaded scheduler), beside
+and is run unchanged with the plugin off and on (threaded scheduler; ``on``: pinned pool
+of 8 chunks, so most downloads are staged; ``on-pin``: room for every chunk's result,
+so each download lands in pinned memory), beside
 ``ideal``: the same work written by hand on three streams (upload, compute,
 download) with a ring of pinned buffers, no Dask. The ideal overlap bound, the
 largest of total upload, total download and total compute time measured in

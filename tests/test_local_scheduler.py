@@ -7,7 +7,9 @@ or an input block reused while still read, shows up as a wrong value.
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import threading
 import time
 import weakref
@@ -17,13 +19,13 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask import delayed
-from dask._task_spec import Alias
+from dask._task_spec import Alias, Task, TaskRef
 from dask.callbacks import Callback
 
 from dask_gpustreams import KernelError, sim
 from dask_gpustreams.integrations.local import hook
-from dask_gpustreams.integrations.tasks import StreamTask
-from dask_gpustreams.runtime import StreamPool, get_runtime
+from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
+from dask_gpustreams.runtime import EventRegistry, StreamPool, get_runtime
 from dask_gpustreams.runtime import runtime as runtime_module
 from dask_gpustreams.runtime.policies import make_policy, policy_names
 
@@ -496,3 +498,17 @@ def test_memory_stays_flat_over_many_graphs(gpustreams, rng):
     # Other tests' leftovers may still be freed meanwhile, never allocated.
     assert pool.used_bytes() <= used
     assert hook._runs == {}
+
+
+def test_wrapped_tasks_stay_wrapped_when_copied_and_unwrap_when_pickled(gpustreams):
+    with gpustreams(streams=2):
+        node = Task("y", np.negative, TaskRef("x"))
+        wrapped = wrap_task(node, get_runtime(), EventRegistry())
+        for clone in (copy.copy(wrapped), copy.deepcopy(wrapped), wrapped.copy()):
+            assert isinstance(clone, StreamTask) and clone.node is node
+        assert isinstance(wrapped.substitute({"x": "z"}), StreamTask)
+        assert wrapped.substitute({"x": "z"}).dependencies == {"z"}
+        assert wrap_task(wrapped, get_runtime(), EventRegistry()) is wrapped
+        unpickled = pickle.loads(pickle.dumps(wrapped))
+        assert type(unpickled) is Task and unpickled.key == "y"
+        np.testing.assert_array_equal(unpickled({"x": np.arange(3.0)}), -np.arange(3.0))

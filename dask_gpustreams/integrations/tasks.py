@@ -46,12 +46,23 @@ class StreamTask(GraphNode):
     def __reduce__(self):
         return self.node.__reduce__()
 
+    def copy(self) -> StreamTask:
+        return StreamTask(self.node, self.runtime, self.registry, self.critical)
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo: dict) -> StreamTask:
+        return self.copy()
+
+    def __hash__(self) -> int:
+        return hash((StreamTask, self.key))
+
     def __dask_tokenize__(self) -> Any:
-        return ("StreamTask", self.node)
+        return ("StreamTask", self.node, self.critical)
 
     def substitute(self, subs: dict, key: Hashable | None = None) -> GraphNode:
         node = self.node.substitute(subs, key)
-        return StreamTask(node, self.runtime, self.registry, self.critical)
+        return wrap_task(node, self.runtime, self.registry, self.critical)
 
     def __repr__(self) -> str:
         return f"StreamTask({self.node!r})"

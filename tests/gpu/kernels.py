@@ -28,7 +28,9 @@ def spin_fill(n: int, value: float, ms: float) -> cupy.ndarray:
 
 
 def spin_scale(x: cupy.ndarray, scale: float, ms: float) -> cupy.ndarray:
-    """``x * scale``, read only after spinning ``ms`` on the current stream."""
+    """``x * scale``, read only after spinning ``ms`` on the current stream (float64 only)."""
+    if x.dtype != cupy.float64:
+        raise TypeError(f"spin_scale takes float64 arrays, not {x.dtype}")
     out = cupy.empty_like(x)
     _kernel((1,), (256,), (x, out, scale, 0.0, _cycles(ms), x.size))
     return out

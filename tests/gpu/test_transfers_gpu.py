@@ -45,7 +45,7 @@ def test_pipeline_exact_with_small_pinned_pool(funcs):
 
 def test_download_returns_pinned_memory_while_the_allowance_has_room():
     cfg = {"gpustreams.enabled": True, "gpustreams.backend": "cupy", "gpustreams.streams": 2}
-    host = np.arange(1 << 16, dtype=np.float32)
+    host = np.arange(1 << 16, dtype=np.float64)
     with dask.config.set(cfg):
         pinned = get_runtime().transfers.pinned
         before = pinned.taken_bytes()
