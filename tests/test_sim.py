@@ -275,10 +275,8 @@ def test_reused_int_block_is_poisoned():
     assert y.get().view(np.uint8).tolist() == [POISON_BYTE] * 128
 
 
-def test_freed_block_read_by_another_stream_shows_poison(streams):
-    """The lifetime hazard, on the device alone: x lives on a, a slow reader on b, x is
-    dropped on the host and a allocates the same size while b still has to read x."""
-    a, b = streams
+def gated_reader_on_b(a, b):
+    """``x`` allocated on ``a`` and copied into ``y`` on ``b`` by a kernel held at ``gate``."""
     with a:
         x = sim.asarray(np.full(N, 3.0))
     done = a.record()
@@ -288,6 +286,14 @@ def test_freed_block_read_by_another_stream_shows_poison(streams):
         y = sim.empty(N)
         sim.launch(gated(gate, copy), y, x)
         read = b.record()
+    return x, y, gate, read
+
+
+def test_freed_block_read_by_another_stream_shows_poison(streams):
+    """The lifetime hazard, on the device alone: x lives on a, a slow reader on b, x is
+    dropped on the host and a allocates the same size while b still has to read x."""
+    a, b = streams
+    x, y, gate, read = gated_reader_on_b(a, b)
     del x  # back to a's free list at once, on the host
     with a:
         z = sim.empty(N)
@@ -300,15 +306,7 @@ def test_freed_block_read_by_another_stream_shows_poison(streams):
 
 def test_freed_block_kept_alive_until_reader_event_is_safe(streams):
     a, b = streams
-    with a:
-        x = sim.asarray(np.full(N, 3.0))
-    done = a.record()
-    gate = threading.Event()
-    with b:
-        b.wait_event(done)
-        y = sim.empty(N)
-        sim.launch(gated(gate, copy), y, x)
-        read = b.record()
+    x, y, gate, read = gated_reader_on_b(a, b)
     held = [(read, x)]  # what the runtime does: the input lives until the reader's event
     del x
     with a:
