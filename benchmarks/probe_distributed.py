@@ -1,0 +1,233 @@
+"""Where a ``distributed`` run loses time between dependent tasks (diagnostic probe).
+
+Runs the wide shapes on one worker with the plugin on, logging every task
+transition on the worker and on the scheduler (one monotonic clock: same
+host). For each dependency edge that gated its consumer (the consumer's last
+input to finish), it splits the time from the producer finishing on the
+worker to the consumer executing there into: worker -> scheduler report,
+scheduler decision, scheduler -> worker message, and the worker's queue.
+Each variant changes one setting of the running cluster:
+
+- ``default``: as started;
+- ``batch0``: the worker's and the scheduler's batched-send intervals at 0;
+- ``noprofile``: the worker's statistical profiler stopped;
+- ``batch0+noprofile``: both;
+- ``switch``: the worker's GIL switch interval at 0.5 ms (default 5 ms).
+
+``--profile-loop`` instead profiles (cProfile) the event loops of the worker
+and the scheduler over ``--reps`` runs of each shape and prints where they spend
+their time.
+
+::
+
+    python -m benchmarks.probe_distributed --shapes linear,tangled --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+
+from benchmarks import bench_shapes as bs
+
+VARIANTS = ("default", "batch0", "noprofile", "batch0+noprofile", "switch")
+
+
+class WorkerLog(WorkerPlugin):
+    name = "probe-worker-log"
+
+    def setup(self, worker):
+        self.log = []
+        worker._probe_log = self.log
+
+    def transition(self, key, start, finish, **kwargs):
+        self.log.append((key, finish, time.perf_counter()))
+
+
+class SchedulerLog(SchedulerPlugin):
+    name = "probe-scheduler-log"
+
+    async def start(self, scheduler):
+        self.log = []
+        scheduler._probe_log = self.log
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        self.log.append((key, finish, time.perf_counter()))
+
+
+def _take_worker_log(dask_worker):
+    log = list(dask_worker._probe_log)
+    dask_worker._probe_log.clear()
+    return log
+
+
+def _take_scheduler_log(dask_scheduler):
+    log = list(dask_scheduler._probe_log)
+    dask_scheduler._probe_log.clear()
+    return log
+
+
+def _set_worker(dask_worker, batch: float | None, profile: bool, switch: float):
+    sys.setswitchinterval(switch)
+    if batch is not None:
+        dask_worker.batched_stream.interval = batch
+    for name in ("profile", "profile-cycle"):
+        pc = dask_worker.periodic_callbacks.get(name)
+        if pc is not None:
+            pc.start() if profile else pc.stop()
+
+
+def _set_scheduler(dask_scheduler, batch: float | None):
+    for comm in dask_scheduler.stream_comms.values():
+        comm.interval = batch if batch is not None else 0.005
+
+
+def _profile_start(dask_worker=None, dask_scheduler=None):
+    import cProfile
+
+    server = dask_worker or dask_scheduler
+    server._probe_profile = cProfile.Profile()
+    server._probe_profile.enable()  # client.run calls this on the server's event loop
+
+
+def _profile_stop(dask_worker=None, dask_scheduler=None) -> str:
+    import io
+    import pstats
+
+    server = dask_worker or dask_scheduler
+    server._probe_profile.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(server._probe_profile, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    return out.getvalue()
+
+
+def profile_loops(client, prepare, reps: int) -> None:
+    prepare(("warm",))()
+    client.run(_profile_start)
+    client.run_on_scheduler(_profile_start)
+    t0 = time.perf_counter()
+    for rep in range(reps):
+        prepare(("profiled", rep))()
+    wall = time.perf_counter() - t0
+    for name, text in (
+        ("worker", next(iter(client.run(_profile_stop).values()))),
+        ("scheduler", client.run_on_scheduler(_profile_stop)),
+    ):
+        print(f"==== {name} event loop, {reps} runs in {wall:.2f} s ====")
+        print(text)
+
+
+def first(log, finish):
+    out = {}
+    for key, f, t in log:
+        if f == finish and key not in out:
+            out[key] = t
+    return out
+
+
+def breakdown(wl, token, wlog, slog) -> dict:
+    """Median ms of each leg of the gating edges; time from first execute to last memory."""
+    w_exec, w_mem = first(wlog, "executing"), first(wlog, "memory")
+    w_recv = {}
+    for key, f, t in wlog:
+        if key not in w_recv and f in ("waiting", "ready", "fetch", "constrained"):
+            w_recv[key] = t
+    s_mem, s_proc = first(slog, "memory"), first(slog, "processing")
+    legs = {"report": [], "decide": [], "send": [], "queue": [], "run": [], "step": []}
+    deps = {n.key + (token,): [a + (token,) for a in n.args] for n in wl.shape.nodes}
+    for child, parents in deps.items():
+        parents = [p for p in parents if p in w_mem]
+        if not parents or child not in w_exec:
+            continue
+        p = max(parents, key=lambda k: w_mem[k])
+        try:
+            legs["report"].append(s_mem[p] - w_mem[p])
+            legs["decide"].append(s_proc[child] - s_mem[p])
+            legs["send"].append(w_recv[child] - s_proc[child])
+            legs["queue"].append(w_exec[child] - w_recv[child])
+            legs["run"].append(w_mem[child] - w_exec[child])
+            legs["step"].append(w_exec[child] - w_mem[p])
+        except KeyError:
+            continue
+    out = {k: statistics.median(v) * 1e3 for k, v in legs.items() if v}
+    out["span"] = (max(w_mem.values()) - min(w_exec.values())) * 1e3
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="cupy", choices=("cupy", "sim"))
+    p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kernel-ms", type=float, default=8.0)
+    p.add_argument("--threads", type=int, default=8, help="threads of the worker")
+    p.add_argument("--profile-loop", action="store_true")
+    a = p.parse_args(argv)
+    args = bs.parse_args(
+        ["--backend", a.backend, "--schedulers", "distributed", "--families", "wide"]
+        + ["--dist-kernel-ms", str(a.kernel_ms), "--threads", str(a.threads)]
+    )
+    bs.set_defaults(args, a.backend)
+    loads = bs.Workloads(args, a.backend, bs.calibrate(args, a.backend))
+    dist = bs.Distributed(args, a.backend)
+    client = dist.client
+    client.register_plugin(WorkerLog())
+    client.register_plugin(SchedulerLog())
+    dist.use_streams(8, "auto")
+    if a.profile_loop:
+        for name in a.shapes.split(","):
+            profile_loops(client, dist.prepare(loads.get("distributed", "wide", name)), a.reps)
+        dist.close()
+        return 0
+    print(
+        f"{'shape':10} {'variant':18} {'wall ms':>8} {'sat':>5} | median ms per gating edge: "
+        "report decide  send queue   run  step"
+    )
+    for name in a.shapes.split(","):
+        wl = loads.get("distributed", "wide", name)
+        ideal_ms = wl.kernel_ms * len(wl.shape.nodes)
+        prepare = dist.prepare(wl)
+        for variant in a.variants.split(","):
+            batch = 0.0 if "batch0" in variant else None
+            switch = 0.0005 if variant == "switch" else 0.005
+            client.run(_set_worker, batch=batch, profile="noprofile" not in variant, switch=switch)
+            client.run_on_scheduler(_set_scheduler, batch=batch)
+            rows = []
+            for rep in range(a.reps + 1):
+                token = ("probe", name, variant, rep)
+                run = prepare(token)
+                client.run(_take_worker_log)
+                client.run_on_scheduler(_take_scheduler_log)
+                t0 = time.perf_counter()
+                results = run()
+                wall = (time.perf_counter() - t0) * 1e3
+                err = wl.check(list(results))
+                wlog = next(iter(client.run(_take_worker_log).values()))
+                slog = client.run_on_scheduler(_take_scheduler_log)
+                if rep:
+                    rows.append((wall, breakdown(wl, token, wlog, slog), err))
+            wall = statistics.median(r[0] for r in rows)
+            legs = {k: statistics.median(r[1].get(k, 0) for r in rows) for k in rows[0][1]}
+            errors = [r[2] for r in rows if r[2]]
+            print(
+                f"{name:10} {variant:18} {wall:8.1f} {ideal_ms / wall:5.2f} |"
+                + "".join(
+                    f" {legs.get(k, float('nan')):6.2f}"
+                    for k in ("report", "decide", "send", "queue", "run", "step")
+                )
+                + (f"  ERR {errors[0]}" if errors else ""),
+                flush=True,
+            )
+    dist.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
