@@ -20,6 +20,10 @@ from dask.utils import parse_bytes
 
 BACKENDS = ("auto", "cupy", "sim")
 
+#: Share of the host's memory (or of its cgroup limit, if lower) that
+#: ``pinned-pool-size: auto`` gives the devices visible to a process, split evenly.
+AUTO_PINNED_SHARE = 1 / 16
+
 _fn = os.path.join(os.path.dirname(__file__), "gpustreams.yaml")
 with open(_fn) as f:
     defaults = yaml.safe_load(f)
@@ -40,7 +44,8 @@ class StreamsConfig:
     policy: str = "auto"
     timeline: bool = False
     copy_streams: int = 1
-    pinned_pool_size: int = 1 << 30
+    #: Bytes; None for ``auto`` (see :func:`auto_pinned_pool_size`).
+    pinned_pool_size: int | None = None
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names
@@ -51,12 +56,13 @@ class StreamsConfig:
             raise _bad_value("policy", self.policy, " | ".join(policy_names()))
         if not isinstance(self.timeline, bool):
             raise _bad_value("timeline", self.timeline, "True | False")
-        size = "a byte size like '1 GiB' (>= 1 MiB)"
-        for field, key, minimum, allowed in [
+        checks = [
             ("streams", "streams", 1, "an int >= 1"),
             ("copy_streams", "copy-streams", 1, "an int >= 1"),
-            ("pinned_pool_size", "pinned-pool-size", 1 << 20, size),
-        ]:
+        ]
+        if self.pinned_pool_size is not None:
+            checks.append(("pinned_pool_size", "pinned-pool-size", 1 << 20, _PINNED_ALLOWED))
+        for field, key, minimum, allowed in checks:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise _bad_value(key, value, allowed)
@@ -72,15 +78,56 @@ class StreamsConfig:
             for field in cls.__dataclass_fields__
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
-        size = values["pinned_pool_size"]
+        size = values.get("pinned_pool_size")
         if isinstance(size, str):
-            try:
-                values["pinned_pool_size"] = parse_bytes(size)
-            except ValueError:
-                raise _bad_value(
-                    "pinned-pool-size", size, "a byte size like '1 GiB' (>= 1 MiB)"
-                ) from None
+            if size.strip().lower() == "auto":
+                values["pinned_pool_size"] = None
+            else:
+                try:
+                    values["pinned_pool_size"] = parse_bytes(size)
+                except ValueError:
+                    raise _bad_value("pinned-pool-size", size, _PINNED_ALLOWED) from None
+        elif size is None:  # None is the dataclass's 'auto', not a value users write
+            raise _bad_value("pinned-pool-size", size, _PINNED_ALLOWED)
         return cls(**values)
+
+    def pinned_bytes(self, devices: int) -> int:
+        """``pinned_pool_size`` in bytes for a process that sees ``devices`` devices."""
+        if self.pinned_pool_size is not None:
+            return self.pinned_pool_size
+        return auto_pinned_pool_size(devices)
+
+
+_PINNED_ALLOWED = "'auto' or a byte size like '1 GiB' (>= 1 MiB)"
+
+
+#: Hard memory limits of the process's cgroup (v2, then v1), read where present.
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory() -> int:
+    """Bytes of host memory this process may use: total RAM, or its cgroup limit if lower."""
+    import psutil
+
+    limit = psutil.virtual_memory().total
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            limit = min(limit, int(value))
+    return limit
+
+
+def auto_pinned_pool_size(devices: int) -> int:
+    """``pinned-pool-size: auto``: :data:`AUTO_PINNED_SHARE` of host memory per visible device.
+
+    Dividing by the devices a process sees keeps one worker per GPU
+    (dask-cuda) within the share as a whole.
+    """
+    return max(1 << 20, int(host_memory() * AUTO_PINNED_SHARE) // max(1, devices))
 
 
 def enabled() -> bool:

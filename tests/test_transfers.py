@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dask_gpustreams import StreamsConfig, get_runtime, sim
+from dask_gpustreams import config as config_module
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.runtime.pinned import PinnedPool
 from dask_gpustreams.transfers import to_device, to_host
@@ -156,9 +157,28 @@ def test_invalid_copy_streams(value, message):
         StreamsConfig.from_dask_config()
 
 
-@pytest.mark.parametrize("value", ["lots", 1000, True])
+def test_pinned_pool_size_auto_is_a_share_of_host_memory_per_device(monkeypatch):
+    monkeypatch.setattr(config_module, "host_memory", lambda: 64 << 30)
+    config = StreamsConfig.from_dask_config(backend="sim")
+    assert dask.config.get("gpustreams.pinned-pool-size") == "auto"
+    assert config.pinned_pool_size is None
+    assert config.pinned_bytes(devices=1) == 4 << 30  # 1/16 of 64 GiB
+    assert config.pinned_bytes(devices=8) == 512 << 20  # split among a node's 8 GPUs
+    rt = get_runtime(StreamsConfig(backend="sim", streams=2))
+    assert rt.transfers.pinned.limit == 4 << 30  # the simulated device counts as one
+
+
+def test_host_memory_is_within_the_machine():
+    import psutil
+
+    assert 0 < config_module.host_memory() <= psutil.virtual_memory().total
+    with dask.config.set({"gpustreams.pinned-pool-size": "256 MiB"}):
+        assert StreamsConfig.from_dask_config().pinned_bytes(devices=8) == 256 << 20
+
+
+@pytest.mark.parametrize("value", ["lots", 1000, True, None])
 def test_invalid_pinned_pool_size(value):
-    message = r"gpustreams.pinned-pool-size=.* is invalid"
+    message = r"gpustreams.pinned-pool-size=.* is invalid: allowed values are 'auto' or a byte"
     with (
         dask.config.set({"gpustreams.pinned-pool-size": value}),
         pytest.raises(ValueError, match=message),

@@ -52,6 +52,15 @@ def current_device(resolved: str) -> int:
     return 0
 
 
+def device_count(resolved: str) -> int:
+    """How many devices backend ``resolved`` sees in this process (the simulated one: 1)."""
+    if resolved == "cupy":
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    return 1
+
+
 def create_backend(resolved: str) -> Backend:
     """A backend instance for ``resolved`` (``cupy`` or ``sim``) on the current device."""
     if resolved == "cupy":
@@ -63,4 +72,11 @@ def create_backend(resolved: str) -> Backend:
     return SimBackend()
 
 
-__all__ = ["Backend", "create_backend", "current_device", "gpu_visible", "resolve_backend"]
+__all__ = [
+    "Backend",
+    "create_backend",
+    "current_device",
+    "device_count",
+    "gpu_visible",
+    "resolve_backend",
+]

@@ -16,7 +16,15 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-from dask_gpustreams.backends import Backend, create_backend, current_device, resolve_backend
+from dask.utils import format_bytes
+
+from dask_gpustreams.backends import (
+    Backend,
+    create_backend,
+    current_device,
+    device_count,
+    resolve_backend,
+)
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
@@ -59,16 +67,18 @@ class StreamRuntime:
             )
             n_streams = queues
         self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
-        self.transfers = Transfers(backend, config.copy_streams, config.pinned_pool_size)
+        pinned = config.pinned_bytes(device_count(backend.name))
+        self.transfers = Transfers(backend, config.copy_streams, pinned)
         self.timeline: deque[TaskRecord] | None = (
             deque(maxlen=self.timeline_maxlen) if config.timeline else None
         )
         logger.info(
-            "gpustreams: %s backend, device %s, %d streams, policy %r",
+            "gpustreams: %s backend, device %s, %d streams, policy %r, pinned pool %s",
             backend.name,
             backend.device_id,
             n_streams,
             config.policy,
+            format_bytes(pinned),
         )
 
     def __repr__(self) -> str:
