@@ -8,6 +8,7 @@ cupy = pytest.importorskip("cupy")
 da = pytest.importorskip("dask.array")
 
 from dask_gpustreams import get_runtime  # noqa: E402
+from dask_gpustreams.config import auto_pinned_pool_size  # noqa: E402
 from dask_gpustreams.transfers import to_device, to_host  # noqa: E402
 
 from .kernels import spin_scale  # noqa: E402
@@ -48,6 +49,8 @@ def test_download_returns_pinned_memory_while_the_allowance_has_room():
     host = np.arange(1 << 16, dtype=np.float64)
     with dask.config.set(cfg):
         pinned = get_runtime().transfers.pinned
+        devices = cupy.cuda.runtime.getDeviceCount()
+        assert pinned.limit == auto_pinned_pool_size(devices)  # the default, 'auto'
         before = pinned.taken_bytes()
         result = to_host(slow_double(cupy.asarray(host)))
         np.testing.assert_array_equal(result, host * 2.0)
