@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
+    # A hardware queue for each compute stream and both copy streams, set before CUDA starts
+    # (the runtime can no longer set it: the calibration below creates the context).
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(args.streams + 2))
     backend = args.backend
     if backend == "auto":
         backend = "cupy" if gpu_visible()[0] else "sim"
@@ -280,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"backend={backend} chunks={args.chunks} x {args.chunk_mib} MiB, streams={args.streams}, "
+        f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}, "
         f"isolated per chunk: " + ", ".join(f"{k}={v:.3f}" for k, v in iso.items())
     )
     print(header)
@@ -300,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "chunks": args.chunks,
         "chunk_mib": args.chunk_mib,
         "streams": args.streams,
+        "cuda_device_max_connections": os.environ["CUDA_DEVICE_MAX_CONNECTIONS"],
         "isolated_per_chunk_ms": iso,
         "totals_ms": totals,
         "bound_ms": bound,

@@ -8,6 +8,7 @@ task, how many kernels started within 50 us of their launch (the stream was
 waiting for the host), and when the last launch happened.
 
     python -m benchmarks.probe_host --threads 8,4,2
+    python -m benchmarks.probe_host --stubs --shapes linear,tangled
 """
 
 from __future__ import annotations
@@ -77,6 +78,46 @@ def probe(wl, threads: int, policy: str, streams: int, reps: int) -> dict:
     return med
 
 
+def stub_calls(a) -> int:
+    """Host cost per task at 8 threads with CUDA calls of the runtime replaced by no-ops.
+
+    ``query``: event queries answer "not done" without calling CUDA (no input
+    is released early); ``create``: events come from a list made beforehand.
+    Shows what each kind of call costs under the GIL contention of 8 threads.
+    """
+    from benchmarks import kernels
+    from benchmarks.shapes import wide_shape
+    from benchmarks.workloads import spin_workload
+    from dask_gpustreams.backends.cupy import CupyBackend
+
+    spin = kernels.Spin("cupy", kernels.default_blocks("cupy"), 100, 0.0)
+    real_done, real_create = CupyBackend.done, CupyBackend.create_event
+    for name in a.shapes.split(","):
+        wl = spin_workload(wide_shape(name, 8, 16, 0), "cupy", spin, 0.001)
+        for stubs in ("", "query", "create", "query+create"):
+            made = [real_create(None) for _ in range(40 * len(wl.shape.nodes))]
+            CupyBackend.done = (lambda self, e: False) if "query" in stubs else real_done
+            if "create" in stubs:
+                CupyBackend.create_event = lambda self, timing=False, _pop=made.pop: _pop()
+            walls = []
+            cfg = bs.gpustreams_config("cupy", a.streams, "auto")
+            for rep in range(30):
+                dsk, keys = wl.graph(("stub", rep, stubs))
+                with dask.config.set(cfg):
+                    t0 = time.perf_counter()
+                    res = dask.threaded.get(dsk, keys, num_workers=8)
+                    walls.append(time.perf_counter() - t0)
+            CupyBackend.done, CupyBackend.create_event = real_done, real_create
+            err = wl.check(list(res))
+            us = statistics.median(walls[2:]) / len(wl.shape.nodes) * 1e6
+            print(
+                f"{name:10} stubs={stubs or 'none':13} threads=8: {us:6.1f} us/task"
+                + (f" ERR {err}" if err else ""),
+                flush=True,
+            )
+    return 0
+
+
 def profile_host(a) -> int:
     """Host cost per task (kernels of a few us) by scheduler and threads; cProfile of sync."""
     import cProfile
@@ -131,9 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--switch", default="", help="sys.setswitchinterval values to try")
     p.add_argument("--profile", action="store_true", help="host cost per task with short kernels")
+    p.add_argument("--stubs", action="store_true", help="host cost with CUDA calls stubbed")
     a = p.parse_args(argv)
     if a.profile:
         return profile_host(a)
+    if a.stubs:
+        return stub_calls(a)
     args = bs.parse_args(["--backend", "cupy", "--schedulers", "threaded", "--families", "wide"])
     bs.set_defaults(args, "cupy")
     loads = bs.Workloads(args, "cupy", bs.calibrate(args, "cupy"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 import weakref
@@ -262,6 +263,19 @@ def test_pool_is_capped_at_the_hardware_queues(monkeypatch):
     ):
         rt = StreamRuntime(SimBackend(), StreamsConfig(backend="sim", streams=4, policy="auto"))
     assert rt.pool.n_streams == 2
+
+
+def test_hardware_queues_are_reserved_for_compute_and_copy_streams(monkeypatch, caplog):
+    asked = []
+    monkeypatch.setattr(SimBackend, "reserve_hardware_queues", lambda self, n: asked.append(n))
+    monkeypatch.setattr(SimBackend, "hardware_queues", lambda self: 8)
+    config = StreamsConfig(backend="sim", streams=8, copy_streams=1)
+    with caplog.at_level(logging.INFO, logger="dask_gpustreams"):
+        rt = StreamRuntime(SimBackend(), config)
+    assert asked == [10]  # 8 compute, one host-to-device and one device-to-host
+    assert rt.pool.n_streams == 8  # copy streams beyond the queues are not capped
+    assert "8 compute and 2 copy streams share the device's 8 hardware queues" in caplog.text
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=10" in caplog.text
 
 
 def test_registry():

@@ -49,23 +49,7 @@ class StreamRuntime:
         self.backend = backend
         self.config = config
         self.policy = make_policy(config.policy)
-        n_streams = config.streams
-        queues = backend.hardware_queues()
-        if queues is not None and n_streams > queues:
-            variable = (
-                "GPU_MAX_HW_QUEUES"
-                if getattr(backend, "is_hip", False)
-                else ("CUDA_DEVICE_MAX_CONNECTIONS")
-            )
-            warnings.warn(
-                f"gpustreams.streams={n_streams} exceeds the device's {queues} hardware "
-                f"queues ({variable}); capping the pool at {queues} streams, since more "
-                f"would serialize falsely. Set {variable}={n_streams} in the environment "
-                "before the CUDA context is created to use more.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            n_streams = queues
+        n_streams = fit_hardware_queues(backend, config.streams, 2 * config.copy_streams)
         self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
         pinned = config.pinned_bytes(device_count(backend.name))
         self.transfers = Transfers(backend, config.copy_streams, pinned)
@@ -165,6 +149,44 @@ class StreamRuntime:
     def collect(self) -> int:
         """Release the inputs of every task whose event has completed; return those left."""
         return self.pool.collect_all()
+
+
+def fit_hardware_queues(backend: Backend, n_streams: int, copies: int) -> int:
+    """How many of ``n_streams`` compute streams to create, beside ``copies`` copy streams.
+
+    Asks the backend for a hardware queue per stream. Where the device still
+    has fewer queues than compute streams, more streams would serialize
+    falsely: warn and cap them. Copy streams beyond the queues only log,
+    since they are created at the first copy and many graphs have none.
+    """
+    backend.reserve_hardware_queues(n_streams + copies)
+    queues = backend.hardware_queues()
+    if queues is None or n_streams + copies <= queues:
+        return n_streams
+    hip = getattr(backend, "is_hip", False)
+    variable = "GPU_MAX_HW_QUEUES" if hip else "CUDA_DEVICE_MAX_CONNECTIONS"
+    if n_streams > queues:
+        warnings.warn(
+            f"gpustreams.streams={n_streams} exceeds the device's {queues} hardware "
+            f"queues ({variable}); capping the pool at {queues} streams, since more "
+            f"would serialize falsely. Set {variable}={n_streams} in the environment "
+            "before the CUDA context is created to use more.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return queues
+    logger.info(
+        "gpustreams: %d compute and %d copy streams share the device's %d hardware queues "
+        "(%s), so copies may wait for unrelated kernels; set %s=%d in the environment "
+        "before the CUDA context is created to avoid it",
+        n_streams,
+        copies,
+        queues,
+        variable,
+        variable,
+        n_streams + copies,
+    )
+    return n_streams
 
 
 _runtimes: dict[tuple, StreamRuntime] = {}

@@ -120,3 +120,26 @@ def test_dask_array_workload_equals_numpy(policy):
             got = expr.compute()
             assert isinstance(got, cupy.ndarray)
             np.testing.assert_allclose(cupy.asnumpy(got), expected, rtol=1e-10)
+
+
+RESERVE = """
+import warnings
+import cupy
+from dask_gpustreams import StreamsConfig, get_runtime
+if {touch_first}:
+    cupy.zeros(1)  # creates the device's context before the runtime
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    rt = get_runtime(StreamsConfig(backend="cupy", streams=12))
+print(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), rt.pool.n_streams, len(caught))
+"""
+
+
+@pytest.mark.parametrize(
+    "touch_first, expected",
+    [(False, "14 12 0"), (True, "None 8 1")],  # 12 compute + 2 copy streams; else capped
+)
+def test_hardware_queues_set_before_the_context_exists(run_python, touch_first, expected):
+    unset = "import os; os.environ.pop('CUDA_DEVICE_MAX_CONNECTIONS', None)\n"
+    out = run_python(unset + RESERVE.format(touch_first=touch_first))
+    assert out.strip().splitlines()[-1] == expected
