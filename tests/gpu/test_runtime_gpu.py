@@ -1,5 +1,7 @@
 """The runtime on a real GPU: ordering, memory lifetime and concurrency with CuPy streams."""
 
+import os
+import sys
 import time
 
 import dask
@@ -141,5 +143,6 @@ print(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), rt.pool.n_streams, len(caug
 )
 def test_hardware_queues_set_before_the_context_exists(run_python, touch_first, expected):
     unset = "import os; os.environ.pop('CUDA_DEVICE_MAX_CONNECTIONS', None)\n"
-    out = run_python(unset + RESERVE.format(touch_first=touch_first))
+    path = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's imports
+    out = run_python(unset + RESERVE.format(touch_first=touch_first), env=path)
     assert out.strip().splitlines()[-1] == expected
