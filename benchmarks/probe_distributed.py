@@ -12,7 +12,10 @@ Each variant changes one setting of the running cluster:
 - ``batch0``: the worker's and the scheduler's batched-send intervals at 0;
 - ``noprofile``: the worker's statistical profiler stopped;
 - ``batch0+noprofile``: both;
-- ``switch``: the worker's GIL switch interval at 0.5 ms (default 5 ms).
+- ``switch``: the worker's GIL switch interval at 0.5 ms (default 5 ms);
+- ``plugin-off``: the plugin unregistered (kernels on the legacy default
+  stream, serialized on the device, but launched as asynchronously): the
+  latencies of distributed itself.
 
 ``--profile-loop`` instead profiles (cProfile) the event loops of the worker
 and the scheduler over ``--reps`` runs of each shape and prints where they spend
@@ -34,7 +37,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from benchmarks import bench_shapes as bs
 
-VARIANTS = ("default", "batch0", "noprofile", "batch0+noprofile", "switch")
+VARIANTS = ("default", "batch0", "noprofile", "batch0+noprofile", "switch", "plugin-off")
 
 
 class WorkerLog(WorkerPlugin):
@@ -195,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         ideal_ms = wl.kernel_ms * len(wl.shape.nodes)
         prepare = dist.prepare(wl)
         for variant in a.variants.split(","):
+            if (variant == "plugin-off") != (dist.plugin_name is None):
+                dist.use_streams(None if variant == "plugin-off" else 8, "auto")
             batch = 0.0 if "batch0" in variant else None
             switch = 0.0005 if variant == "switch" else 0.005
             client.run(_set_worker, batch=batch, profile="noprofile" not in variant, switch=switch)
