@@ -81,6 +81,22 @@ def test_launch_only_enqueues(streams):
     assert ran == ["kernel"]
 
 
+def test_dropped_stream_runs_its_pending_work_then_its_thread_ends():
+    stream = device.create_stream()
+    thread = stream._thread
+    gate = threading.Event()
+    ran = []
+    with stream:
+        sim.launch(gated(gate, lambda: ran.append("kernel")))
+    event = stream.record()
+    del stream  # garbage at once: nothing else refers to it, queued work aside
+    gate.set()
+    event.synchronize()
+    assert ran == ["kernel"]
+    thread.join(GATE_TIMEOUT)
+    assert not thread.is_alive()
+
+
 def test_stream_is_fifo(streams, rng):
     order = {0: [], 1: []}
 

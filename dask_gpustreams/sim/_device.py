@@ -1,6 +1,7 @@
 """Streams and events of the simulated device.
 
-Each stream is a FIFO of operations run in order by its own thread. Launching
+Each stream is a FIFO of operations run in order by its own thread, which ends
+once the stream is garbage and its work is done. Launching
 only enqueues. An event is a marker in a stream: recording enqueues a marker,
 waiting enqueues a wait for the marker as recorded at that moment. A launched
 function that raises puts its stream in error: later launches on that stream
@@ -52,20 +53,19 @@ class Stream:
         self.id = next(_stream_ids)
         self._error: KernelError | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"sim-stream-{self.id}", daemon=True)
+        self._thread = threading.Thread(
+            target=_serve, args=(self._queue,), name=f"sim-stream-{self.id}", daemon=True
+        )
         self._thread.start()
+        # Work queued holds the stream; once none is and the stream is garbage, the thread ends.
+        weakref.finalize(self, self._queue.put, None)
 
     def __repr__(self) -> str:
         return f"<sim.Stream {self.id} priority={self.priority}>"
 
     def enqueue(self, op: Callable[[Stream], None]) -> None:
         """Append ``op`` to the stream; it runs after everything enqueued before it."""
-        self._queue.put(op)
-
-    def _run(self) -> None:
-        while True:
-            op = self._queue.get()
-            op(self)
+        self._queue.put((self, op))
 
     def launch(self, fn: Callable, args: tuple, kwargs: dict, key: Any) -> None:
         """Enqueue a kernel: ``fn(*args, **kwargs)`` run on the stream's thread."""
@@ -170,6 +170,22 @@ class Event:
 
 
 _factory_token = object()
+
+
+def _serve(work: queue.SimpleQueue) -> None:
+    """A stream's thread: run its operations in order, until its stream is garbage (None).
+
+    Between operations it holds no reference to the stream, as CUDA lets a
+    stream be destroyed with work pending: that work still runs, then the
+    thread ends.
+    """
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        stream, op = item
+        op(stream)
+        del item, stream, op
 
 
 def _clear_error(error: KernelError, stream: Stream) -> None:
