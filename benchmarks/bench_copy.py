@@ -36,7 +36,7 @@ import dask.array as da
 import numpy as np
 
 import dask_gpustreams
-from dask_gpustreams.backends import device_count, gpu_visible
+from dask_gpustreams.backends import gpu_visible, host_device_count
 
 
 @dataclass
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     # A hardware queue for each compute stream and both copy streams, set before CUDA starts
-    # (the runtime can no longer set it: the calibration below creates the context).
+    # (the driver reads it once; gpu_visible below already starts CUDA, before the runtime).
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(args.streams + 2))
     backend = args.backend
     if backend == "auto":
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "bound_ms": bound,
         "kernel_iters": ops.iters,
         "pinned_pool_size_auto": dask_gpustreams.config.auto_pinned_pool_size(
-            device_count(backend)
+            host_device_count(backend)
         ),
         "dask_gpustreams": dask_gpustreams.__version__,
         "dask": dask.__version__,

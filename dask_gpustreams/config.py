@@ -21,7 +21,7 @@ from dask.utils import parse_bytes
 BACKENDS = ("auto", "cupy", "sim")
 
 #: Share of the host's memory (or of its cgroup limit, if lower) that
-#: ``pinned-pool-size: auto`` gives the devices visible to a process, split evenly.
+#: ``pinned-pool-size: auto`` gives the host's devices, split evenly.
 AUTO_PINNED_SHARE = 1 / 16
 
 _fn = os.path.join(os.path.dirname(__file__), "gpustreams.yaml")
@@ -44,11 +44,22 @@ class StreamsConfig:
     policy: str = "auto"
     timeline: bool = False
     copy_streams: int = 1
-    #: Bytes; None for ``auto`` (see :func:`auto_pinned_pool_size`).
-    pinned_pool_size: int | None = None
+    #: Bytes, or ``'auto'``/None for :func:`auto_pinned_pool_size` (a size string is parsed).
+    pinned_pool_size: int | str | None = None
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names
+
+        size = self.pinned_pool_size
+        if isinstance(size, str):
+            if size.strip().lower() == "auto":
+                size = None
+            else:
+                try:
+                    size = parse_bytes(size)
+                except ValueError:
+                    raise _bad_value("pinned-pool-size", size, _PINNED_ALLOWED) from None
+            object.__setattr__(self, "pinned_pool_size", size)
 
         if self.backend not in BACKENDS:
             raise _bad_value("backend", self.backend, " | ".join(BACKENDS))
@@ -78,21 +89,12 @@ class StreamsConfig:
             for field in cls.__dataclass_fields__
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
-        size = values.get("pinned_pool_size")
-        if isinstance(size, str):
-            if size.strip().lower() == "auto":
-                values["pinned_pool_size"] = None
-            else:
-                try:
-                    values["pinned_pool_size"] = parse_bytes(size)
-                except ValueError:
-                    raise _bad_value("pinned-pool-size", size, _PINNED_ALLOWED) from None
-        elif size is None:  # None is the dataclass's 'auto', not a value users write
-            raise _bad_value("pinned-pool-size", size, _PINNED_ALLOWED)
+        if values["pinned_pool_size"] is None:  # YAML null: 'auto' is spelt out there
+            raise _bad_value("pinned-pool-size", None, _PINNED_ALLOWED)
         return cls(**values)
 
     def pinned_bytes(self, devices: int) -> int:
-        """``pinned_pool_size`` in bytes for a process that sees ``devices`` devices."""
+        """``pinned_pool_size`` in bytes, for a process on a host with ``devices`` devices."""
         if self.pinned_pool_size is not None:
             return self.pinned_pool_size
         return auto_pinned_pool_size(devices)
@@ -122,10 +124,10 @@ def host_memory() -> int:
 
 
 def auto_pinned_pool_size(devices: int) -> int:
-    """``pinned-pool-size: auto``: :data:`AUTO_PINNED_SHARE` of host memory per visible device.
+    """``pinned-pool-size: auto``: :data:`AUTO_PINNED_SHARE` of host memory per device.
 
-    Dividing by the devices a process sees keeps one worker per GPU
-    (dask-cuda) within the share as a whole.
+    ``devices`` are the host's devices, so that one process per GPU
+    (dask-cuda workers) stays within the share as a whole.
     """
     return max(1 << 20, int(host_memory() * AUTO_PINNED_SHARE) // max(1, devices))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 import weakref
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from dask_gpustreams import KernelError, StreamsConfig, sim
+from dask_gpustreams.backends import nvidia
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.runtime import (
     EventRegistry,
@@ -20,6 +22,7 @@ from dask_gpustreams.runtime import (
     TaskRecord,
     get_runtime,
 )
+from dask_gpustreams.runtime import runtime as runtime_module
 
 N = 100
 GATE_TIMEOUT = 5.0
@@ -265,17 +268,46 @@ def test_pool_is_capped_at_the_hardware_queues(monkeypatch):
     assert rt.pool.n_streams == 2
 
 
-def test_hardware_queues_are_reserved_for_compute_and_copy_streams(monkeypatch, caplog):
-    asked = []
-    monkeypatch.setattr(SimBackend, "reserve_hardware_queues", lambda self, n: asked.append(n))
+def test_copy_streams_sharing_the_hardware_queues_are_logged_not_capped(monkeypatch, caplog):
     monkeypatch.setattr(SimBackend, "hardware_queues", lambda self: 8)
     config = StreamsConfig(backend="sim", streams=8, copy_streams=1)
     with caplog.at_level(logging.INFO, logger="dask_gpustreams"):
         rt = StreamRuntime(SimBackend(), config)
-    assert asked == [10]  # 8 compute, one host-to-device and one device-to-host
     assert rt.pool.n_streams == 8  # copy streams beyond the queues are not capped
     assert "8 compute and 2 copy streams share the device's 8 hardware queues" in caplog.text
     assert "CUDA_DEVICE_MAX_CONNECTIONS=10" in caplog.text
+
+
+def test_runtime_asks_for_queues_before_cuda_starts(monkeypatch):
+    events = []
+    monkeypatch.setattr(runtime_module, "reserve_hardware_queues", lambda n: events.append(n))
+    real_resolve = runtime_module.resolve_backend
+    monkeypatch.setattr(
+        runtime_module, "resolve_backend", lambda name: events.append(name) or real_resolve(name)
+    )
+    get_runtime(StreamsConfig(backend="auto", streams=12, copy_streams=2))
+    get_runtime(StreamsConfig(backend="sim", streams=12))
+    assert events == [16, "auto", "sim"]  # 12 compute + 2 x 2 copy streams; none for sim
+
+
+@pytest.mark.parametrize(
+    "environ, started, n, expected",
+    [
+        ({}, False, 12, "12"),
+        ({}, False, 40, "32"),  # CUDA's maximum
+        ({}, False, 8, None),  # the default suffices
+        ({}, True, 12, None),  # the driver has read it already
+        ({}, None, 12, None),  # no NVIDIA driver
+        ({"CUDA_DEVICE_MAX_CONNECTIONS": "4"}, False, 12, "4"),  # the user's value is kept
+    ],
+)
+def test_reserve_hardware_queues(monkeypatch, environ, started, n, expected):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(nvidia, "cuda_started", lambda: started)
+    assert nvidia.reserve_hardware_queues(n) is (expected is not None and not environ)
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == expected
 
 
 def test_registry():

@@ -97,6 +97,24 @@ def test_dropped_stream_runs_its_pending_work_then_its_thread_ends():
     assert not thread.is_alive()
 
 
+AT_EXIT = """
+import atexit
+
+def late():  # runs after the weakref finalizers' exit hook (atexit is last in, first out)
+    import numpy as np
+    from dask_gpustreams import sim
+    print(sim.asarray(np.ones(3)).get().sum())
+
+atexit.register(late)
+from dask_gpustreams import sim
+sim.get_device()
+"""
+
+
+def test_streams_still_run_in_atexit_code(run_python):
+    assert run_python(AT_EXIT, timeout=30).strip() == "3.0"
+
+
 def test_stream_is_fifo(streams, rng):
     order = {0: [], 1: []}
 

@@ -174,6 +174,8 @@ def test_host_memory_is_within_the_machine():
     assert 0 < config_module.host_memory() <= psutil.virtual_memory().total
     with dask.config.set({"gpustreams.pinned-pool-size": "256 MiB"}):
         assert StreamsConfig.from_dask_config().pinned_bytes(devices=8) == 256 << 20
+    for value, expected in [(" AUTO ", None), ("1 GiB", 1 << 30), (None, None)]:
+        assert StreamsConfig(pinned_pool_size=value).pinned_pool_size == expected
 
 
 @pytest.mark.parametrize("value", ["lots", 1000, True, None])

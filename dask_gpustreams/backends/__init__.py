@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from dask_gpustreams.backends.base import Backend
+from dask_gpustreams.backends.nvidia import host_gpu_count, reserve_hardware_queues
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -52,12 +53,17 @@ def current_device(resolved: str) -> int:
     return 0
 
 
-def device_count(resolved: str) -> int:
-    """How many devices backend ``resolved`` sees in this process (the simulated one: 1)."""
+def host_device_count(resolved: str) -> int:
+    """Devices on this host for backend ``resolved``, visible to this process or not.
+
+    NVML's count for CUDA (one dask-cuda worker per GPU each sees them all,
+    one process per GPU under ``CUDA_VISIBLE_DEVICES`` sees one); the
+    visible devices where NVML cannot tell (ROCm); 1 for the simulated device.
+    """
     if resolved == "cupy":
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount()
+        return host_gpu_count() or cupy.cuda.runtime.getDeviceCount()
     return 1
 
 
@@ -76,7 +82,8 @@ __all__ = [
     "Backend",
     "create_backend",
     "current_device",
-    "device_count",
     "gpu_visible",
+    "host_device_count",
+    "reserve_hardware_queues",
     "resolve_backend",
 ]

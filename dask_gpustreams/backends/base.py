@@ -65,9 +65,6 @@ class Backend(Protocol):
     def is_device_array(self, obj: Any) -> bool:
         """Whether ``obj`` is this backend's device memory."""
 
-    def reserve_hardware_queues(self, n: int) -> None:
-        """Ask for ``n`` hardware queues, where the device can still be given more."""
-
     def hardware_queues(self) -> int | None:
         """How many streams the device runs without false serialization, if bounded."""
 

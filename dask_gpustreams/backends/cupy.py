@@ -7,7 +7,6 @@ created without timing unless asked for, as CUDA recommends for waits.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from contextlib import AbstractContextManager
 from typing import Any
@@ -16,29 +15,10 @@ import cupy
 import cupyx
 import numpy as np
 
-# CUDA's default and maximum for CUDA_DEVICE_MAX_CONNECTIONS; HIP's default GPU_MAX_HW_QUEUES.
-CUDA_DEFAULT_CONNECTIONS = 8
-CUDA_MAX_CONNECTIONS = 32
+from dask_gpustreams.backends.nvidia import cuda_connections
+
+# HIP's default GPU_MAX_HW_QUEUES.
 HIP_DEFAULT_QUEUES = 4
-
-
-def primary_context_active(device_id: int) -> bool | None:
-    """Whether CUDA's primary context of ``device_id`` exists in this process (None: unknown).
-
-    Asks the driver (``cuDevicePrimaryCtxGetState``), which creates no context.
-    """
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
-    if (
-        driver.cuInit(0)
-        or driver.cuDeviceGet(ctypes.byref(device), device_id)
-        or driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
-    ):
-        return None
-    return bool(active.value)
 
 
 class CupyBackend:
@@ -99,24 +79,10 @@ class CupyBackend:
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, cupy.ndarray)
 
-    def reserve_hardware_queues(self, n: int) -> None:
-        """Set ``CUDA_DEVICE_MAX_CONNECTIONS`` to ``n`` (at most 32) while that still counts.
-
-        CUDA reads it when it creates the device's context: it is set only
-        if unset and this device has no context yet. A value the user set is
-        kept. On ROCm nothing is set (HIP reads ``GPU_MAX_HW_QUEUES`` once,
-        when its runtime starts, which cannot be told from here).
-        """
-        variable = "CUDA_DEVICE_MAX_CONNECTIONS"
-        if self.is_hip or variable in os.environ or n <= CUDA_DEFAULT_CONNECTIONS:
-            return
-        if primary_context_active(self.device_id) is False:
-            os.environ[variable] = str(min(n, CUDA_MAX_CONNECTIONS))
-
     def hardware_queues(self) -> int | None:
         if self.is_hip:
             return int(os.environ.get("GPU_MAX_HW_QUEUES", HIP_DEFAULT_QUEUES))
-        return int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_DEFAULT_CONNECTIONS))
+        return cuda_connections()
 
     def alloc_pinned(self, nbytes: int) -> np.ndarray:
         return cupyx.empty_pinned((nbytes,), dtype=np.uint8)

@@ -63,9 +63,6 @@ class SimBackend:
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, sim.SimArray)
 
-    def reserve_hardware_queues(self, n: int) -> None:
-        return None
-
     def hardware_queues(self) -> int | None:
         return None
 

@@ -22,7 +22,8 @@ from dask_gpustreams.backends import (
     Backend,
     create_backend,
     current_device,
-    device_count,
+    host_device_count,
+    reserve_hardware_queues,
     resolve_backend,
 )
 from dask_gpustreams.config import StreamsConfig
@@ -51,7 +52,7 @@ class StreamRuntime:
         self.policy = make_policy(config.policy)
         n_streams = fit_hardware_queues(backend, config.streams, 2 * config.copy_streams)
         self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
-        pinned = config.pinned_bytes(device_count(backend.name))
+        pinned = config.pinned_bytes(host_device_count(backend.name))
         self.transfers = Transfers(backend, config.copy_streams, pinned)
         self.timeline: deque[TaskRecord] | None = (
             deque(maxlen=self.timeline_maxlen) if config.timeline else None
@@ -154,12 +155,11 @@ class StreamRuntime:
 def fit_hardware_queues(backend: Backend, n_streams: int, copies: int) -> int:
     """How many of ``n_streams`` compute streams to create, beside ``copies`` copy streams.
 
-    Asks the backend for a hardware queue per stream. Where the device still
-    has fewer queues than compute streams, more streams would serialize
-    falsely: warn and cap them. Copy streams beyond the queues only log,
-    since they are created at the first copy and many graphs have none.
+    Where the device has fewer hardware queues than compute streams, more
+    streams would serialize falsely: warn and cap them. Copy streams beyond
+    the queues only log, since they are created at the first copy and many
+    graphs have none.
     """
-    backend.reserve_hardware_queues(n_streams + copies)
     queues = backend.hardware_queues()
     if queues is None or n_streams + copies <= queues:
         return n_streams
@@ -204,6 +204,8 @@ def get_runtime(config: StreamsConfig | None = None) -> StreamRuntime:
     pid = os.getpid()
     resolved = _resolved.get((pid, config.backend))
     if resolved is None:
+        if config.backend != "sim":  # before anything here starts CUDA, which reads it once
+            reserve_hardware_queues(config.streams + 2 * config.copy_streams)
         with _lock:
             resolved = _resolved[(pid, config.backend)] = resolve_backend(config.backend)
     key = (pid, resolved, current_device(resolved), config)

@@ -58,7 +58,7 @@ class Stream:
         )
         self._thread.start()
         # Work queued holds the stream; once none is and the stream is garbage, the thread ends.
-        weakref.finalize(self, self._queue.put, None)
+        weakref.finalize(self, self._queue.put, None).atexit = False  # atexit code may sync
 
     def __repr__(self) -> str:
         return f"<sim.Stream {self.id} priority={self.priority}>"

@@ -125,24 +125,44 @@ def test_dask_array_workload_equals_numpy(policy):
 
 
 RESERVE = """
-import warnings
+import os, time, warnings
 import cupy
+{before}
 from dask_gpustreams import StreamsConfig, get_runtime
-if {touch_first}:
-    cupy.zeros(1)  # creates the device's context before the runtime
+from dask_gpustreams.runtime import EventRegistry
+from tests.gpu.kernels import spin_fill
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    rt = get_runtime(StreamsConfig(backend="cupy", streams=12))
-print(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), rt.pool.n_streams, len(caught))
+    rt = get_runtime(StreamsConfig(backend="cupy", streams=16, policy="round-robin"))
+
+def batch():  # 16 kernels of 10 ms, one per stream
+    registry = EventRegistry()
+    t0 = time.perf_counter()
+    for i in range(16):
+        rt.run(i, lambda inputs: spin_fill(256, 1.0, 10.0), {{}}, registry)
+    rt.synchronize(range(16), registry)
+    return (time.perf_counter() - t0) * 1e3
+
+batch()
+wall = min(batch() for _ in range(3))
+print(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), rt.pool.n_streams, len(caught), wall)
 """
 
 
 @pytest.mark.parametrize(
-    "touch_first, expected",
-    [(False, "14 12 0"), (True, "None 8 1")],  # 12 compute + 2 copy streams; else capped
+    "before, expected, concurrent",
+    [
+        ("", "18 16 0", True),  # 16 compute + 2 copy streams get their hardware queues
+        ("cupy.cuda.runtime.getDeviceCount()", "None 8 1", False),  # too late: capped, warned
+    ],
 )
-def test_hardware_queues_set_before_the_context_exists(run_python, touch_first, expected):
+def test_hardware_queues_reserved_before_cuda_starts(run_python, before, expected, concurrent):
+    from tests.conftest import REPO_ROOT
+
+    path = os.pathsep.join([REPO_ROOT, *(p for p in sys.path if p)])  # this process's imports
     unset = "import os; os.environ.pop('CUDA_DEVICE_MAX_CONNECTIONS', None)\n"
-    path = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's imports
-    out = run_python(unset + RESERVE.format(touch_first=touch_first), env=path)
-    assert out.strip().splitlines()[-1] == expected
+    out = run_python(unset + RESERVE.format(before=before), env={"PYTHONPATH": path})
+    *fields, wall = out.strip().splitlines()[-1].split()
+    assert " ".join(fields) == expected
+    # One round of 10 ms kernels on 16 queues; two rounds on 8 (streams capped, or sharing).
+    assert (float(wall) < 15.0) if concurrent else (float(wall) > 18.0), wall
