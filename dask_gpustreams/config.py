@@ -58,7 +58,9 @@ class StreamsConfig:
                 try:
                     size = parse_bytes(size)
                 except ValueError:
-                    raise _bad_value("pinned-pool-size", size, _PINNED_ALLOWED) from None
+                    size = None
+                if size is None or size < 1 << 20:  # the error names what was written
+                    raise _bad_value("pinned-pool-size", self.pinned_pool_size, _PINNED_ALLOWED)
             object.__setattr__(self, "pinned_pool_size", size)
 
         if self.backend not in BACKENDS:
@@ -92,12 +94,6 @@ class StreamsConfig:
         if values["pinned_pool_size"] is None:  # YAML null: 'auto' is spelt out there
             raise _bad_value("pinned-pool-size", None, _PINNED_ALLOWED)
         return cls(**values)
-
-    def pinned_bytes(self, devices: int) -> int:
-        """``pinned_pool_size`` in bytes, for a process on a host with ``devices`` devices."""
-        if self.pinned_pool_size is not None:
-            return self.pinned_pool_size
-        return auto_pinned_pool_size(devices)
 
 
 _PINNED_ALLOWED = "'auto' or a byte size like '1 GiB' (>= 1 MiB)"

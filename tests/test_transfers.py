@@ -2,6 +2,7 @@
 
 import gc
 import logging
+import re
 import threading
 import time
 
@@ -159,28 +160,35 @@ def test_invalid_copy_streams(value, message):
 
 def test_pinned_pool_size_auto_is_a_share_of_host_memory_per_device(monkeypatch):
     monkeypatch.setattr(config_module, "host_memory", lambda: 64 << 30)
-    config = StreamsConfig.from_dask_config(backend="sim")
     assert dask.config.get("gpustreams.pinned-pool-size") == "auto"
-    assert config.pinned_pool_size is None
-    assert config.pinned_bytes(devices=1) == 4 << 30  # 1/16 of 64 GiB
-    assert config.pinned_bytes(devices=8) == 512 << 20  # split among a node's 8 GPUs
+    assert StreamsConfig.from_dask_config(backend="sim").pinned_pool_size is None
+    assert config_module.auto_pinned_pool_size(1) == 4 << 30  # 1/16 of 64 GiB
+    assert config_module.auto_pinned_pool_size(8) == 512 << 20  # split among a node's 8 GPUs
     rt = get_runtime(StreamsConfig(backend="sim", streams=2))
     assert rt.transfers.pinned.limit == 4 << 30  # the simulated device counts as one
+    with dask.config.set({"gpustreams.pinned-pool-size": "256 MiB"}):
+        rt = get_runtime(StreamsConfig.from_dask_config(backend="sim"))
+    assert rt.transfers.pinned.limit == 256 << 20
+
+
+@pytest.mark.parametrize("value, expected", [(" AUTO ", None), ("1 GiB", 1 << 30), (None, None)])
+def test_pinned_pool_size_strings_are_parsed_by_the_dataclass(value, expected):
+    assert StreamsConfig(pinned_pool_size=value).pinned_pool_size == expected
+    assert StreamsConfig(pinned_pool_size=value) == StreamsConfig(pinned_pool_size=expected)
 
 
 def test_host_memory_is_within_the_machine():
     import psutil
 
     assert 0 < config_module.host_memory() <= psutil.virtual_memory().total
-    with dask.config.set({"gpustreams.pinned-pool-size": "256 MiB"}):
-        assert StreamsConfig.from_dask_config().pinned_bytes(devices=8) == 256 << 20
-    for value, expected in [(" AUTO ", None), ("1 GiB", 1 << 30), (None, None)]:
-        assert StreamsConfig(pinned_pool_size=value).pinned_pool_size == expected
 
 
-@pytest.mark.parametrize("value", ["lots", 1000, True, None])
+@pytest.mark.parametrize("value", ["lots", 1000, True, None, "", "-2 GiB", "1 KiB"])
 def test_invalid_pinned_pool_size(value):
-    message = r"gpustreams.pinned-pool-size=.* is invalid: allowed values are 'auto' or a byte"
+    message = (
+        rf"gpustreams.pinned-pool-size={re.escape(repr(value))} is invalid: "
+        "allowed values are 'auto' or a byte"
+    )
     with (
         dask.config.set({"gpustreams.pinned-pool-size": value}),
         pytest.raises(ValueError, match=message),

@@ -33,9 +33,10 @@ def cuda_started() -> bool | None:
     ``CUDA_ERROR_NOT_INITIALIZED``; ``cuDeviceGetCount`` is asked, which starts nothing.
     """
     driver = _library("libcuda.so.1")
-    if driver is None:
+    try:
+        status = driver.cuDeviceGetCount(ctypes.byref(ctypes.c_int()))
+    except AttributeError:  # no library, or not the driver's
         return None
-    status = driver.cuDeviceGetCount(ctypes.byref(ctypes.c_int()))
     return status != _CUDA_ERROR_NOT_INITIALIZED
 
 
@@ -57,9 +58,15 @@ def cuda_connections() -> int:
 
 
 def host_gpu_count() -> int | None:
-    """NVIDIA GPUs on this host, whatever ``CUDA_VISIBLE_DEVICES`` shows (NVML); None if unknown."""
+    """NVIDIA GPUs on this host, whatever ``CUDA_VISIBLE_DEVICES`` shows (NVML); None if unknown.
+
+    A GPU split into MIG instances counts once.
+    """
     nvml = _library("libnvidia-ml.so.1")
-    if nvml is None or nvml.nvmlInit_v2() != 0:
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+    except AttributeError:  # no library, or not NVML
         return None
     try:
         count = ctypes.c_uint()

@@ -26,7 +26,7 @@ from dask_gpustreams.backends import (
     reserve_hardware_queues,
     resolve_backend,
 )
-from dask_gpustreams.config import StreamsConfig
+from dask_gpustreams.config import StreamsConfig, auto_pinned_pool_size
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
 from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
@@ -52,7 +52,9 @@ class StreamRuntime:
         self.policy = make_policy(config.policy)
         n_streams = fit_hardware_queues(backend, config.streams, 2 * config.copy_streams)
         self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
-        pinned = config.pinned_bytes(host_device_count(backend.name))
+        pinned = config.pinned_pool_size
+        if pinned is None:  # 'auto'; counting the host's devices may start NVML
+            pinned = auto_pinned_pool_size(host_device_count(backend.name))
         self.transfers = Transfers(backend, config.copy_streams, pinned)
         self.timeline: deque[TaskRecord] | None = (
             deque(maxlen=self.timeline_maxlen) if config.timeline else None
