@@ -123,6 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tile", type=int, default=None, help="gemm tile (default 1024; sim 64)")
     p.add_argument("--chain-len", type=int, default=4, help="Dagger's CHAIN_LEN")
     p.add_argument("--threads", type=int, default=8, help="Dask threads (and ptds threads)")
+    p.add_argument(
+        "--chunksizes",
+        type=_list(int),
+        default=[1],
+        help="threaded gpustreams rows: dask's chunksize (ready tasks handed to a thread at once)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--samples", type=int, default=7)
     p.add_argument(
@@ -502,6 +508,11 @@ def run_group(
                     if dist is None:
                         config = gpustreams_config(backend, n, policy)
                         runner.measure(row, wl, threaded_prepare(wl, config, args.threads))
+                        for chunksize in (c for c in args.chunksizes if c != 1):
+                            label = f"{policy}/chunksize={chunksize}"
+                            tuned = runner.row(scheduler, wl, "gpustreams", label, n)
+                            chunked = {**config, "chunksize": chunksize}
+                            runner.measure(tuned, wl, threaded_prepare(wl, chunked, args.threads))
                     else:
                         try:
                             dist.use_streams(n, policy)

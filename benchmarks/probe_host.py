@@ -14,6 +14,7 @@ waiting for the host), and when the last launch happened.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import threading
@@ -37,7 +38,7 @@ def _logged_run(self, key, fn, inputs, registry, critical=None):
     return out
 
 
-def probe(wl, threads: int, policy: str, streams: int, reps: int) -> dict:
+def probe(wl, threads: int, policy: str, streams: int, reps: int, chunksize: int = 1) -> dict:
     import cupy
 
     rows = []
@@ -53,7 +54,7 @@ def probe(wl, threads: int, policy: str, streams: int, reps: int) -> dict:
             ref.record(cupy.cuda.Stream.null)
             ref.synchronize()
             h0 = time.perf_counter()
-            results = dask.threaded.get(dsk, keys, num_workers=threads)
+            results = dask.threaded.get(dsk, keys, num_workers=threads, chunksize=chunksize)
             wall = (time.perf_counter() - h0) * 1e3
         err = wl.check(list(results))
         if rep == 0:
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--switch", default="", help="sys.setswitchinterval values to try")
+    p.add_argument("--chunksizes", default="1", help="dask's chunksize: tasks per submission")
     p.add_argument("--profile", action="store_true", help="host cost per task with short kernels")
     p.add_argument("--stubs", action="store_true", help="host cost with CUDA calls stubbed")
     a = p.parse_args(argv)
@@ -183,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     loads = bs.Workloads(args, "cupy", bs.calibrate(args, "cupy"))
     rt.StreamRuntime.run = _logged_run
     switches = [None] + [float(s) for s in a.switch.split(",") if s]
+    chunksizes = [int(c) for c in a.chunksizes.split(",")]
     print(
-        f"{'shape':10} {'policy':13} thr  switch   wall ms  first ms  last ms  "
+        f"{'shape':10} {'policy':13} thr chunk switch   wall ms  first ms  last ms  "
         "host us/task  waited  gpu-first  sat"
     )
     default_switch = sys.getswitchinterval()
@@ -193,11 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         ideal_ms = wl.kernel_ms * len(wl.shape.nodes)
         for policy in a.policies.split(","):
             for threads in (int(t) for t in a.threads.split(",")):
-                for sw in switches:
+                for sw, chunksize in itertools.product(switches, chunksizes):
                     sys.setswitchinterval(sw or default_switch)
-                    m = probe(wl, threads, policy, a.streams, a.reps)
+                    m = probe(wl, threads, policy, a.streams, a.reps, chunksize)
                     print(
-                        f"{name:10} {policy:13} {threads:3} {sw or default_switch:7.4f} "
+                        f"{name:10} {policy:13} {threads:3} {chunksize:5} "
+                        f"{sw or default_switch:7.4f} "
                         f"{m['wall']:8.1f} {m['first']:9.2f} {m['last']:8.1f} "
                         f"{m['per_task_us']:13.0f} {m['host_waited']:7.0f} "
                         f"{m['gpu_first']:10.2f} {ideal_ms / m['wall']:5.2f}"

@@ -114,14 +114,14 @@ def table(rows: list[dict], headline_streams: int = 8) -> str:
             f"\n== {scheduler} scheduler · {family} shapes · isolated kernel {kernel} ms "
             f"· saturation (kernel ms x tasks / median wall) by stream count =="
         )
-        head = f"{'shape':<10} {'mode:policy':<26}" + "".join(f"{n:>7}" for n in streams)
+        head = f"{'shape':<10} {'mode:policy':<30}" + "".join(f"{n:>7}" for n in streams)
         out.append(head)
         cells: dict[tuple, dict] = defaultdict(dict)
         for r in rs:
             if r["mode"] in ("gpustreams", "ideal"):
                 cells[(r["shape"], _label(r))][r["streams"]] = r
         for (shape, label), by_n in cells.items():
-            line = f"{shape:<10} {label:<26}"
+            line = f"{shape:<10} {label:<30}"
             for n in streams:
                 r = by_n.get(n)
                 line += f"{_cell(r):>7}"
@@ -140,14 +140,14 @@ def table(rows: list[dict], headline_streams: int = 8) -> str:
             f"{headline_streams} streams --"
         )
         out.append(
-            f"{'shape':<10} {'mode:policy':<26} {'n':>3} {'median ms':>10} {'[min - max]':>19} "
+            f"{'shape':<10} {'mode:policy':<30} {'n':>3} {'median ms':>10} {'[min - max]':>19} "
             f"{'IQR':>6} {'sat':>6} {'speedup':>7} {'eff':>5}  status"
         )
         for r in at:
             spread = f"[{_num(r.get('wall_min_ms'), '.1f')} - {_num(r.get('wall_max_ms'), '.1f')}]"
             eff = r.get("efficiency")
             out.append(
-                f"{r['shape']:<10} {_label(r):<26} {r['streams']:>3} "
+                f"{r['shape']:<10} {_label(r):<30} {r['streams']:>3} "
                 f"{_num(r.get('wall_median_ms'), '.1f'):>10} {spread:>19} "
                 f"{_num(r.get('wall_iqr_ms'), '.1f'):>6} {_num(r.get('saturation'), '.2f'):>6} "
                 f"{_num(r.get('speedup'), '.2f'):>7} "
