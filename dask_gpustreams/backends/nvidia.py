@@ -29,8 +29,9 @@ def _library(name: str) -> ctypes.CDLL | None:
 def cuda_started() -> bool | None:
     """Whether this process has initialized the CUDA driver (``cuInit``); None if unknown.
 
-    Before ``cuInit`` every driver call but two fails with
-    ``CUDA_ERROR_NOT_INITIALIZED``; ``cuDeviceGetCount`` is asked, which starts nothing.
+    Before ``cuInit``, driver calls other than ``cuInit`` and ``cuDriverGetVersion``
+    fail with ``CUDA_ERROR_NOT_INITIALIZED``; ``cuDeviceGetCount`` is asked, which
+    starts nothing.
     """
     driver = _library("libcuda.so.1")
     try:

@@ -172,7 +172,7 @@ def fit_hardware_queues(backend: Backend, n_streams: int, copies: int) -> int:
             f"gpustreams.streams={n_streams} exceeds the device's {queues} hardware "
             f"queues ({variable}); capping the pool at {queues} streams, since more "
             f"would serialize falsely. Set {variable}={n_streams} in the environment "
-            "before the CUDA context is created to use more.",
+            "before the process first uses the GPU to use more.",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -180,7 +180,7 @@ def fit_hardware_queues(backend: Backend, n_streams: int, copies: int) -> int:
     logger.info(
         "gpustreams: %d compute and %d copy streams share the device's %d hardware queues "
         "(%s), so copies may wait for unrelated kernels; set %s=%d in the environment "
-        "before the CUDA context is created to avoid it",
+        "before the process first uses the GPU to avoid it",
         n_streams,
         copies,
         queues,
