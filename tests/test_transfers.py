@@ -196,6 +196,19 @@ def test_invalid_pinned_pool_size(value):
         StreamsConfig.from_dask_config()
 
 
+def test_new_settings_free_the_idle_staging_of_the_old_ones():
+    old = get_runtime(StreamsConfig(backend="sim", streams=2, pinned_pool_size=8 << 20))
+    host = np.arange(1 << 16, dtype=np.float64)
+    stream = old.backend.current_stream()
+    old.transfers.to_device(host, stream)
+    stream.synchronize()
+    assert old.transfers.pinned.total_bytes() == host.nbytes  # cached for the next copy
+    get_runtime(StreamsConfig(backend="sim", streams=3, pinned_pool_size=8 << 20))
+    assert old.transfers.pinned.total_bytes() == 0
+    again = old.transfers.to_device(host, stream)  # the old runtime still works
+    np.testing.assert_array_equal(again.get(), host)
+
+
 def test_pinned_pool_is_usable_after_a_failed_upload(monkeypatch):
     rt = get_runtime(StreamsConfig(backend="sim", pinned_pool_size=1 << 20))
     stream = rt.backend.current_stream()

@@ -113,6 +113,19 @@ class PinnedPool:
         weakref.finalize(buffer, self._returned.append, nbytes)
         return buffer
 
+    def trim(self) -> int:
+        """Drop the cached buffers that no copy uses; return their bytes.
+
+        They go back to the backend's pinned allocator (CuPy caches them for
+        reuse), so a pool that is no longer used holds no staging memory.
+        """
+        with self._changed:
+            self._reclaim()
+            dropped = sum(b.nbytes for buffers in self._free.values() for b in buffers)
+            self._free.clear()
+            self._total -= dropped
+            return dropped
+
     def release(self, buffer: np.ndarray, event: Any | None) -> None:
         """Give ``buffer`` back; it is reused once ``event`` (its copy) has completed.
 

@@ -216,5 +216,23 @@ def get_runtime(config: StreamsConfig | None = None) -> StreamRuntime:
         with _lock:
             runtime = _runtimes.get(key)
             if runtime is None:
+                _trim_other_settings(key[:3])
                 runtime = _runtimes[key] = StreamRuntime(create_backend(resolved), config)
     return runtime
+
+
+def _trim_other_settings(device: tuple) -> None:
+    """Free the idle pinned staging buffers of ``device``'s runtimes of other settings.
+
+    Each setting keeps its runtime (computations may still use it), but a
+    change of settings should not leave a second staging pool pinned.
+    """
+    for key, other in _runtimes.items():
+        if key[:3] == device:
+            dropped = other.transfers.pinned.trim()
+            if dropped:
+                logger.info(
+                    "gpustreams: settings changed; freed %s of idle pinned staging of %r",
+                    format_bytes(dropped),
+                    other,
+                )
