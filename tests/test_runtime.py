@@ -169,13 +169,18 @@ def test_task_runs_with_its_stream_current_and_its_key(by_key):
     assert sim.get_device().current_key() is None
 
 
-def test_inputs_are_held_until_the_task_event_completes(by_key):
+def produced_on_stream_0(by_key):
+    """A runtime, its registry, ``p`` produced (and synced) on stream 0, a gate for ``c`` on 1."""
     by_key.update({"p": 0, "c": 1})
     rt = make_runtime()
     reg = EventRegistry()
     x = rt.run("p", produce(3.0), {}, reg)
     rt.synchronize(["p"], reg)
-    gate = threading.Event()
+    return rt, reg, x, threading.Event()
+
+
+def test_inputs_are_held_until_the_task_event_completes(by_key):
+    rt, reg, x, gate = produced_on_stream_0(by_key)
     y = rt.run("c", scale("p", 2.0, gate), {"p": x}, reg)
     ref = weakref.ref(x)
     del x
@@ -190,12 +195,7 @@ def test_inputs_are_held_until_the_task_event_completes(by_key):
 
 
 def test_inputs_are_held_when_the_task_raises_after_launching(by_key):
-    by_key.update({"p": 0, "c": 1})
-    rt = make_runtime()
-    reg = EventRegistry()
-    x = rt.run("p", produce(3.0), {}, reg)
-    rt.synchronize(["p"], reg)
-    gate = threading.Event()
+    rt, reg, x, gate = produced_on_stream_0(by_key)
     launch = scale("p", 2.0, gate)
 
     def task(inputs):

@@ -50,6 +50,14 @@ def boom(*_):
     raise ValueError("boom")
 
 
+def zeros_then_gated_ones(stream, gate: threading.Event):
+    """Zeros, synced on ``stream``, that ``stream`` overwrites with ones once ``gate`` opens."""
+    x = sim.asarray(np.zeros(N))
+    stream.synchronize()
+    sim.launch(gated(gate, fill(1.0)), x)
+    return x
+
+
 @pytest.fixture
 def streams():
     return device.create_stream(), device.create_stream()
@@ -233,9 +241,7 @@ def test_get_waits_for_the_current_stream_only(streams):
     a, b = streams
     gate = threading.Event()
     with a:
-        x = sim.asarray(np.zeros(N))
-        a.synchronize()
-        sim.launch(gated(gate, fill(1.0)), x)
+        x = zeros_then_gated_ones(a, gate)
     with b:
         seen_from_b = x.get()  # returns while a is still blocked
     assert not a.record().done
@@ -386,9 +392,7 @@ def test_pickle_snapshots_without_waiting(streams):
     a, _ = streams
     gate = threading.Event()
     with a:
-        x = sim.asarray(np.zeros(N))
-        a.synchronize()
-        sim.launch(gated(gate, fill(1.0)), x)
+        x = zeros_then_gated_ones(a, gate)
         t0 = time.perf_counter()
         payload = pickle.dumps(x)
         elapsed = time.perf_counter() - t0
