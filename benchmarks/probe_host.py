@@ -9,6 +9,11 @@ waiting for the host), and when the last launch happened.
 
     python -m benchmarks.probe_host --threads 8,4,2
     python -m benchmarks.probe_host --stubs --shapes linear,tangled
+    python -m benchmarks.probe_host --launch-lock --chunksizes 1,8
+
+``--launch-lock`` adds rows where every ``StreamRuntime.run`` holds one
+process-wide lock: launches serialized per task, as ``chunksize`` serializes
+them per batch, to see what the threads' contention costs.
 """
 
 from __future__ import annotations
@@ -29,11 +34,17 @@ from dask_gpustreams.runtime import runtime as rt
 
 LOG: list = []
 _orig_run = rt.StreamRuntime.run
+LAUNCH_LOCK = threading.Lock()
+LOCKED = [False]
 
 
 def _logged_run(self, key, fn, inputs, registry, critical=None):
     t0 = time.perf_counter()
-    out = _orig_run(self, key, fn, inputs, registry, critical)
+    if LOCKED[0]:
+        with LAUNCH_LOCK:
+            out = _orig_run(self, key, fn, inputs, registry, critical)
+    else:
+        out = _orig_run(self, key, fn, inputs, registry, critical)
     LOG.append((key, t0, time.perf_counter(), threading.get_ident()))
     return out
 
@@ -175,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunksizes", default="1", help="dask's chunksize: tasks per submission")
     p.add_argument("--profile", action="store_true", help="host cost per task with short kernels")
     p.add_argument("--stubs", action="store_true", help="host cost with CUDA calls stubbed")
+    p.add_argument("--launch-lock", action="store_true", help="add rows with one lock per run")
     a = p.parse_args(argv)
     if a.profile:
         return profile_host(a)
@@ -186,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     rt.StreamRuntime.run = _logged_run
     switches = [None] + [float(s) for s in a.switch.split(",") if s]
     chunksizes = [int(c) for c in a.chunksizes.split(",")]
+    locks = (False, True) if a.launch_lock else (False,)
     print(
-        f"{'shape':10} {'policy':13} thr chunk switch   wall ms  first ms  last ms  "
+        f"{'shape':10} {'policy':13} thr chunk lock switch   wall ms  first ms  last ms  "
         "host us/task  waited  gpu-first  sat"
     )
     default_switch = sys.getswitchinterval()
@@ -196,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         ideal_ms = wl.kernel_ms * len(wl.shape.nodes)
         for policy in a.policies.split(","):
             for threads in (int(t) for t in a.threads.split(",")):
-                for sw, chunksize in itertools.product(switches, chunksizes):
+                for sw, chunksize, locked in itertools.product(switches, chunksizes, locks):
                     sys.setswitchinterval(sw or default_switch)
+                    LOCKED[0] = locked
                     m = probe(wl, threads, policy, a.streams, a.reps, chunksize)
                     print(
                         f"{name:10} {policy:13} {threads:3} {chunksize:5} "
+                        f"{'yes' if locked else 'no':>4} "
                         f"{sw or default_switch:7.4f} "
                         f"{m['wall']:8.1f} {m['first']:9.2f} {m['last']:8.1f} "
                         f"{m['per_task_us']:13.0f} {m['host_waited']:7.0f} "

@@ -1,4 +1,4 @@
-"""Shared fixtures of the CPU test suite: state reset, configuration, a keyed policy."""
+"""Shared fixtures of the test suite: state reset, configuration, a keyed policy, the dask CLI."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 
 import dask
 import numpy as np
@@ -108,3 +109,46 @@ def run_python():
         return proc.stdout
 
     return run
+
+
+@pytest.fixture
+def cli_env() -> dict[str, str]:
+    """Environment of the processes ``dask_cli`` starts: the sim backend, 4 streams."""
+    return {
+        "PYTHONPATH": REPO_ROOT,
+        "DASK_GPUSTREAMS__BACKEND": "sim",
+        "DASK_GPUSTREAMS__STREAMS": "4",
+    }
+
+
+@pytest.fixture
+def dask_cli(tmp_path, cli_env):
+    """``start(*args)`` runs ``dask <args>`` against a scheduler file; all stopped at the end.
+
+    The processes get this one's environment without its ``DASK_*`` and
+    ``PYTHONPATH`` variables, plus ``cli_env``. Logs go to ``tmp_path``.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "PYTHONPATH"))}
+    env.update(cli_env)
+    scheduler_file = str(tmp_path / "scheduler.json")
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str) -> str:
+        cmd = [sys.executable, "-m", "dask", *args, "--scheduler-file", scheduler_file]
+        log = open(tmp_path / f"{len(procs)}-{args[0]}.log", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 30
+        while not os.path.exists(scheduler_file):
+            assert time.monotonic() < deadline, "dask scheduler did not start"
+            assert procs[0].poll() is None, (tmp_path / "0-scheduler.log").read_text()
+            time.sleep(0.05)
+        return scheduler_file
+
+    yield start
+    for proc in reversed(procs):  # workers first, then the scheduler
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

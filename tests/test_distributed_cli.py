@@ -7,22 +7,16 @@ unset, so its client installs nothing: the plugin comes from the preloads.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
 import sys
 import time
 
 import cloudpickle
 import numpy as np
-import pytest
 from distributed import Client
 
 from dask_gpustreams import sim
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fill(out, value, delay):
@@ -49,39 +43,6 @@ def has_plugin(dask_worker):
 def on_pool_stream():
     device = sim.get_device()
     return device.current_stream() is not device.default_stream
-
-
-@pytest.fixture
-def dask_cli(tmp_path):
-    """``start(*args)`` runs ``dask <args>`` against a scheduler file; all stopped at the end."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "PYTHONPATH"))}
-    env.update(
-        PYTHONPATH=REPO_ROOT,
-        DASK_GPUSTREAMS__BACKEND="sim",
-        DASK_GPUSTREAMS__STREAMS="4",
-    )
-    scheduler_file = str(tmp_path / "scheduler.json")
-    procs: list[subprocess.Popen] = []
-
-    def start(*args: str) -> str:
-        cmd = [sys.executable, "-m", "dask", *args, "--scheduler-file", scheduler_file]
-        log = open(tmp_path / f"{len(procs)}-{args[0]}.log", "w")  # noqa: SIM115
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 30
-        while not os.path.exists(scheduler_file):
-            assert time.monotonic() < deadline, "dask scheduler did not start"
-            assert procs[0].poll() is None, (tmp_path / "0-scheduler.log").read_text()
-            time.sleep(0.05)
-        return scheduler_file
-
-    yield start
-    for proc in reversed(procs):  # workers first, then the scheduler
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_dask_worker_preload(dask_cli):

@@ -1,0 +1,123 @@
+"""dask-cuda deployments on a real GPU: device-to-host spilling and the ``dask cuda worker`` CLI.
+
+Spilling: dask-cuda's ``DeviceHostFile`` serializes a result to host memory
+as soon as the device limit is exceeded, on the worker's event loop, with the
+loop thread's default stream. The producers here spin 30 ms before writing
+their result, so a copy that does not wait for the key's event reads memory
+the kernel has not written yet. With the legacy default stream the copy is
+ordered behind the (blocking) pool streams anyway; with a per-thread default
+stream (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``, how Dask users get
+concurrency today) only the plugin's per-key wait orders it, which the last
+test shows by removing that wait.
+"""
+
+import os
+import sys
+
+import cloudpickle
+import dask
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+dask_cuda = pytest.importorskip("dask_cuda")
+
+from distributed import Client, wait  # noqa: E402
+
+from .kernels import spin_fill, spin_scale  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+N = 1 << 20  # float64: 8 MiB per result
+PRODUCERS = 8
+DEVICE_LIMIT = 20 * 2**20  # two results fit on the device; the others are spilled
+
+
+def default_stream_ptr():
+    """The stream CuPy uses on the calling thread when none is set (0: legacy, 2: per-thread)."""
+    return int(cupy.cuda.get_current_stream().ptr)
+
+
+def spilled_keys(dask_worker):
+    return len(dask_worker.data.host)
+
+
+def remove_spill_wait(dask_worker):
+    plugin = dask_worker.plugins["gpustreams"]
+    for lru in plugin._evicting:
+        lru.on_evict.remove(plugin._before_spill)
+
+
+def has_plugin(dask_worker):
+    return "gpustreams" in dask_worker.plugins
+
+
+def current_stream_ptr():
+    return int(cupy.cuda.get_current_stream().ptr)
+
+
+def spill_round_trip(monkeypatch, ptds: str, spill_wait: bool) -> tuple[list, list]:
+    """Producers spilled while their kernels run, then read back: (produced, scaled by 2)."""
+    monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", ptds)  # the worker inherits it
+    with (
+        dask.config.set({"gpustreams.backend": "cupy", "gpustreams.streams": 4}),
+        dask_cuda.LocalCUDACluster(
+            n_workers=1,
+            device_memory_limit=DEVICE_LIMIT,
+            preload=["dask_gpustreams"],
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        assert list(client.run(default_stream_ptr).values()) == [2 if ptds == "1" else 0]
+        if not spill_wait:
+            client.run(remove_spill_wait)
+        xs = [client.submit(spin_fill, N, 100.0 + i, 30.0, pure=False) for i in range(PRODUCERS)]
+        wait(xs)
+        assert list(client.run(spilled_keys).values())[0] >= PRODUCERS - 2
+        ys = [client.submit(spin_scale, x, 2.0, 1.0, pure=False) for x in xs]
+        return [cupy.asnumpy(x) for x in client.gather(xs)], [
+            cupy.asnumpy(y) for y in client.gather(ys)
+        ]
+
+
+@pytest.mark.parametrize("ptds", ["0", "1"], ids=["legacy-stream", "per-thread-stream"])
+def test_device_host_file_spills_are_exact(monkeypatch, ptds):
+    produced, scaled = spill_round_trip(monkeypatch, ptds, spill_wait=True)
+    for i in range(PRODUCERS):
+        np.testing.assert_array_equal(produced[i], np.full(N, 100.0 + i))
+        np.testing.assert_array_equal(scaled[i], np.full(N, 2 * (100.0 + i)))
+
+
+def test_per_thread_stream_spills_need_the_spill_wait(monkeypatch):
+    produced, _ = spill_round_trip(monkeypatch, "1", spill_wait=False)
+    wrong = [i for i in range(PRODUCERS) if not np.array_equal(produced[i], np.full(N, 100.0 + i))]
+    assert wrong, "every spill was exact without the per-key wait: the test shows nothing"
+
+
+@pytest.fixture
+def cli_env():
+    """Workers started from the CLI use the cupy backend and this process's imports."""
+    from tests.conftest import REPO_ROOT
+
+    return {
+        "PYTHONPATH": os.pathsep.join([REPO_ROOT, *(p for p in sys.path if p)]),
+        "DASK_GPUSTREAMS__BACKEND": "cupy",
+        "DASK_GPUSTREAMS__STREAMS": "8",
+    }
+
+
+def test_dask_cuda_worker_preload(dask_cli):
+    dask_cli("scheduler", "--no-dashboard", "--port", "0")
+    scheduler_file = dask_cli("cuda", "worker", "--no-dashboard", "--preload", "dask_gpustreams")
+    with Client(scheduler_file=scheduler_file, timeout=30) as client:
+        client.wait_for_workers(1, timeout=60)
+        assert list(client.run(has_plugin).values()) == [True]
+        assert client.submit(current_stream_ptr, pure=False).result() not in (0, 1, 2)
+        n = 1 << 16
+        leaves = [client.submit(spin_fill, n, float(i), 5.0, pure=False) for i in range(8)]
+        scaled = [client.submit(spin_scale, x, 3.0, 5.0, pure=False) for x in leaves]
+        for i, y in enumerate(client.gather(scaled)):
+            np.testing.assert_array_equal(cupy.asnumpy(y), np.full(n, 3.0 * i))
