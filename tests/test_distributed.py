@@ -32,6 +32,7 @@ from distributed import Client, LocalCluster, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, sim
 from dask_gpustreams.backends import gpu_visible
+from dask_gpustreams.integrations.distributed.execution import Execution
 
 # Worker processes unpickle these task functions without importing this module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -147,7 +148,7 @@ def plugin_state(dask_worker):
     return {
         "registry": len(plugin.registry),
         "failures": len(plugin.failures),
-        "taint": len(plugin._taint),
+        "taint": len(plugin.provenance.taint),
         "tasks": len(dask_worker.state.tasks),
         "inflight": runtime.collect() if runtime is not None else 0,
         "streams": runtime.pool.n_streams if runtime is not None else None,
@@ -378,8 +379,8 @@ def _without_get_data_wait(dask_worker):
 
 def _without_spill_wait(dask_worker):
     plugin = dask_worker.plugins["gpustreams"]
-    for lru in plugin._evicting:
-        lru.on_evict.remove(plugin._before_spill)
+    for lru in plugin.egress.evicting:
+        lru.on_evict.remove(plugin.egress.before_spill)
 
 
 def test_peer_fetch_needs_the_egress_wait():
@@ -523,10 +524,10 @@ def test_a_backend_that_cannot_start_fails_the_task():
 
 
 def test_a_failure_while_wrapping_fails_the_task_instead_of_running_it_unwrapped(monkeypatch):
-    def broken(self, key):
+    def broken(self, key, host_modules):
         raise RuntimeError(f"cannot wrap {key}")
 
-    monkeypatch.setattr(StreamsPlugin, "_prepare", broken)
+    monkeypatch.setattr(Execution, "prepare", broken)
     with cluster(n_workers=1) as client:  # in-process workers share the patched class
         future = client.submit(on_pool_stream, pure=False, key="victim")
         with pytest.raises(RuntimeError, match="cannot wrap victim"):
@@ -541,7 +542,7 @@ def test_unregistering_restores_the_worker():
 
         def restored(dask_worker):
             handler = dask_worker.handlers["get_data"]
-            hooks = [cb for cb in dask_worker.data.fast.on_evict if "_before_spill" in repr(cb)]
+            hooks = [cb for cb in dask_worker.data.fast.on_evict if "before_spill" in repr(cb)]
             return handler == dask_worker.get_data and not hooks
 
         assert all(client.run(restored).values())

@@ -46,8 +46,8 @@ def spilled_keys(dask_worker):
 
 def remove_spill_wait(dask_worker):
     plugin = dask_worker.plugins["gpustreams"]
-    for lru in plugin._evicting:
-        lru.on_evict.remove(plugin._before_spill)
+    for lru in plugin.egress.evicting:
+        lru.on_evict.remove(plugin.egress.before_spill)
 
 
 def has_plugin(dask_worker):

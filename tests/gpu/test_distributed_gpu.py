@@ -39,7 +39,7 @@ def worker_report(dask_worker):
         "streams": runtime.pool.n_streams if runtime is not None else None,
         "tasks_recorded": sum(s.seq for s in runtime.pool.slots) if runtime is not None else 0,
         "data": type(dask_worker.data).__name__,
-        "spill_hooks": len(plugin._evicting),
+        "spill_hooks": len(plugin.egress.evicting),
         "failures": len(plugin.failures),
     }
 

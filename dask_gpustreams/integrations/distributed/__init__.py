@@ -1,0 +1,11 @@
+"""The ``distributed`` integration: :class:`StreamsPlugin`, a worker plugin (see :mod:`.plugin`).
+
+One module per part of the plugin, after the sections of its documentation:
+
+- :mod:`.plugin`: :class:`StreamsPlugin`, its lifecycle and ``transition`` hook;
+- :mod:`.execution`: the run_spec of each task that starts executing (*Execution*);
+- :mod:`.egress`: the waits of ``get_data`` and spilling (*Egress*);
+- :mod:`.provenance`: the events, taints and failure records of keys (*Failures*).
+"""
+
+from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin as StreamsPlugin

@@ -1,0 +1,120 @@
+"""Results leave the device only once their work has completed.
+
+The *Egress* section of :mod:`.plugin`'s documentation. :class:`Egress` wraps
+the worker's ``get_data`` handler, whose waits run in the egress threads so
+that the event loop keeps running, and hooks spilling, whose wait blocks the
+event loop for the evicted key only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Collection, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from dask_gpustreams.errors import KernelError
+from dask_gpustreams.integrations.distributed.provenance import Provenance, as_kernel_error
+from dask_gpustreams.runtime import TaskRecord
+
+
+def _zict_buffers(data: Any) -> list:
+    """``data`` and its attributes that are ``zict.Buffer`` s (SpillBuffer, DeviceHostFile)."""
+    import zict
+
+    found = []
+    for candidate in (data, *getattr(data, "__dict__", {}).values()):
+        if isinstance(candidate, zict.Buffer) and all(candidate is not b for b in found):
+            found.append(candidate)
+    return found
+
+
+class Egress:
+    """The waits of one worker before a result is copied off the device on the host."""
+
+    def __init__(self, worker: Any, provenance: Provenance, threads: ThreadPoolExecutor):
+        self.worker = worker
+        self.provenance = provenance
+        self.threads = threads
+        #: The fast (LRU) mappings of the worker's zict buffers, whose evictions are hooked.
+        self.evicting: list = []
+        self._worker_get_data: Any = None  # the handler that get_data wraps
+
+    def install(self) -> None:
+        """Wrap the worker's ``get_data`` handler and hook its spilling (event loop)."""
+        self._worker_get_data = self.worker.handlers["get_data"]
+        self.worker.handlers["get_data"] = self.get_data
+        self.evicting = [b.fast for b in _zict_buffers(self.worker.data)]
+        for lru in self.evicting:
+            lru.on_evict.insert(0, self.before_spill)
+
+    def uninstall(self) -> None:
+        """Unhook spilling and restore the worker's ``get_data`` handler (event loop)."""
+        for lru in self.evicting:
+            if self.before_spill in lru.on_evict:
+                lru.on_evict.remove(self.before_spill)
+        if self.worker.handlers.get("get_data") == self.get_data:
+            self.worker.handlers["get_data"] = self._worker_get_data
+
+    async def get_data(
+        self,
+        comm: Any,
+        keys: Collection[Hashable],
+        who: str | None = None,
+        serializers: list[str] | None = None,
+    ) -> Any:
+        """``Worker.get_data`` once the events of ``keys`` have completed; failed keys left out."""
+        provenance = self.provenance
+        if len(provenance.registry):
+            failed = await self.wait_for(keys)
+            if failed:
+                provenance.drop_corrupt(failed)
+                keys = [k for k in keys if k not in failed]
+                provenance.clear_stream_errors_soon()
+        return await self._worker_get_data(comm, keys=keys, who=who, serializers=serializers)
+
+    async def wait_for(self, keys: Collection[Hashable]) -> dict[Hashable, KernelError]:
+        """Wait, off the event loop, for the work of ``keys``; return the keys whose work failed."""
+        provenance = self.provenance
+        loop = asyncio.get_running_loop()
+        while True:
+            sources = {
+                r.key: provenance.sources((r.key,)) for r in provenance.registry.records(keys)
+            }
+            pending = [r for rs in sources.values() for r in rs if not provenance.state(r)[0]]
+            if not pending:
+                break
+            await loop.run_in_executor(self.threads, self._wait_events, pending)
+        failed = {}
+        for key, records in sources.items():
+            error = next(filter(None, (provenance.state(r)[1] for r in records)), None)
+            if error is not None:
+                failed[key] = error
+            else:
+                provenance.taint.pop(key, None)  # all done and fine
+        return failed
+
+    def _wait_events(self, records: list[TaskRecord]) -> None:
+        """Egress thread: block until each record's event has completed (errors read later)."""
+        for record in records:
+            with contextlib.suppress(Exception):
+                self.provenance.runtime.backend.event_error(record.event)
+
+    def before_spill(self, key: Hashable, value: Any) -> None:
+        """First ``on_evict`` callback: the key's work must be complete before it is serialized."""
+        provenance = self.provenance
+        if provenance.runtime is None:
+            return
+        for record in provenance.sources((key,)):
+            try:
+                error = provenance.runtime.backend.event_error(record.event)  # blocks the loop
+            except Exception as e:
+                error = e
+            if error is not None:
+                # Spilled anyway (the value is garbage either way); the key is dropped next.
+                failed = {key: as_kernel_error(record.key, error)}
+                self.worker.loop.add_callback(provenance.drop_corrupt, failed)
+                provenance.clear_stream_errors_soon()
+                return
+        provenance.taint.pop(key, None)

@@ -1,0 +1,135 @@
+"""The run_spec each task gets when it starts executing on a worker.
+
+The *Execution* section of :mod:`.plugin`'s documentation. A task that runs
+in a worker thread is wrapped to run on the streams; a host-side task waits
+for its inputs' work first; a task whose inputs (or whose own earlier run)
+failed on the device raises that failure instead of running. Other tasks
+keep their run_spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from dask._task_spec import GraphNode, Task, TaskRef
+
+from dask_gpustreams.config import StreamsConfig
+from dask_gpustreams.integrations.distributed.provenance import Provenance
+from dask_gpustreams.integrations.tasks import wrap_task
+from dask_gpustreams.runtime import StreamRuntime, get_runtime
+
+
+class _Raise:
+    """Task function that raises ``exc``: a task failed before it ran."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def __call__(self, *args: Any) -> Any:
+        raise self.exc.with_traceback(None)  # not the frames of the sync that found it
+
+    def __repr__(self) -> str:
+        return f"_Raise({self.exc!r})"
+
+
+class _AfterInputs:
+    """Task function of a host-side task: wait for the inputs' work, then run the node."""
+
+    __slots__ = ("wait_inputs", "node", "dep_keys")
+
+    def __init__(
+        self,
+        wait_inputs: Callable[[tuple[Hashable, ...]], None],
+        node: GraphNode,
+        dep_keys: tuple[Hashable, ...],
+    ):
+        self.wait_inputs = wait_inputs
+        self.node = node
+        self.dep_keys = dep_keys
+
+    def __call__(self, *values: Any) -> Any:
+        self.wait_inputs(self.dep_keys)
+        return self.node(dict(zip(self.dep_keys, values, strict=True)))
+
+    def __repr__(self) -> str:
+        return f"_AfterInputs({self.node!r})"
+
+
+def _replace(node: GraphNode, func: Any, dep_keys: tuple[Hashable, ...]) -> Task:
+    """A task of ``node``'s key and dependencies calling ``func(*values of dep_keys)``."""
+    return Task(node.key, func, *(TaskRef(d) for d in dep_keys), _data_producer=node.data_producer)
+
+
+def _is_host_task(node: GraphNode, host_modules: tuple[str, ...]) -> bool:
+    """Whether ``node``'s function is one of ``host_modules``' (it hands its inputs to the host)."""
+    module = getattr(getattr(node, "func", None), "__module__", None) or ""
+    return module.startswith(host_modules)
+
+
+class Execution:
+    """Replaces the run_spec of each task that starts executing on one worker (event loop)."""
+
+    def __init__(self, worker: Any, provenance: Provenance, config: StreamsConfig):
+        self.worker = worker
+        self.provenance = provenance
+        self.config = config
+        #: Keys of the tasks wrapped to run on the streams, until they leave ``executing``.
+        self.wrapped: set[Hashable] = set()
+
+    def prepare(self, key: Hashable, host_modules: tuple[str, ...]) -> None:
+        """Give ``key``'s task, which starts executing, the run_spec to run it with.
+
+        ``host_modules``: the modules of the functions of host-side tasks.
+        """
+        ts = self.worker.state.tasks.get(key)
+        if ts is None or ts.run_spec is None:
+            return
+        node = ts.run_spec
+        dep_keys = tuple(node.dependencies)
+        provenance = self.provenance
+        error, _ = provenance.failures.pop(key, (None, None))
+        if error is None:
+            error, pending = provenance.input_states(dep_keys)
+            if error is not None:
+                provenance.clear_stream_errors_soon()
+            elif pending:
+                provenance.taint[key] = pending
+        if error is not None:
+            ts.run_spec = _replace(node, _Raise(error), dep_keys)
+            return
+        if key in self.worker.state.actors or not self._thread_pool(ts):
+            return
+        try:
+            runtime = self._get_runtime()
+        except Exception as e:  # a bad backend: fail the task, not the worker
+            ts.run_spec = _replace(node, _Raise(e), dep_keys)
+            return
+        if _is_host_task(node, host_modules):
+            if pending:
+                host = _AfterInputs(provenance.wait_inputs, node, dep_keys)
+                ts.run_spec = _replace(node, host, dep_keys)
+            return
+        ts.run_spec = wrap_task(node, runtime, provenance.registry)
+        self.wrapped.add(key)
+
+    def fail(self, key: Hashable, exc: BaseException) -> None:
+        """Make ``key``'s task raise ``exc`` instead of running (preparing it failed)."""
+        ts = self.worker.state.tasks.get(key)
+        if ts is not None and ts.run_spec is not None:
+            node = ts.run_spec
+            ts.run_spec = _replace(node, _Raise(exc), tuple(node.dependencies))
+
+    def _get_runtime(self) -> StreamRuntime:
+        """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
+        if self.provenance.runtime is None:
+            self.provenance.runtime = get_runtime(self.config)
+        return self.provenance.runtime
+
+    def _thread_pool(self, ts: Any) -> bool:
+        """Whether ``ts`` runs in a worker thread (as ``Worker.execute`` decides)."""
+        name = (ts.annotations or {}).get("executor", "default")
+        executor = self.worker.executors.get(name)
+        return executor is not None and "ThreadPoolExecutor" in str(type(executor))

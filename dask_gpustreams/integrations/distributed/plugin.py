@@ -1,0 +1,265 @@
+"""The ``distributed`` integration: a worker plugin that runs every task on a stream pool.
+
+:class:`StreamsPlugin` is a :class:`distributed.WorkerPlugin`. Install it with
+``client.register_plugin(StreamsPlugin())``, by preloading ``dask_gpustreams``
+on the workers or the scheduler, or by setting ``gpustreams.enabled`` before a
+client is created (:mod:`dask_gpustreams.integrations.preload` lists the routes).
+All its hooks run on the worker's event loop unless said otherwise.
+
+Execution
+    When a task goes ``ready -> executing``, :meth:`StreamsPlugin.transition`
+    replaces its ``run_spec`` by :func:`~dask_gpustreams.integrations.tasks.wrap_task`
+    of it (the worker reads the spec only after that transition), so the task
+    runs in its worker thread on a pool stream of the worker's
+    :class:`~dask_gpustreams.runtime.StreamRuntime`, waiting on the device for
+    the events of inputs this worker produced, and records its own event in
+    the worker's :class:`~dask_gpustreams.runtime.EventRegistry`. Inputs fetched
+    from other workers arrive complete (see *Egress*) and have no event. The
+    runtime is created at the first task, so the streams appear after whatever
+    dask-cuda and RMM set up at worker start. Not wrapped: coroutine tasks, data
+    and tasks annotated to run on an executor that is not a thread pool (their
+    spec would have to be pickled), and actors. Functions of
+    ``distributed.shuffle`` (P2P transfer, barrier, unpack) hand their inputs to
+    the comm layer, which serializes them outside the task: such a task waits
+    on the host, in its worker thread, for its inputs' events and then runs as
+    in plain Dask.
+
+Egress
+    A task's result may still be being written on the device when the worker
+    declares it in memory; that is what lets dependents be queued without a
+    host sync. Everything that copies a result off the device on the host
+    therefore waits for that key's event first:
+
+    - ``get_data`` (peer fetch, client gather, scheduler gather, AMM): the
+      handler is wrapped. Keys whose events have completed are served at
+      once; the events of the others (and of the work in their taint, see
+      *Failures*; normally already complete) are waited for in a small thread
+      pool (``gpustreams-egress``), so the event loop keeps running meanwhile.
+      The wait is per key, never a device or stream sync (an event completes
+      when the work enqueued before it on its stream has, as always).
+    - spilling: a callback put first in the ``on_evict`` list of every
+      ``zict.Buffer`` of ``worker.data`` (distributed's ``SpillBuffer``;
+      dask-cuda's ``DeviceHostFile``, whose ``device_buffer`` and
+      ``host_buffer`` are such buffers, found by type without importing
+      dask-cuda) waits for the evicted key's event before it is serialized.
+      Spilling runs on the event loop, so this one wait is blocking, for that
+      key only, like the disk write that follows it.
+
+Failures
+    A task that raises fails as in plain Dask: the exception and traceback
+    reach the client and dependents are not run. A kernel that fails
+    asynchronously (``KernelError`` on the simulated device, a CUDA error on
+    a GPU) is only seen after it, when its key is already in memory, and a
+    scheduler has no ``memory -> erred`` transition for tasks. The plugin
+    turns it into the failure of a task run.
+
+    What failed: a key's value is corrupt if its own event completed with an
+    error, or the event of any work it derives from on this worker did (its
+    *taint*: the records of its inputs, of their inputs, ..., kept while not
+    known to have succeeded). The plugin reads errors with
+    ``Backend.event_error``, which returns an event's error every time
+    without reporting it: a sync elsewhere (inside a task, say) may report a
+    failure first, after which the device no longer passes it on to work
+    that waits for it, and that work's own event says nothing.
+
+    - A task whose inputs derive from work that has completed with an error
+      fails with that :class:`~dask_gpustreams.KernelError` before it runs
+      (a non-blocking check of completed events when it starts executing).
+    - When an egress wait (``get_data``, spilling) finds a corrupt key, the
+      key is not served; the worker records the error, drops the key and
+      tells the scheduler (``release-worker-data``, as if the data were lost),
+      which recomputes it for whoever wants it. When the recomputation runs
+      on a worker that recorded the failure, the task raises the recorded
+      ``KernelError`` instead of running again, so the client gets that
+      error for that key, and dependents become erred as usual. A key with
+      dependents queued or running on the worker is dropped once they have
+      left (they fail through the first rule).
+
+    A ``get_data`` request is thus never failed (a failed request makes a
+    peer's fetch and a client's gather retry forever), and no corrupt data is
+    sent. After a failure, and after any task error, the egress threads
+    synchronize every stream of the runtime once, ignoring errors: a stream
+    in error skips what is launched on it until a sync reports the error, so
+    this keeps one failure from spilling over into unrelated tasks (on a GPU,
+    a sticky CUDA error makes the worker unusable anyway; restart it). A
+    worker that dies is handled by Dask as usual.
+
+Lifetime
+    The runtime holds each task's inputs, fetched ones included, until the
+    task's event completes. Registry and taint entries are dropped when their
+    keys are released, forgotten or erred (taints also once their work is
+    known to have succeeded); failure records when they are used (at most
+    :attr:`StreamsPlugin.max_failures` are kept, each for at most
+    :attr:`StreamsPlugin.failure_ttl` seconds).
+
+Known limits
+    - A recomputation that lands on a worker that did not see the failure
+      runs the task again; a deterministic failure is then detected there
+      too, so a key is recomputed at most once per worker before it errs. A
+      transient failure may succeed on recomputation; its record then stays
+      on the first worker and fails a run of the same key there within
+      :attr:`StreamsPlugin.failure_ttl` seconds.
+    - Data read without ``get_data``: a client running inside a worker
+      (``get_client()`` in a task) reads that worker's own ``data`` directly;
+      unwrapped coroutine or process-pool tasks read their inputs without
+      waiting; dask-cuda's JIT-unspill ``ProxifyHostFile`` spills without the
+      per-key wait. With CuPy these paths stay ordered only through the
+      legacy default stream (blocking pool streams, no per-thread default
+      stream).
+    - Removing the plugin waits for the tasks it wrapped and for their
+      events; with a new plugin of the same name this happens before the new
+      one is set up.
+    - A worker does not see the graph: with ``policy="critical-path"`` every
+      task counts as not critical.
+    - A taint lists the still-running work a key derives from: a chain that
+      runs far ahead of the device keeps lists as long as its queued depth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from distributed import WorkerPlugin
+from distributed.core import Status
+from tornado.ioloop import PeriodicCallback
+
+from dask_gpustreams.config import StreamsConfig
+from dask_gpustreams.integrations.distributed.egress import Egress
+from dask_gpustreams.integrations.distributed.execution import Execution
+from dask_gpustreams.integrations.distributed.provenance import Provenance
+from dask_gpustreams.runtime import EventRegistry, StreamRuntime
+
+# Transitions after which a key's result is no longer this worker's to serve.
+_GONE = frozenset({"released", "forgotten", "error"})
+_RUNNING = frozenset({"executing", "long-running"})
+
+
+class StreamsPlugin(WorkerPlugin):
+    """Run the tasks of every worker on a pool of GPU streams, ordered by device events.
+
+    Keyword arguments override ``gpustreams.*`` for the workers that get this
+    plugin (``streams``, ``policy``, ``backend``, ``timeline``, ...: the fields
+    of :class:`~dask_gpustreams.StreamsConfig`); the other keys come from each
+    worker's dask config. They are validated here, on the client, and again
+    against the worker's config in :meth:`setup`.
+
+    The plugin is idempotent under a stable name: registering it again is a
+    no-op, so to change its settings unregister it first
+    (``client.unregister_worker_plugin("gpustreams")``).
+
+    On a worker, the plugin composes three parts: :class:`.Provenance` (the
+    runtime, the events, taints and failure records of the worker's keys),
+    :class:`.Execution` (the run_spec of each task that starts executing) and
+    :class:`.Egress` (the waits of ``get_data`` and spilling).
+
+    Examples
+    --------
+    >>> client.register_plugin(StreamsPlugin(streams=4))  # doctest: +SKIP
+    >>> dask.config.set({"gpustreams.enabled": True})  # doctest: +SKIP
+    >>> client = Client(LocalCluster())  # same effect, every client  # doctest: +SKIP
+    """
+
+    name = "gpustreams"
+    idempotent = True
+    #: Modules whose task functions give their inputs to host-side machinery (P2P).
+    host_modules: tuple[str, ...] = ("distributed.shuffle",)
+    #: How many kernel-failure records a worker keeps for keys not yet recomputed,
+    #: and for how many seconds (a recomputation normally follows within milliseconds).
+    max_failures = 1000
+    failure_ttl = 60.0
+    #: Seconds between releases of the inputs held for completed tasks.
+    collect_interval = 0.5
+    _active = False  # True between setup and teardown
+
+    def __init__(self, **overrides: Any):
+        fields = StreamsConfig.__dataclass_fields__
+        for name in overrides:
+            if name not in fields:
+                raise TypeError(
+                    f"StreamsPlugin() got an unexpected keyword argument {name!r}; "
+                    f"allowed: {', '.join(fields)}"
+                )
+        StreamsConfig.from_dask_config(**overrides)  # fail here, before pickling
+        self.overrides = overrides
+
+    def __getstate__(self) -> dict:
+        return {"overrides": self.overrides}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.overrides.items())
+        return f"StreamsPlugin({args})"
+
+    # The worker's state, for diagnostics and tests.
+
+    @property
+    def runtime(self) -> StreamRuntime | None:
+        """The worker's stream runtime; None until its first task."""
+        return self.provenance.runtime
+
+    @property
+    def registry(self) -> EventRegistry:
+        """The event of each key produced on this worker."""
+        return self.provenance.registry
+
+    @property
+    def failures(self) -> OrderedDict[Hashable, tuple[BaseException, float]]:
+        """key -> (KernelError of a result found corrupt, when)."""
+        return self.provenance.failures
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def setup(self, worker: Any) -> None:
+        """Read the worker's config, wrap ``get_data`` and hook spilling (event loop)."""
+        self.config = StreamsConfig.from_dask_config(**self.overrides)
+        # Threads of the egress waits and of the clears of stream errors after failures.
+        self._egress_threads = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
+        self.provenance = Provenance(
+            worker, self._egress_threads, self.max_failures, self.failure_ttl
+        )
+        self.execution = Execution(worker, self.provenance, self.config)
+        self.egress = Egress(worker, self.provenance, self._egress_threads)
+        self.egress.install()
+        self._collector = PeriodicCallback(self._collect, self.collect_interval * 1000)
+        self._collector.start()
+        self._active = True
+
+    async def teardown(self, worker: Any) -> None:
+        """Stop wrapping; wait for the work already wrapped; restore the worker."""
+        self._active = False
+        if worker.status not in (Status.closing, Status.closed, Status.failed):
+            while self.execution.wrapped & set(worker.active_keys):
+                await asyncio.sleep(0.01)
+            failed = await self.egress.wait_for(list(worker.data))
+            if failed:
+                self.provenance.drop_corrupt(failed)
+        self._collector.stop()
+        self.egress.uninstall()
+        self._egress_threads.shutdown(wait=False)
+        self.provenance.clear()
+
+    def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:
+        """Wrap a task that starts executing; drop the entries of keys that go away."""
+        if not self._active:
+            return
+        if finish == "executing":
+            try:
+                self.execution.prepare(key, self.host_modules)
+            except Exception as e:  # distributed only logs this: fail the task instead
+                self.execution.fail(key, e)
+            return
+        if start in _RUNNING or finish in _GONE:
+            self.execution.wrapped.discard(key)
+            if finish == "error":  # maybe a KernelError seen by a sync inside the task
+                self.provenance.clear_stream_errors_soon()
+        if finish in _GONE:
+            self.provenance.forget(key)
+
+    def _collect(self) -> None:
+        """Periodically: release the inputs of completed tasks, expire old failure records."""
+        if self.runtime is not None:
+            self.runtime.collect()
+        self.provenance.expire_failures()

@@ -1,0 +1,185 @@
+"""What each key's value on a worker derives from on the device, and which of that work failed.
+
+The state behind the *Failures* section of :mod:`.plugin`'s documentation:
+the worker's runtime, its event registry, the taint of each key and the
+records of corrupt results, with the reads that the plugin's other parts make
+of them, and the release of corrupt results. Reads never block unless said
+otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from distributed.core import Status
+from distributed.worker_state_machine import RemoveReplicasEvent
+
+from dask_gpustreams.errors import KernelError
+from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord
+
+logger = logging.getLogger("dask_gpustreams")
+
+# Worker task states of a dependent that still needs its inputs in this worker's memory.
+_NEEDS_INPUTS = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})
+
+
+def as_kernel_error(key: Hashable, exc: BaseException) -> KernelError:
+    """``exc`` (a failed event sync) as the :class:`KernelError` of ``key``'s work."""
+    if isinstance(exc, KernelError):
+        return exc
+    return KernelError(key, f"{type(exc).__name__}: {exc}")
+
+
+class Provenance:
+    """The device work behind one worker's keys: its events, taints and failures.
+
+    ``threads`` (the plugin's egress threads) clear stream errors after a
+    failure. At most ``max_failures`` failure records are kept, each for at
+    most ``failure_ttl`` seconds.
+    """
+
+    def __init__(
+        self, worker: Any, threads: ThreadPoolExecutor, max_failures: int, failure_ttl: float
+    ):
+        self.worker = worker
+        self.threads = threads
+        self.max_failures = max_failures
+        self.failure_ttl = failure_ttl
+        #: The worker's runtime, created by its first task (see :mod:`.execution`).
+        self.runtime: StreamRuntime | None = None
+        self.registry = EventRegistry()
+        #: key -> (KernelError of a result found corrupt, when); raised when the key runs again.
+        self.failures: OrderedDict[Hashable, tuple[BaseException, float]] = OrderedDict()
+        #: key -> records of the work its value derives from on this worker, not yet known
+        #: to have succeeded (its inputs, their inputs, ...).
+        self.taint: dict[Hashable, tuple[TaskRecord, ...]] = {}
+        self._clearing = False  # a clear of stream errors is queued
+
+    def sources(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
+        """Records of the work the values of ``keys`` derive from on this worker.
+
+        The keys' own records and their taint: a failure reported elsewhere
+        first may not reach the events of the work that read its output.
+        """
+        sources = {}
+        for record in self.registry.records(keys):
+            sources[record] = None
+            sources.update(dict.fromkeys(self.taint.get(record.key, ())))
+        return list(sources)
+
+    def state(self, record: TaskRecord) -> tuple[bool, KernelError | None]:
+        """Whether ``record``'s event has completed, and its error if so (never blocks)."""
+        backend = self.runtime.backend
+        try:
+            if not backend.done(record.event):
+                return False, None
+            error = backend.event_error(record.event)  # completed: returns at once
+        except Exception as e:  # a CUDA error from the query itself
+            error = e
+        return True, None if error is None else as_kernel_error(record.key, error)
+
+    def input_states(
+        self, dep_keys: Iterable[Hashable]
+    ) -> tuple[KernelError | None, tuple[TaskRecord, ...]]:
+        """The error of failed work the inputs derive from, and the work still pending."""
+        pending = []
+        for record in self.sources(dep_keys):
+            done, error = self.state(record)
+            if error is not None:
+                return error, ()
+            if not done:
+                pending.append(record)
+        return None, tuple(pending)
+
+    def wait_inputs(self, dep_keys: tuple[Hashable, ...]) -> None:
+        """Worker thread: block until the work the inputs derive from is done; raise its error."""
+        for record in self.sources(dep_keys):
+            error = self.runtime.backend.event_error(record.event)
+            if error is not None:
+                raise as_kernel_error(record.key, error)
+
+    def forget(self, key: Hashable) -> None:
+        """Drop the entries of ``key``, which is no longer this worker's to serve."""
+        self.registry.forget((key,))
+        self.taint.pop(key, None)
+
+    def expire_failures(self) -> None:
+        """Drop the failure records older than ``failure_ttl``."""
+        expired = time.monotonic() - self.failure_ttl
+        while self.failures and next(iter(self.failures.values()))[1] < expired:
+            self.failures.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every key (the plugin is removed)."""
+        self.registry = EventRegistry()
+        self.taint.clear()
+        self.failures.clear()
+
+    def drop_corrupt(self, failed: dict[Hashable, KernelError]) -> None:
+        """Record the errors of corrupt results and release them, so they are recomputed.
+
+        Runs on the event loop, outside the state machine. A key with dependents that
+        still need it on this worker is released once they have left (they fail on
+        their own when they start, see :meth:`input_states`).
+        """
+        for key, error in failed.items():
+            if key not in self.failures:
+                logger.error("gpustreams: result of %r is corrupt (%s); recomputing it", key, error)
+            self.failures[key] = (error, time.monotonic())
+            self.failures.move_to_end(key)
+        while len(self.failures) > self.max_failures:
+            self.failures.popitem(last=False)
+        self._release(list(failed))
+
+    def _release(self, keys: list[Hashable]) -> None:
+        worker = self.worker
+        if worker.status not in (Status.running, Status.paused):
+            return
+        now, later = [], []
+        for key in keys:
+            ts = worker.state.tasks.get(key)
+            if ts is None or ts.state != "memory":
+                continue
+            if any(dep.state in _NEEDS_INPUTS for dep in ts.dependents):
+                later.append(key)
+            else:
+                now.append(key)
+        if now:
+            stimulus_id = f"gpustreams-kernel-error-{time.time()}"
+            worker.handle_stimulus(RemoveReplicasEvent(keys=now, stimulus_id=stimulus_id))
+        if later:
+            worker.loop.call_later(0.05, self._release, later)
+
+    def clear_stream_errors_soon(self) -> None:
+        """Queue one :meth:`_clear_stream_errors` on the egress threads, if none is queued."""
+        if not self._clearing and self.runtime is not None:
+            self._clearing = True
+            self.threads.submit(self._clear_stream_errors)
+
+    def _clear_stream_errors(self) -> None:
+        """Egress thread: synchronize every stream of the runtime, ignoring its errors.
+
+        A failure reaches every stream that waited for the failed work, and a
+        stream in error skips what is launched on it later, until a host sync
+        reports the error. Once one sync has reported it, this reports it on
+        every stream, so that tasks unrelated to the failure run again. (Their
+        events keep any error they recorded: corrupt results are still found.)
+        Runs only after failures, and waits for all queued work.
+        """
+        self._clearing = False
+        runtime = self.runtime
+        transfers = getattr(runtime, "transfers", None)
+        pools = (runtime.pool, getattr(transfers, "h2d", None), getattr(transfers, "d2h", None))
+        for pool in pools:
+            if pool is None or not pool.started():
+                continue
+            for slot in pool.slots:
+                # The error is the one being cleared, or one that an event recorded.
+                with contextlib.suppress(Exception):
+                    runtime.backend.synchronize_stream(slot.stream)
