@@ -19,6 +19,9 @@ from dask_gpustreams.runtime import runtime as runtime_module
 from dask_gpustreams.runtime.policies import StreamPolicy, base
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: PYTHONPATH of the processes tests start: the repository, then this process's imports
+#: (where dask lives when it is not installed in the interpreter, as on the GPU machine).
+CHILD_PATH = os.pathsep.join([REPO_ROOT, *(p for p in sys.path if p)])
 
 
 def _drain_runtimes() -> None:
@@ -95,7 +98,7 @@ def run_python():
         full_env = {
             k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "PYTHONPATH"))
         }
-        full_env["PYTHONPATH"] = REPO_ROOT
+        full_env["PYTHONPATH"] = CHILD_PATH
         full_env.update(env or {})
         proc = subprocess.run(
             [sys.executable, "-c", code],
@@ -115,7 +118,7 @@ def run_python():
 def cli_env() -> dict[str, str]:
     """Environment of the processes ``dask_cli`` starts: the sim backend, 4 streams."""
     return {
-        "PYTHONPATH": REPO_ROOT,
+        "PYTHONPATH": CHILD_PATH,
         "DASK_GPUSTREAMS__BACKEND": "sim",
         "DASK_GPUSTREAMS__STREAMS": "4",
     }

@@ -11,7 +11,6 @@ concurrency today) only the plugin's per-key wait orders it, which the last
 test shows by removing that wait.
 """
 
-import os
 import sys
 
 import cloudpickle
@@ -99,11 +98,11 @@ def test_per_thread_stream_spills_need_the_spill_wait(monkeypatch):
 
 @pytest.fixture
 def cli_env():
-    """Workers started from the CLI use the cupy backend and this process's imports."""
-    from tests.conftest import REPO_ROOT
+    """Workers started from the CLI use the cupy backend."""
+    from tests.conftest import CHILD_PATH
 
     return {
-        "PYTHONPATH": os.pathsep.join([REPO_ROOT, *(p for p in sys.path if p)]),
+        "PYTHONPATH": CHILD_PATH,
         "DASK_GPUSTREAMS__BACKEND": "cupy",
         "DASK_GPUSTREAMS__STREAMS": "8",
     }

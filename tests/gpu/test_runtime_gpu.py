@@ -1,7 +1,5 @@
 """The runtime on a real GPU: ordering, memory lifetime and concurrency with CuPy streams."""
 
-import os
-import sys
 import time
 
 import dask
@@ -157,11 +155,8 @@ print(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), rt.pool.n_streams, len(caug
     ],
 )
 def test_hardware_queues_reserved_before_cuda_starts(run_python, before, expected, concurrent):
-    from tests.conftest import REPO_ROOT
-
-    path = os.pathsep.join([REPO_ROOT, *(p for p in sys.path if p)])  # this process's imports
     unset = "import os; os.environ.pop('CUDA_DEVICE_MAX_CONNECTIONS', None)\n"
-    out = run_python(unset + RESERVE.format(before=before), env={"PYTHONPATH": path})
+    out = run_python(unset + RESERVE.format(before=before))
     *fields, wall = out.strip().splitlines()[-1].split()
     assert " ".join(fields) == expected
     # One round of 10 ms kernels on 16 queues; two rounds on 8 (streams capped, or sharing).
