@@ -128,8 +128,9 @@ def cli_env() -> dict[str, str]:
 def dask_cli(tmp_path, cli_env):
     """``start(*args)`` runs ``dask <args>`` against a scheduler file; all stopped at the end.
 
-    The processes get this one's environment without its ``DASK_*`` and
-    ``PYTHONPATH`` variables, plus ``cli_env``. Logs go to ``tmp_path``.
+    The processes get this one's environment without its ``DASK_*``
+    variables, plus ``cli_env`` (whose default ``PYTHONPATH``, ``CHILD_PATH``,
+    includes this process's ``sys.path``). Logs go to ``tmp_path``.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "PYTHONPATH"))}
     env.update(cli_env)

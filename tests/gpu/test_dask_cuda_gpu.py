@@ -4,11 +4,12 @@ Spilling: dask-cuda's ``DeviceHostFile`` serializes a result to host memory
 as soon as the device limit is exceeded, on the worker's event loop, with the
 loop thread's default stream. The producers here spin 30 ms before writing
 their result, so a copy that does not wait for the key's event reads memory
-the kernel has not written yet. With the legacy default stream the copy is
-ordered behind the (blocking) pool streams anyway; with a per-thread default
-stream (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``, how Dask users get
-concurrency today) only the plugin's per-key wait orders it, which the last
-test shows by removing that wait.
+the kernel has not written yet (the tests check that some spills did start
+while their kernel ran). With the legacy default stream the copy is ordered
+behind the (blocking) pool streams anyway; with a per-thread default stream
+(``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``, how Dask users get concurrency
+today) only the plugin's per-key wait orders it, which the control test
+shows by removing that wait. Consumers read their unspilled input at once.
 """
 
 import sys
@@ -34,8 +35,8 @@ PRODUCERS = 8
 DEVICE_LIMIT = 20 * 2**20  # two results fit on the device; the others are spilled
 
 
-def default_stream_ptr():
-    """The stream CuPy uses on the calling thread when none is set (0: legacy, 2: per-thread)."""
+def current_stream_ptr():
+    """CuPy's stream on the calling thread: without one set, 0 (legacy) or 2 (per-thread)."""
     return int(cupy.cuda.get_current_stream().ptr)
 
 
@@ -49,12 +50,28 @@ def remove_spill_wait(dask_worker):
         lru.on_evict.remove(plugin.egress.before_spill)
 
 
+def count_early_spills(dask_worker):
+    """Put a counter before the spill wait: spills of keys whose work was still running."""
+    plugin = dask_worker.plugins["gpustreams"]
+    wait_then_spill = plugin.egress.before_spill
+    dask_worker.early_spills = 0
+
+    def counted(key, value):
+        records = plugin.provenance.sources((key,))
+        if any(not plugin.runtime.backend.done(r.event) for r in records):
+            dask_worker.early_spills += 1
+        wait_then_spill(key, value)
+
+    for lru in plugin.egress.evicting:
+        lru.on_evict[lru.on_evict.index(wait_then_spill)] = counted
+
+
+def early_spills(dask_worker):
+    return dask_worker.early_spills
+
+
 def has_plugin(dask_worker):
     return "gpustreams" in dask_worker.plugins
-
-
-def current_stream_ptr():
-    return int(cupy.cuda.get_current_stream().ptr)
 
 
 def spill_round_trip(monkeypatch, ptds: str, spill_wait: bool) -> tuple[list, list]:
@@ -70,13 +87,15 @@ def spill_round_trip(monkeypatch, ptds: str, spill_wait: bool) -> tuple[list, li
         ) as cluster,
         Client(cluster) as client,
     ):
-        assert list(client.run(default_stream_ptr).values()) == [2 if ptds == "1" else 0]
-        if not spill_wait:
-            client.run(remove_spill_wait)
+        assert list(client.run(current_stream_ptr).values()) == [2 if ptds == "1" else 0]
+        client.run(count_early_spills if spill_wait else remove_spill_wait)
         xs = [client.submit(spin_fill, N, 100.0 + i, 30.0, pure=False) for i in range(PRODUCERS)]
         wait(xs)
         assert list(client.run(spilled_keys).values())[0] >= PRODUCERS - 2
-        ys = [client.submit(spin_scale, x, 2.0, 1.0, pure=False) for x in xs]
+        if spill_wait:  # the test shows something only if spills raced running kernels
+            assert list(client.run(early_spills).values())[0] >= 1
+        # Read at once (no spin): the unspill copy must be ordered before the kernel too.
+        ys = [client.submit(spin_scale, x, 2.0, 0.0, pure=False) for x in xs]
         return [cupy.asnumpy(x) for x in client.gather(xs)], [
             cupy.asnumpy(y) for y in client.gather(ys)
         ]

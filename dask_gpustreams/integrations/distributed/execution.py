@@ -14,10 +14,8 @@ from typing import Any
 
 from dask._task_spec import GraphNode, Task, TaskRef
 
-from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.tasks import wrap_task
-from dask_gpustreams.runtime import StreamRuntime, get_runtime
 
 
 class _Raise:
@@ -72,10 +70,9 @@ def _is_host_task(node: GraphNode, host_modules: tuple[str, ...]) -> bool:
 class Execution:
     """Replaces the run_spec of each task that starts executing on one worker (event loop)."""
 
-    def __init__(self, worker: Any, provenance: Provenance, config: StreamsConfig):
+    def __init__(self, worker: Any, provenance: Provenance):
         self.worker = worker
         self.provenance = provenance
-        self.config = config
         #: Keys of the tasks wrapped to run on the streams, until they leave ``executing``.
         self.wrapped: set[Hashable] = set()
 
@@ -103,7 +100,7 @@ class Execution:
         if key in self.worker.state.actors or not self._thread_pool(ts):
             return
         try:
-            runtime = self._get_runtime()
+            runtime = provenance.task_runtime()
         except Exception as e:  # a bad backend: fail the task, not the worker
             ts.run_spec = _replace(node, _Raise(e), dep_keys)
             return
@@ -121,12 +118,6 @@ class Execution:
         if ts is not None and ts.run_spec is not None:
             node = ts.run_spec
             ts.run_spec = _replace(node, _Raise(exc), tuple(node.dependencies))
-
-    def _get_runtime(self) -> StreamRuntime:
-        """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
-        if self.provenance.runtime is None:
-            self.provenance.runtime = get_runtime(self.config)
-        return self.provenance.runtime
 
     def _thread_pool(self, ts: Any) -> bool:
         """Whether ``ts`` runs in a worker thread (as ``Worker.execute`` decides)."""

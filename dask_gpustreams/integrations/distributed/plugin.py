@@ -102,10 +102,14 @@ Known limits
     - Data read without ``get_data``: a client running inside a worker
       (``get_client()`` in a task) reads that worker's own ``data`` directly;
       unwrapped coroutine or process-pool tasks read their inputs without
-      waiting; dask-cuda's JIT-unspill ``ProxifyHostFile`` spills without the
-      per-key wait. With CuPy these paths stay ordered only through the
-      legacy default stream (blocking pool streams, no per-thread default
-      stream).
+      waiting; the JIT-unspill ``ProxifyHostFile`` of dask-cuda before 26.10
+      spills without the per-key wait. With CuPy these paths stay ordered only
+      through the legacy default stream (blocking pool streams, no per-thread
+      default stream).
+    - Data coming back to the device over TCP (unspilling, fetches from
+      peers) is copied by distributed's deserializer (``protocol/cupy.py``,
+      through RMM or Numba) on the legacy default stream, whatever CuPy's
+      per-thread setting, and the blocking pool streams wait for it.
     - Removing the plugin waits for the tasks it wrapped and for their
       events; with a new plugin of the same name this happens before the new
       one is set up.
@@ -217,10 +221,8 @@ class StreamsPlugin(WorkerPlugin):
         self.config = StreamsConfig.from_dask_config(**self.overrides)
         # Threads of the egress waits and of the clears of stream errors after failures.
         self._egress_threads = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
-        self.provenance = Provenance(
-            worker, self._egress_threads, self.max_failures, self.failure_ttl
-        )
-        self.execution = Execution(worker, self.provenance, self.config)
+        self.provenance = Provenance(worker, self.config, self._egress_threads, self)
+        self.execution = Execution(worker, self.provenance)
         self.egress = Egress(worker, self.provenance, self._egress_threads)
         self.egress.install()
         self._collector = PeriodicCallback(self._collect, self.collect_interval * 1000)

@@ -20,8 +20,9 @@ from typing import Any
 from distributed.core import Status
 from distributed.worker_state_machine import RemoveReplicasEvent
 
+from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.errors import KernelError
-from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord
+from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, get_runtime
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -37,21 +38,22 @@ def as_kernel_error(key: Hashable, exc: BaseException) -> KernelError:
 
 
 class Provenance:
-    """The device work behind one worker's keys: its events, taints and failures.
+    """The device work behind one worker's keys: its runtime, events, taints and failures.
 
     ``threads`` (the plugin's egress threads) clear stream errors after a
-    failure. At most ``max_failures`` failure records are kept, each for at
-    most ``failure_ttl`` seconds.
+    failure. ``limits`` (the plugin) gives ``max_failures``, the most failure
+    records kept, and ``failure_ttl``, the seconds each is kept; both are read
+    when used.
     """
 
     def __init__(
-        self, worker: Any, threads: ThreadPoolExecutor, max_failures: int, failure_ttl: float
+        self, worker: Any, config: StreamsConfig, threads: ThreadPoolExecutor, limits: Any
     ):
         self.worker = worker
+        self.config = config
         self.threads = threads
-        self.max_failures = max_failures
-        self.failure_ttl = failure_ttl
-        #: The worker's runtime, created by its first task (see :mod:`.execution`).
+        self.limits = limits
+        #: The worker's runtime, created by its first task (:meth:`task_runtime`).
         self.runtime: StreamRuntime | None = None
         self.registry = EventRegistry()
         #: key -> (KernelError of a result found corrupt, when); raised when the key runs again.
@@ -60,6 +62,12 @@ class Provenance:
         #: to have succeeded (its inputs, their inputs, ...).
         self.taint: dict[Hashable, tuple[TaskRecord, ...]] = {}
         self._clearing = False  # a clear of stream errors is queued
+
+    def task_runtime(self) -> StreamRuntime:
+        """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
+        if self.runtime is None:
+            self.runtime = get_runtime(self.config)
+        return self.runtime
 
     def sources(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
         """Records of the work the values of ``keys`` derive from on this worker.
@@ -110,8 +118,8 @@ class Provenance:
         self.taint.pop(key, None)
 
     def expire_failures(self) -> None:
-        """Drop the failure records older than ``failure_ttl``."""
-        expired = time.monotonic() - self.failure_ttl
+        """Drop the failure records older than ``limits.failure_ttl``."""
+        expired = time.monotonic() - self.limits.failure_ttl
         while self.failures and next(iter(self.failures.values()))[1] < expired:
             self.failures.popitem(last=False)
 
@@ -133,7 +141,7 @@ class Provenance:
                 logger.error("gpustreams: result of %r is corrupt (%s); recomputing it", key, error)
             self.failures[key] = (error, time.monotonic())
             self.failures.move_to_end(key)
-        while len(self.failures) > self.max_failures:
+        while len(self.failures) > self.limits.max_failures:
             self.failures.popitem(last=False)
         self._release(list(failed))
 
