@@ -10,6 +10,7 @@ waiting for the host), and when the last launch happened.
     python -m benchmarks.probe_host --threads 8,4,2
     python -m benchmarks.probe_host --stubs --shapes linear,tangled
     python -m benchmarks.probe_host --launch-lock --chunksizes 1,8
+    python -m benchmarks.probe_host --startup --backend sim
 
 ``--launch-lock`` adds rows where every ``StreamRuntime.run`` holds one
 process-wide lock: launches serialized per task, as ``chunksize`` serializes
@@ -175,6 +176,66 @@ def profile_host(a) -> int:
     return 0
 
 
+def startup(a) -> int:
+    """Where the time before the first launch goes, on ``--backend`` (sim works without a GPU).
+
+    Per shape, medians over 15 runs at 8 threads: from ``get`` to the plugin's
+    start callback, the callback (wrapping every task), from there to the first
+    ``StreamRuntime.run``, and ``dask.order`` timed alone on the same graph.
+    """
+    from dask._task_spec import convert_legacy_graph
+    from dask.order import order
+
+    from benchmarks import kernels
+    from benchmarks.shapes import wide_shape
+    from benchmarks.workloads import spin_workload
+    from dask_gpustreams.integrations import local
+
+    marks: dict[str, float] = {}
+    start = local.LocalSchedulerHook._start
+
+    def timed_start(self, dsk):
+        marks["start"] = time.perf_counter()
+        start(self, dsk)
+        marks["wrapped"] = time.perf_counter()
+
+    def first_run(self, key, fn, inputs, registry, critical=None):
+        marks.setdefault("first", time.perf_counter())
+        return _orig_run(self, key, fn, inputs, registry, critical)
+
+    local.hook.unregister()  # registered with the original bound method
+    local.LocalSchedulerHook._start = timed_start
+    local.hook.register()
+    rt.StreamRuntime.run = first_run
+    spin = kernels.Spin(a.backend, kernels.default_blocks(a.backend), 100, 0.0005)
+    print(f"{'shape':10} to callback ms  wrapping ms  to first run ms  (dask.order alone ms)")
+    for name in a.shapes.split(","):
+        wl = spin_workload(wide_shape(name, 8, 16, 0), a.backend, spin, 0.0005)
+        cfg = bs.gpustreams_config(a.backend, a.streams, "auto")
+        rows = []
+        for rep in range(18):
+            dsk, keys = wl.graph(("startup", rep))
+            marks.clear()
+            with dask.config.set(cfg):
+                t0 = time.perf_counter()
+                dask.threaded.get(dsk, keys, num_workers=8)
+            graph = convert_legacy_graph(dsk)
+            o0 = time.perf_counter()
+            order(graph)
+            ordered = time.perf_counter() - o0
+            rows.append(
+                (
+                    marks["start"] - t0,
+                    marks["wrapped"] - marks["start"],
+                    marks["first"] - marks["wrapped"],
+                    ordered,
+                )
+            )
+        med = [statistics.median(r[i] for r in rows[3:]) * 1e3 for i in range(4)]
+        print(f"{name:10} {med[0]:14.2f} {med[1]:12.2f} {med[2]:16.2f} {med[3]:22.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", default="8")
@@ -187,11 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="host cost per task with short kernels")
     p.add_argument("--stubs", action="store_true", help="host cost with CUDA calls stubbed")
     p.add_argument("--launch-lock", action="store_true", help="add rows with one lock per run")
+    p.add_argument("--startup", action="store_true", help="time before the first launch")
+    p.add_argument("--backend", default="cupy", choices=("cupy", "sim"), help="for --startup")
     a = p.parse_args(argv)
     if a.profile:
         return profile_host(a)
     if a.stubs:
         return stub_calls(a)
+    if a.startup:
+        return startup(a)
     args = bs.parse_args(["--backend", "cupy", "--schedulers", "threaded", "--families", "wide"])
     bs.set_defaults(args, "cupy")
     loads = bs.Workloads(args, "cupy", bs.calibrate(args, "cupy"))
