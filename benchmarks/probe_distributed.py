@@ -19,7 +19,9 @@ Each variant changes one setting of the running cluster:
 
 ``--profile-loop`` instead profiles (cProfile) the event loops of the worker
 and the scheduler over ``--reps`` runs of each shape and prints where they spend
-their time.
+their time. ``--hook-times`` instead times, on the worker, each call of the
+plugin's ``transition`` hook and its ``Execution.prepare``, of
+``StreamRuntime.run`` and of the kernel launch inside it, with the plugin on.
 
 ::
 
@@ -126,6 +128,71 @@ def profile_loops(client, prepare, reps: int) -> None:
         print(text)
 
 
+def _install_hook_timers(dask_worker):
+    """Wrap the plugin's per-task calls on this worker with timers (kept per call)."""
+    from collections import defaultdict
+
+    from benchmarks.kernels import Spin
+    from dask_gpustreams.integrations.distributed.execution import Execution
+    from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin
+    from dask_gpustreams.runtime.runtime import StreamRuntime
+
+    times = dask_worker._hook_times = defaultdict(list)
+
+    def timed(cls, name):
+        original = getattr(cls, name)
+        label = f"{cls.__name__}.{name}"
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                times[label].append(time.perf_counter() - t0)
+
+        setattr(cls, name, wrapper)
+
+    for cls, name in (
+        (StreamsPlugin, "transition"),
+        (Execution, "prepare"),
+        (StreamRuntime, "run"),
+        (Spin, "__call__"),
+    ):
+        timed(cls, name)
+
+
+def _take_hook_times(dask_worker):
+    times = {k: list(v) for k, v in dask_worker._hook_times.items()}
+    dask_worker._hook_times.clear()
+    return times
+
+
+def hook_times(dist, loads, shapes: str, reps: int) -> None:
+    """Per shape: calls per task, median and mean us per call, ms per run of each hook."""
+    client = dist.client
+    client.run(_install_hook_timers)
+    print(f"{'shape':10} {'call':28} {'per task':>8} {'median us':>10} {'mean us':>8} ms/run")
+    for name in shapes.split(","):
+        wl = loads.get("distributed", "wide", name)
+        prepare = dist.prepare(wl)
+        prepare(("hooks-warm", name))()
+        client.run(_take_hook_times)
+        for rep in range(reps):
+            results = prepare(("hooks", name, rep))()
+            error = wl.check(list(results))
+            if error:
+                print(f"{name}: WRONG RESULT {error}")
+        times = next(iter(client.run(_take_hook_times).values()))
+        tasks = reps * len(wl.shape.nodes)
+        for label, values in sorted(times.items()):
+            print(
+                f"{name:10} {label:28} {len(values) / tasks:8.2f} "
+                f"{statistics.median(values) * 1e6:10.1f} "
+                f"{statistics.mean(values) * 1e6:8.1f} {sum(values) / reps * 1e3:7.2f}",
+                flush=True,
+            )
+
+
 def first(log, finish):
     out = {}
     for key, f, t in log:
@@ -172,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-ms", type=float, default=8.0)
     p.add_argument("--threads", type=int, default=8, help="threads of the worker")
     p.add_argument("--profile-loop", action="store_true")
+    p.add_argument("--hook-times", action="store_true")
     a = p.parse_args(argv)
     args = bs.parse_args(
         ["--backend", a.backend, "--schedulers", "distributed", "--families", "wide"]
@@ -184,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     client.register_plugin(WorkerLog())
     client.register_plugin(SchedulerLog())
     dist.use_streams(8, "auto")
+    if a.hook_times:
+        hook_times(dist, loads, a.shapes, a.reps)
+        dist.close()
+        return 0
     if a.profile_loop:
         for name in a.shapes.split(","):
             profile_loops(client, dist.prepare(loads.get("distributed", "wide", name)), a.reps)
