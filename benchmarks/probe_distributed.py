@@ -21,7 +21,8 @@ Each variant changes one setting of the running cluster:
 and the scheduler over ``--reps`` runs of each shape and prints where they spend
 their time. ``--hook-times`` instead times, on the worker, each call of the
 plugin's ``transition`` hook and its ``Execution.prepare``, of
-``StreamRuntime.run`` and of the kernel launch inside it, with the plugin on.
+``StreamRuntime.run``, of the kernel launch inside it and (with CuPy) of
+``cupy.empty`` inside that, with the plugin on.
 
 ::
 
@@ -141,7 +142,7 @@ def _install_hook_timers(dask_worker):
 
     def timed(cls, name):
         original = getattr(cls, name)
-        label = f"{cls.__name__}.{name}"
+        label = f"{getattr(cls, '__name__', cls)}.{name}"
 
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
@@ -152,12 +153,19 @@ def _install_hook_timers(dask_worker):
 
         setattr(cls, name, wrapper)
 
-    for cls, name in (
+    targets = [
         (StreamsPlugin, "transition"),
         (Execution, "prepare"),
         (StreamRuntime, "run"),
         (Spin, "__call__"),
-    ):
+    ]
+    try:
+        import cupy
+
+        targets.append((cupy, "empty"))  # the launch's allocation, from the memory pool
+    except ImportError:
+        pass
+    for cls, name in targets:
         timed(cls, name)
 
 
