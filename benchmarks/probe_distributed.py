@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=8, help="threads of the worker")
     p.add_argument("--profile-loop", action="store_true")
     p.add_argument("--hook-times", action="store_true")
+    p.add_argument("--switch", type=float, default=0.005, help="worker's GIL switch interval")
     a = p.parse_args(argv)
     args = bs.parse_args(
         ["--backend", a.backend, "--schedulers", "distributed", "--families", "wide"]
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     client.register_plugin(SchedulerLog())
     dist.use_streams(8, "auto")
     if a.hook_times:
+        client.run(_set_worker, batch=None, profile=True, switch=a.switch)
         hook_times(dist, loads, a.shapes, a.reps)
         dist.close()
         return 0
