@@ -59,3 +59,42 @@ def test_download_returns_pinned_memory_while_the_allowance_has_room():
         assert pinned.taken_bytes() == before + host.nbytes
         del result
         assert pinned.taken_bytes() == before
+
+
+PER_THREAD_STREAM = """
+import cupy, dask, numpy as np
+import dask.array as da
+from tests.gpu.kernels import spin_scale
+
+assert cupy.cuda.get_current_stream().ptr == 2, "the per-thread default stream is off"
+host = np.random.default_rng(0).standard_normal((64, 1 << 15))
+meta = np.empty((0, 0))
+double = lambda x: spin_scale(x.ravel(), 2.0, 1).reshape(x.shape)
+pipeline = (
+    da.from_array(host, chunks=(1, 1 << 15))
+    .map_blocks(cupy.asarray, meta=meta)
+    .map_blocks(double, meta=meta)
+    .map_blocks(cupy.asnumpy, meta=meta)
+)
+a, b = host[:, :512], host[:512, :256]
+x = da.from_array(a, chunks=(16, 128)).map_blocks(cupy.asarray)
+y = da.from_array(b, chunks=(128, 128)).map_blocks(cupy.asarray)
+expr = ((da.exp(x / 10) * 2 + x) @ y).sum(axis=0) + (x**2).mean()
+expected = ((np.exp(a / 10) * 2 + a) @ b).sum(axis=0) + (a**2).mean()
+cfg = {
+    "gpustreams.enabled": True,
+    "gpustreams.backend": "cupy",
+    "gpustreams.pinned-pool-size": "2 MiB",
+}
+with dask.config.set(cfg):
+    for _ in range(3):
+        np.testing.assert_array_equal(pipeline.compute(), host * 2.0)
+        np.testing.assert_allclose(cupy.asnumpy(expr.compute()), expected, rtol=1e-10)
+print("exact")
+"""
+
+
+def test_pipelines_exact_with_the_per_thread_default_stream(run_python):
+    """Users of today's workaround keep CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 set."""
+    out = run_python(PER_THREAD_STREAM, env={"CUPY_CUDA_PER_THREAD_DEFAULT_STREAM": "1"})
+    assert out.strip().splitlines()[-1] == "exact"
