@@ -76,8 +76,9 @@ pipeline = (
     .map_blocks(double, meta=meta)
     .map_blocks(cupy.asnumpy, meta=meta)
 )
-a, b = host[:, :512], host[:512, :256]
-x = da.from_array(a, chunks=(16, 128)).map_blocks(cupy.asarray)
+rng = np.random.default_rng(1)
+a, b = rng.standard_normal((256, 512)), rng.standard_normal((512, 256))
+x = da.from_array(a, chunks=(64, 128)).map_blocks(cupy.asarray)
 y = da.from_array(b, chunks=(128, 128)).map_blocks(cupy.asarray)
 expr = ((da.exp(x / 10) * 2 + x) @ y).sum(axis=0) + (x**2).mean()
 expected = ((np.exp(a / 10) * 2 + a) @ b).sum(axis=0) + (a**2).mean()
