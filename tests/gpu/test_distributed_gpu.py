@@ -2,7 +2,9 @@
 
 The plugin is enabled the way dask-cuda users do it, with
 ``LocalCUDACluster(preload=["dask_gpustreams"])`` (dask-cuda appends its own
-preload and ``--create-cuda-context`` to it). Results are compared with NumPy.
+preload and ``--create-cuda-context`` to it), once with CuPy's memory pool and
+once with an RMM pool as CuPy's allocator (``rmm_pool_size``, skipped where
+RMM is not installed). Results are compared with NumPy.
 Run with ``-s`` to see what each worker reports.
 """
 
@@ -52,15 +54,27 @@ def stacked_sum(*arrays):
     return cupy.stack(arrays).sum(axis=0)
 
 
-@pytest.fixture(scope="module")
-def client():
+def cupy_allocator():
+    """CuPy's current allocator on this worker (RMM's when dask-cuda set it), as text."""
+    return repr(cupy.cuda.get_allocator())
+
+
+@pytest.fixture(scope="module", params=["cupy-pool", "rmm-pool"])
+def client(request):
+    """A dask-cuda worker with CuPy's memory pool, or with an RMM pool as CuPy's allocator."""
+    rmm = {}
+    if request.param == "rmm-pool":
+        pytest.importorskip("rmm")
+        rmm = {"rmm_pool_size": "2GB", "rmm_allocator_external_lib_list": ["cupy"]}
     with (
         dask.config.set({"gpustreams.backend": "cupy", "gpustreams.streams": 8}),
         dask_cuda.LocalCUDACluster(
-            n_workers=1, preload=["dask_gpustreams"], dashboard_address=":0"
+            n_workers=1, preload=["dask_gpustreams"], dashboard_address=":0", **rmm
         ) as cluster,
         Client(cluster) as c,
     ):
+        allocator = next(iter(c.run(cupy_allocator).values()))
+        assert ("rmm" in allocator) == bool(rmm), allocator
         yield c
         print("worker report:", c.run(worker_report))
 
