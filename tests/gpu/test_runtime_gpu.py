@@ -75,6 +75,30 @@ def test_without_holding_inputs_the_reuse_race_is_real(monkeypatch):
     assert any((b == -2.0).any() for b in bad)
 
 
+RMM_REUSE = """
+import cupy, rmm
+from rmm.allocators.cupy import rmm_cupy_allocator
+
+rmm.reinitialize(pool_allocator=True, initial_pool_size=1 << 30)
+cupy.cuda.set_allocator(rmm_cupy_allocator)
+from dask_gpustreams.runtime import StreamPool
+from tests.gpu.test_runtime_gpu import N, _freed_input_is_reused, runtime
+
+rt = runtime()
+held = all(_freed_input_is_reused(rt).tolist() == [6.0] * N for _ in range(5))
+original = StreamPool.record
+StreamPool.record = lambda self, s, e, refs, *a: original(self, s, e, None, *a)
+raced = any((_freed_input_is_reused(rt) == -2.0).any() for _ in range(5))
+print(held, raced)
+"""
+
+
+def test_inputs_are_held_with_rmm_as_cupys_allocator(run_python):
+    """RMM's pool also reuses a block on its stream at once: the same hold keeps it exact."""
+    pytest.importorskip("rmm")
+    assert run_python(RMM_REUSE).split()[-2:] == ["True", "True"]
+
+
 @pytest.mark.parametrize("streams, bound", [(8, "fast"), (1, "slow")])
 def test_independent_kernels_run_concurrently(streams, bound):
     ms = 20
