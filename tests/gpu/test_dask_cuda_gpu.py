@@ -1,4 +1,4 @@
-"""dask-cuda deployments on a real GPU: device-to-host spilling and the ``dask cuda worker`` CLI.
+"""dask-cuda deployments on real GPUs: spilling, fetches between GPUs, ``dask cuda worker``.
 
 Spilling: dask-cuda's ``DeviceHostFile`` serializes a result to host memory
 as soon as the device limit is exceeded, on the worker's event loop, with the
@@ -10,6 +10,10 @@ behind the (blocking) pool streams anyway; with a per-thread default stream
 (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``, how Dask users get concurrency
 today) only the plugin's per-key wait orders it, which the control test
 shows by removing that wait. Consumers read their unspilled input at once.
+
+Fetches between two GPUs' workers (where two are visible) go through the
+producer's ``get_data`` on its event loop, in the same way: with the
+per-thread default stream only the plugin's per-key wait orders them.
 """
 
 import sys
@@ -113,6 +117,51 @@ def test_per_thread_stream_spills_need_the_spill_wait(monkeypatch):
     produced, _ = spill_round_trip(monkeypatch, "1", spill_wait=False)
     wrong = [i for i in range(PRODUCERS) if not np.array_equal(produced[i], np.full(N, 100.0 + i))]
     assert wrong, "every spill was exact without the per-key wait: the test shows nothing"
+
+
+def remove_egress_wait(dask_worker):
+    dask_worker.plugins["gpustreams"].egress.uninstall()
+
+
+def fetched_across_gpus(monkeypatch, egress_wait: bool) -> list:
+    """Producers on one GPU's worker, consumers on the other's: what the consumers read."""
+    monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
+    with (
+        dask.config.set({"gpustreams.backend": "cupy", "gpustreams.streams": 4}),
+        dask_cuda.LocalCUDACluster(
+            n_workers=2, preload=["dask_gpustreams"], dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        a, b = sorted(client.scheduler_info()["workers"])
+        assert set(client.run(current_stream_ptr).values()) == {2}  # per-thread streams
+        if not egress_wait:
+            client.run(remove_egress_wait, workers=[a])
+        xs = [
+            client.submit(spin_fill, N, 100.0 + i, 30.0, workers=[a], pure=False)
+            for i in range(PRODUCERS)
+        ]
+        ys = [client.submit(spin_scale, x, 2.0, 0.0, workers=[b], pure=False) for x in xs]
+        return [cupy.asnumpy(y) for y in client.gather(ys)]
+
+
+two_gpus = pytest.mark.skipif(
+    cupy.cuda.runtime.getDeviceCount() < 2, reason="needs two GPUs (one worker each)"
+)
+
+
+@two_gpus
+def test_fetches_across_gpus_are_exact(monkeypatch):
+    scaled = fetched_across_gpus(monkeypatch, egress_wait=True)
+    for i in range(PRODUCERS):
+        np.testing.assert_array_equal(scaled[i], np.full(N, 2 * (100.0 + i)))
+
+
+@two_gpus
+def test_fetches_across_gpus_need_the_egress_wait(monkeypatch):
+    scaled = fetched_across_gpus(monkeypatch, egress_wait=False)
+    wrong = [i for i in range(PRODUCERS) if not np.array_equal(scaled[i], 2 * (100.0 + i))]
+    assert wrong, "every fetch was exact without the per-key wait: the test shows nothing"
 
 
 @pytest.fixture
