@@ -34,6 +34,7 @@ import copy_kernels
 import dask
 import dask.array as da
 import numpy as np
+import report
 
 import dask_gpustreams
 from dask_gpustreams.backends import gpu_visible, host_device_count
@@ -314,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "dask_gpustreams": dask_gpustreams.__version__,
         "dask": dask.__version__,
+        "source_digest": report.source_digest(),
     }
     (out_dir / "copy.json").write_text(
         json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2)

@@ -681,6 +681,7 @@ def environment(backend: str) -> dict:
             if k.startswith(("CUDA_DEVICE_MAX", "CUPY_", "DASK_GPUSTREAMS"))
         },
     }
+    env["source_digest"] = report.source_digest()
     try:
         env["commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5

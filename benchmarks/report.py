@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import statistics
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def source_digest(root: Path = REPO) -> str:
+    """A short hash of the package's and the benchmarks' Python sources under ``root``.
+
+    Names the code a result came from without git, whose copy on a remote
+    machine may be stale: compare with the digest of a checkout.
+    """
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("dask_gpustreams/**/*.py"), *root.glob("benchmarks/*.py")]):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
 
 MODE_ORDER = ("serial", "ptds-sync", "gpustreams", "ideal")
 CSV_FIELDS = (
