@@ -186,7 +186,8 @@ def test_dask_cuda_worker_preload(dask_cli):
     scheduler_file = dask_cli("cuda", "worker", "--no-dashboard", "--preload", "dask_gpustreams")
     with Client(scheduler_file=scheduler_file, timeout=30) as client:
         client.wait_for_workers(1, timeout=60)
-        assert list(client.run(has_plugin).values()) == [True]
+        installed = list(client.run(has_plugin).values())  # one worker per visible GPU
+        assert installed and all(installed)
         assert client.submit(current_stream_ptr, pure=False).result() not in (0, 1, 2)
         n = 1 << 16
         leaves = [client.submit(spin_fill, n, float(i), 5.0, pure=False) for i in range(8)]
