@@ -46,6 +46,8 @@ class StreamsConfig:
     copy_streams: int = 1
     #: Bytes, or ``'auto'``/None for :func:`auto_pinned_pool_size` (a size string is parsed).
     pinned_pool_size: int | str | None = None
+    #: Bytes of launched task outputs the launcher keeps ahead of the device.
+    launch_ahead: int | str = 1 << 30
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names
@@ -62,6 +64,12 @@ class StreamsConfig:
                 if size is None or size < 1 << 20:  # the error names what was written
                     raise _bad_value("pinned-pool-size", self.pinned_pool_size, _PINNED_ALLOWED)
             object.__setattr__(self, "pinned_pool_size", size)
+        if isinstance(self.launch_ahead, str):
+            try:
+                ahead = parse_bytes(self.launch_ahead)
+            except ValueError:
+                raise _bad_value("launch-ahead", self.launch_ahead, _AHEAD_ALLOWED) from None
+            object.__setattr__(self, "launch_ahead", ahead)
 
         if self.backend not in BACKENDS:
             raise _bad_value("backend", self.backend, " | ".join(BACKENDS))
@@ -72,6 +80,7 @@ class StreamsConfig:
         checks = [
             ("streams", "streams", 1, "an int >= 1"),
             ("copy_streams", "copy-streams", 1, "an int >= 1"),
+            ("launch_ahead", "launch-ahead", 1 << 20, _AHEAD_ALLOWED),
         ]
         if self.pinned_pool_size is not None:
             checks.append(("pinned_pool_size", "pinned-pool-size", 1 << 20, _PINNED_ALLOWED))
@@ -97,6 +106,7 @@ class StreamsConfig:
 
 
 _PINNED_ALLOWED = "'auto' or a byte size like '1 GiB' (>= 1 MiB)"
+_AHEAD_ALLOWED = "a byte size like '1 GiB' (>= 1 MiB)"
 
 
 #: Hard memory limits of the process's cgroup (v2, then v1), read where present.
