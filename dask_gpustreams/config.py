@@ -4,14 +4,16 @@ Defaults live in ``gpustreams.yaml`` beside this file and are registered with
 ``dask.config.update_defaults`` at import, so ``DASK_GPUSTREAMS__ENABLED=True``
 and ``dask.config.set({"gpustreams.streams": 4})`` work as for any dask key.
 Values are validated by :meth:`StreamsConfig.from_dask_config` when a runtime
-starts, so a bad value fails the ``compute`` call, not a task deep in a graph.
+starts, so a bad value or an unknown ``gpustreams.*`` key fails the
+``compute`` call, not a task deep in a graph.
 """
 
 from __future__ import annotations
 
+import difflib
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import dask.config
@@ -31,18 +33,106 @@ with open(_fn) as f:
 dask.config.update_defaults(defaults)
 
 
-def _bad_value(key: str, value: Any, allowed: str) -> ValueError:
+#: The keys of ``gpustreams.yaml``, the only ``gpustreams.*`` keys there are.
+KEYS = tuple(defaults["gpustreams"])
+_KNOWN = frozenset(KEYS)
+
+#: Largest ``gpustreams.streams``: the H200's (compute capability 9.0) 128 resident grids,
+#: beyond which streams cannot run kernels at once (and the sim's one thread per stream).
+MAX_STREAMS = 128
+#: Largest ``gpustreams.copy-streams``: CUDA's maximum of ``CUDA_DEVICE_MAX_CONNECTIONS``.
+MAX_COPY_STREAMS = 32
+#: Smallest byte size of ``pinned-pool-size`` and ``launch-ahead``.
+MIN_SIZE = 1 << 20
+
+_TRUE = frozenset({"true", "yes", "on", "1"})
+_FALSE = frozenset({"false", "no", "off", "0"})
+BOOL_ALLOWED = "True | False (or 'true'/'false', 'yes'/'no', 'on'/'off', 1/0)"
+_PINNED = "'auto' or a byte size like '1 GiB' (>= 1 MiB)"
+_AHEAD = "a byte size like '1 GiB' (>= 1 MiB)"
+
+
+def invalid_value(key: str, value: Any, allowed: str) -> ValueError:
+    """The error of a bad ``gpustreams.<key>``: the key, the value and what is allowed."""
     return ValueError(f"gpustreams.{key}={value!r} is invalid: allowed values are {allowed}")
+
+
+def parse_bool(key: str, value: Any) -> bool:
+    """``gpustreams.<key>`` as a bool; every boolean key is read by this one parser.
+
+    Accepts ``True``/``False``, the ints 0/1 and the strings (any case, spaces
+    stripped) ``true``/``false``, ``yes``/``no``, ``on``/``off``, ``1``/``0``,
+    as YAML and ``DASK_GPUSTREAMS__*`` variables give them. Raises
+    ``ValueError`` naming the key for anything else.
+    """
+    if value is True or value is False:
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+    elif isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise invalid_value(key, value, BOOL_ALLOWED)
+
+
+def _parse_int(key: str, value: Any, low: int, high: int) -> int:
+    """``gpustreams.<key>`` as an int from ``low`` to ``high`` (bools and strings refused)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not (low <= value <= high)
+    ):
+        raise invalid_value(key, value, f"an int >= {low} and <= {high}")
+    return int(value)
+
+
+def _parse_size(key: str, value: Any, allowed: str) -> int:
+    """``gpustreams.<key>`` as bytes >= 1 MiB: an int, or a string like ``'1 GiB'``."""
+    size = value
+    if isinstance(value, str):
+        try:
+            size = parse_bytes(value)
+        except (ValueError, OverflowError):  # OverflowError: '1e400 B' is infinite
+            size = None
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < MIN_SIZE:
+        raise invalid_value(key, value, allowed)  # the error names what was written
+    return int(size)
+
+
+def _check_keys() -> None:
+    """Raise ``ValueError`` for a ``gpustreams.*`` key that ``gpustreams.yaml`` does not have.
+
+    Keys are compared as dask does (``copy_streams`` is ``copy-streams``); the
+    message suggests the closest known key.
+    """
+    section = dask.config.get("gpustreams")
+    unknown = sorted(k for k in section if k.replace("_", "-") not in _KNOWN)
+    if unknown:
+        key = unknown[0]
+        match = difflib.get_close_matches(key.replace("_", "-"), KEYS, n=1)
+        hint = f" did you mean gpustreams.{match[0]}?" if match else ""
+        known = ", ".join(f"gpustreams.{k}" for k in KEYS)
+        written = f"gpustreams.{key}={section[key]!r}"
+        raise ValueError(f"unknown configuration key {written};{hint} known keys: {known}")
 
 
 @dataclass(frozen=True)
 class StreamsConfig:
-    """Validated settings of one stream runtime."""
+    """Validated settings of one stream runtime.
+
+    Values are normalized on construction (``timeline="on"`` is ``True``,
+    ``pinned_pool_size="1 GiB"`` is ``1 << 30``), so equal settings compare equal.
+    """
 
     backend: str = "auto"
+    #: Compute streams per device, from 1 to :data:`MAX_STREAMS`.
     streams: int = 8
     policy: str = "auto"
     timeline: bool = False
+    #: Copy streams per direction and device, from 1 to :data:`MAX_COPY_STREAMS`.
     copy_streams: int = 1
     #: Bytes, or ``'auto'``/None for :func:`auto_pinned_pool_size` (a size string is parsed).
     pinned_pool_size: int | str | None = None
@@ -52,61 +142,42 @@ class StreamsConfig:
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names
 
-        size = self.pinned_pool_size
-        if isinstance(size, str):
-            if size.strip().lower() == "auto":
-                size = None
-            else:
-                try:
-                    size = parse_bytes(size)
-                except ValueError:
-                    size = None
-                if size is None or size < 1 << 20:  # the error names what was written
-                    raise _bad_value("pinned-pool-size", self.pinned_pool_size, _PINNED_ALLOWED)
-            object.__setattr__(self, "pinned_pool_size", size)
-        if isinstance(self.launch_ahead, str):
-            try:
-                ahead = parse_bytes(self.launch_ahead)
-            except ValueError:
-                raise _bad_value("launch-ahead", self.launch_ahead, _AHEAD_ALLOWED) from None
-            object.__setattr__(self, "launch_ahead", ahead)
-
         if self.backend not in BACKENDS:
-            raise _bad_value("backend", self.backend, " | ".join(BACKENDS))
+            raise invalid_value("backend", self.backend, " | ".join(BACKENDS))
         if self.policy not in policy_names():
-            raise _bad_value("policy", self.policy, " | ".join(policy_names()))
-        if not isinstance(self.timeline, bool):
-            raise _bad_value("timeline", self.timeline, "True | False")
-        checks = [
-            ("streams", "streams", 1, "an int >= 1"),
-            ("copy_streams", "copy-streams", 1, "an int >= 1"),
-            ("launch_ahead", "launch-ahead", 1 << 20, _AHEAD_ALLOWED),
-        ]
-        if self.pinned_pool_size is not None:
-            checks.append(("pinned_pool_size", "pinned-pool-size", 1 << 20, _PINNED_ALLOWED))
-        for field, key, minimum, allowed in checks:
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise _bad_value(key, value, allowed)
-            if value < minimum:
-                raise _bad_value(key, value, allowed)
-            object.__setattr__(self, field, int(value))
+            raise invalid_value("policy", self.policy, " | ".join(policy_names()))
+        size = self.pinned_pool_size
+        auto = size is None or (isinstance(size, str) and size.strip().lower() == "auto")
+        normalized = {
+            "streams": _parse_int("streams", self.streams, 1, MAX_STREAMS),
+            "copy_streams": _parse_int("copy-streams", self.copy_streams, 1, MAX_COPY_STREAMS),
+            "pinned_pool_size": None if auto else _parse_size("pinned-pool-size", size, _PINNED),
+            "launch_ahead": _parse_size("launch-ahead", self.launch_ahead, _AHEAD),
+        }
+        for name in _BOOL_FIELDS:
+            normalized[name] = parse_bool(name.replace("_", "-"), getattr(self, name))
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_dask_config(cls, **overrides: Any) -> StreamsConfig:
-        """Read ``gpustreams.*`` from dask's config; keyword arguments take precedence."""
+        """Read ``gpustreams.*`` from dask's config; keyword arguments take precedence.
+
+        Raises ``ValueError`` for a bad value and for an unknown ``gpustreams.*`` key.
+        """
+        _check_keys()
         values = {
             field: dask.config.get(f"gpustreams.{field.replace('_', '-')}")
             for field in cls.__dataclass_fields__
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values["pinned_pool_size"] is None:  # YAML null: 'auto' is spelt out there
-            raise _bad_value("pinned-pool-size", None, _PINNED_ALLOWED)
+            raise invalid_value("pinned-pool-size", None, _PINNED)
         return cls(**values)
 
 
-_PINNED_ALLOWED = "'auto' or a byte size like '1 GiB' (>= 1 MiB)"
-_AHEAD_ALLOWED = "a byte size like '1 GiB' (>= 1 MiB)"
+#: The boolean fields of :class:`StreamsConfig`, read by :func:`parse_bool`.
+_BOOL_FIELDS = tuple(f.name for f in fields(StreamsConfig) if f.type == "bool")
 
 
 #: Hard memory limits of the process's cgroup (v2, then v1), read where present.
@@ -139,8 +210,8 @@ def auto_pinned_pool_size(devices: int) -> int:
 
 
 def enabled() -> bool:
-    """Whether ``gpustreams.enabled`` is set (strings like ``"true"`` accepted, as from YAML)."""
+    """Whether ``gpustreams.enabled`` is true, read by :func:`parse_bool` (once per compute)."""
     value = dask.config.get("gpustreams.enabled", False)
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+    if value is True or value is False:  # the usual case, without a call
+        return value
+    return parse_bool("enabled", value)

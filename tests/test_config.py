@@ -39,7 +39,7 @@ def test_from_dask_config_reads_set_values_and_overrides():
 @pytest.mark.parametrize(
     "value, expected",
     [(True, True), (False, False), ("true", True), ("True", True), (" on ", True), ("1", True)]
-    + [("false", False), ("0", False), ("no", False), (1, True), (0, False), (None, False)],
+    + [("false", False), ("0", False), ("no", False), (1, True), (0, False), ("YES", True)],
 )
 def test_enabled_accepts_bools_and_yaml_strings(value, expected):
     with dask.config.set({"gpustreams.enabled": value}):
@@ -48,12 +48,32 @@ def test_enabled_accepts_bools_and_yaml_strings(value, expected):
 
 # --- invalid values --------------------------------------------------------------------------
 
+STREAMS = r"allowed values are an int >= 1 and <= 128$"
+COPY_STREAMS = r"allowed values are an int >= 1 and <= 32$"
+BOOL = r"allowed values are True \| False \(or 'true'/'false', 'yes'/'no', 'on'/'off', 1/0\)$"
+SIZE = r"allowed values are a byte size like '1 GiB' \(>= 1 MiB\)$"
+
 INVALID = [
-    ("streams", 0, r"gpustreams\.streams=0 is invalid: allowed values are an int >= 1"),
-    ("streams", -1, r"gpustreams\.streams=-1 is invalid: allowed values are an int >= 1"),
-    ("streams", 2.5, r"gpustreams\.streams=2\.5 is invalid: allowed values are an int >= 1"),
-    ("streams", "4", r"gpustreams\.streams='4' is invalid: allowed values are an int >= 1"),
-    ("streams", True, r"gpustreams\.streams=True is invalid: allowed values are an int >= 1"),
+    ("streams", 0, rf"gpustreams\.streams=0 is invalid: {STREAMS}"),
+    ("streams", -1, rf"gpustreams\.streams=-1 is invalid: {STREAMS}"),
+    ("streams", 2.5, rf"gpustreams\.streams=2\.5 is invalid: {STREAMS}"),
+    ("streams", "4", rf"gpustreams\.streams='4' is invalid: {STREAMS}"),
+    ("streams", True, rf"gpustreams\.streams=True is invalid: {STREAMS}"),
+    ("streams", 129, rf"gpustreams\.streams=129 is invalid: {STREAMS}"),
+    ("streams", 10**6, rf"gpustreams\.streams=1000000 is invalid: {STREAMS}"),
+    ("copy_streams", 33, rf"gpustreams\.copy-streams=33 is invalid: {COPY_STREAMS}"),
+    ("copy_streams", 0, rf"gpustreams\.copy-streams=0 is invalid: {COPY_STREAMS}"),
+    ("timeline", "maybe", rf"gpustreams\.timeline='maybe' is invalid: {BOOL}"),
+    ("timeline", 2, rf"gpustreams\.timeline=2 is invalid: {BOOL}"),
+    (
+        "pinned_pool_size",
+        "1e400 B",
+        r"gpustreams\.pinned-pool-size='1e400 B' is invalid: allowed values are 'auto' or a byte",
+    ),
+    ("launch_ahead", "1e400 B", rf"gpustreams\.launch-ahead='1e400 B' is invalid: {SIZE}"),
+    ("launch_ahead", "lots", rf"gpustreams\.launch-ahead='lots' is invalid: {SIZE}"),
+    ("launch_ahead", "512 KiB", rf"gpustreams\.launch-ahead='512 KiB' is invalid: {SIZE}"),
+    ("launch_ahead", 1 << 19, rf"gpustreams\.launch-ahead=524288 is invalid: {SIZE}"),
     (
         "policy",
         "fastest",
@@ -64,7 +84,6 @@ INVALID = [
         "gpu",
         r"gpustreams\.backend='gpu' is invalid: allowed values are auto \| cupy \| sim$",
     ),
-    ("timeline", "yes", r"gpustreams\.timeline='yes' is invalid: allowed values are True \| False"),
 ]
 INVALID_IDS = [f"{name}={value!r}" for name, value, _ in INVALID]
 
@@ -162,4 +181,6 @@ def test_invalid_environment_value_fails_compute(run_python):
     )
     env = {"DASK_GPUSTREAMS__ENABLED": "True", "DASK_GPUSTREAMS__STREAMS": "0"}
     out = run_python(code, env)
-    assert out.strip() == "gpustreams.streams=0 is invalid: allowed values are an int >= 1"
+    assert (
+        out.strip() == "gpustreams.streams=0 is invalid: allowed values are an int >= 1 and <= 128"
+    )

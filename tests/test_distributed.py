@@ -503,13 +503,12 @@ def test_plugin_pickles_its_settings_only():
     copy = pickle.loads(pickle.dumps(plugin))
     assert copy.overrides == {"streams": 2, "policy": "round-robin"}
     assert vars(copy) == {"overrides": copy.overrides}
-    assert (StreamsPlugin.name, StreamsPlugin.idempotent) == ("gpustreams", True)
+    assert (StreamsPlugin.name, StreamsPlugin.idempotent) == ("gpustreams", False)
 
 
 def test_keyword_arguments_override_the_worker_config():
     with cluster(n_workers=1, plugin=False) as client:
         client.register_plugin(StreamsPlugin(streams=2, policy="round-robin"))
-        client.register_plugin(StreamsPlugin(streams=3))  # idempotent: ignored
         client.submit(on_pool_stream, pure=False).result()
         assert [s["streams"] for s in states(client).values()] == [2]
 

@@ -270,7 +270,7 @@ def reuse_scenario(gpustreams, by_key, rng, runs):
     many runs read poison."""
     by_key.update({"produce": 0, "consume": 1, "allocate": 0, "final": 2})
     poisoned = 0
-    with gpustreams(streams=3, policy="test-placement", num_workers=3):
+    with gpustreams(streams=3, policy="test-placement"), dask.config.set(num_workers=3):
         for _ in range(runs):
             gate = threading.Event()
             x = delayed(produce, pure=False)(dask_key_name="produce")

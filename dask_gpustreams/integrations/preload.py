@@ -15,8 +15,9 @@ preload route names the package:
   workers included.
 - a client: importing :mod:`dask_gpustreams` adds the package to the
   *defaults* of ``distributed.client.preload``. A client created while
-  ``gpustreams.enabled`` is true registers the plugin with its scheduler,
-  which installs it on the current workers and on those that join later;
+  ``gpustreams.enabled`` is true registers the plugin with its scheduler
+  (unless one is registered already: a plugin registered with settings
+  stays), which installs it on the current workers and on those that join later;
   with ``gpustreams.enabled`` false it does nothing. This covers
   ``Client()`` and ``Client(LocalCluster(...))`` (in-process or with worker
   processes) and clients of remote schedulers, dask-cuda clusters included.
@@ -81,9 +82,16 @@ def dask_setup(server: Any) -> Any:
 
 
 def _plugin_message(plugin: Any) -> dict:
+    """A ``register_worker_plugin`` request that leaves a registered plugin in place.
+
+    Idempotent, unlike ``client.register_plugin(StreamsPlugin(...))``: a
+    client created while ``gpustreams.enabled`` is true (one made by
+    ``get_client()`` in a task, say) neither replaces settings a user
+    registered nor restarts the workers' plugin.
+    """
     from distributed.protocol.pickle import dumps
 
-    return {"plugin": dumps(plugin), "name": plugin.name, "idempotent": plugin.idempotent}
+    return {"plugin": dumps(plugin), "name": plugin.name, "idempotent": True}
 
 
 async def _register(request: Any) -> None:

@@ -151,9 +151,16 @@ class StreamsPlugin(WorkerPlugin):
     worker's dask config. They are validated here, on the client, and again
     against the worker's config in :meth:`setup`.
 
-    The plugin is idempotent under a stable name: registering it again is a
-    no-op, so to change its settings unregister it first
-    (``client.unregister_worker_plugin("gpustreams")``).
+    Registering it again replaces it (``idempotent = False``), so the new
+    settings apply: each worker tears the old plugin down (waiting for the
+    tasks it wrapped and for their events) and sets up the new one, and
+    workers that join later get the new one. A silent no-op would leave the
+    workers on settings the client no longer shows, and refusing would need
+    the registered settings, which only the scheduler holds. The client and
+    scheduler preloads register it only where none is registered
+    (:mod:`dask_gpustreams.integrations.preload`), so a client created later
+    does not undo settings registered here. Register
+    from the client, not from inside a task: the replacement waits for that task.
 
     On a worker, the plugin composes three parts: :class:`.Provenance` (the
     runtime, the events, taints and failure records of the worker's keys),
@@ -168,7 +175,7 @@ class StreamsPlugin(WorkerPlugin):
     """
 
     name = "gpustreams"
-    idempotent = True
+    idempotent = False  # registering again applies the new settings (see above)
     #: Modules whose task functions give their inputs to host-side machinery (P2P).
     host_modules: tuple[str, ...] = ("distributed.shuffle",)
     #: How many kernel-failure records a worker keeps for keys not yet recomputed,
