@@ -1,12 +1,15 @@
-"""Host overhead of the stream runtime per task, on the local threaded scheduler.
+"""Host overhead of the stream runtime per task, by scheduler.
 
 Runs ``--tasks`` no-op tasks (each returns its input array; no kernels) as a
-wide graph, with the runtime off and on, and prints microseconds per task and
-the difference, the runtime's own cost. Two graphs: ``wide`` (every task reads
-one source array) and ``chains`` (chains of 20 tasks, so event waits and stream
-reuse are exercised). ``--profile`` reruns the enabled case on the synchronous
-scheduler under cProfile (tasks then run in the profiled thread) and prints
-where the time goes::
+wide graph, under plain Dask (synchronous and threaded schedulers, plugin
+off), the plugin by config on both (``gpustreams.enabled``), and the stream
+launcher (``scheduler="gpustreams"``). Prints microseconds per task, tasks per
+second, and the difference to plain Dask's synchronous scheduler: for the
+plugin on the synchronous scheduler that difference is the runtime's own
+cost. Two graphs: ``wide`` (every task reads one source array) and
+``chains`` (chains of 20 tasks, so event waits and stream reuse are
+exercised). ``--profile`` reruns the launcher on the ``chains`` graph under
+cProfile and prints where the time goes::
 
     python -m benchmarks.bench_overhead --backend sim
     python -m benchmarks.bench_overhead --backend cupy --tasks 20000 --profile
@@ -22,9 +25,10 @@ import statistics
 import time
 
 import dask
+import dask.local
 import dask.threaded
 
-import dask_gpustreams  # noqa: F401  (registers the local scheduler hook)
+import dask_gpustreams
 from benchmarks import kernels
 from dask_gpustreams.backends import resolve_backend
 from dask_gpustreams.runtime.policies import policy_names
@@ -49,13 +53,22 @@ def graph(kind: str, n: int, source) -> tuple[dict, list]:
     return dsk, [(f"c{c}", CHAIN - 1) for c in range(chains)]
 
 
-def timed(dsk: dict, keys: list, config: dict, threads: int, repeats: int) -> float:
+#: Schedulers by mode: plain Dask's two local schedulers and the stream launcher.
+SCHEDULERS = {
+    "sync": dask.local.get_sync,
+    "threads": dask.threaded.get,
+    "launcher": dask_gpustreams.get,
+}
+
+
+def timed(get, dsk: dict, keys: list, config: dict, threads: int, repeats: int) -> float:
     """Median seconds of ``repeats`` runs (after one warm-up)."""
     walls = []
+    kwargs = {"num_workers": threads} if get is dask.threaded.get else {}
     for i in range(repeats + 1):
         with dask.config.set(config):
             t0 = time.perf_counter()
-            dask.threaded.get(dsk, keys, num_workers=threads)
+            get(dsk, keys, **kwargs)
             wall = time.perf_counter() - t0
         if i:
             walls.append(wall)
@@ -81,55 +94,62 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--policies {','.join(bad)} is invalid: allowed values are {policy_names()}")
     source = kernels.to_device(backend, kernels.source(0, 256))
     print(
-        f"backend {backend}, {args.tasks} no-op tasks, threaded scheduler with "
-        f"{args.threads} threads, {args.streams} streams; median of {args.repeats} runs"
+        f"backend {backend}, {args.tasks} no-op tasks, {args.streams} streams, threaded "
+        f"scheduler with {args.threads} threads; median of {args.repeats} runs; "
+        "'vs plain sync': us/task minus plain Dask's synchronous scheduler's"
     )
-    print(f"{'graph':<7} {'config':<28} {'us/task':>8} {'overhead us/task':>17}")
+    print(f"{'graph':<7} {'mode':<30} {'us/task':>8} {'tasks/s':>9} {'vs plain sync':>14}")
     for kind in args.graphs.split(","):
         dsk, keys = graph(kind, args.tasks, source)
         n = len(dsk) - 1
-        off = timed(dsk, keys, {"gpustreams.enabled": False}, args.threads, args.repeats)
-        print(f"{kind:<7} {'disabled':<28} {off / n * 1e6:8.1f} {'':>17}")
-        configs = [(pol, False) for pol in policies]
-        if args.timeline:
-            configs.append((policies[0], True))
-        for policy, tl in configs:
+        plain = {"gpustreams.enabled": False}
+        base = None
+        rows = [(f"plain {m}", SCHEDULERS[m], plain) for m in ("sync", "threads")]
+        for policy in policies:
             config = {
-                "gpustreams.enabled": True,
                 "gpustreams.backend": backend,
                 "gpustreams.streams": args.streams,
                 "gpustreams.policy": policy,
-                "gpustreams.timeline": tl,
             }
-            on = timed(dsk, keys, config, args.threads, args.repeats)
-            label = f"enabled {policy}" + (" +timeline" if tl else "")
-            print(f"{kind:<7} {label:<28} {on / n * 1e6:8.1f} {(on - off) / n * 1e6:17.1f}")
+            for mode in ("sync", "threads", "launcher"):
+                label = f"launcher {policy}" if mode == "launcher" else f"enabled {mode} {policy}"
+                enabled = {**config, "gpustreams.enabled": mode != "launcher"}
+                rows.append((label, SCHEDULERS[mode], enabled))
+        if args.timeline:
+            tl = {**rows[-1][2], "gpustreams.timeline": True}
+            rows.append((rows[-1][0] + " +timeline", dask_gpustreams.get, tl))
+        for label, get, config in rows:
+            wall = timed(get, dsk, keys, config, args.threads, args.repeats)
+            base = wall if base is None else base
+            print(
+                f"{kind:<7} {label:<30} {wall / n * 1e6:8.1f} {n / wall:9.0f} "
+                f"{(wall - base) / n * 1e6:14.1f}"
+            )
     if args.profile:
         profile(backend, args, policies[0])
     return 0
 
 
 def profile(backend: str, args: argparse.Namespace, policy: str) -> None:
-    """cProfile of the enabled ``chains`` graph on the synchronous scheduler."""
+    """cProfile of the launcher on the ``chains`` graph."""
     source = kernels.to_device(backend, kernels.source(0, 256))
     dsk, keys = graph("chains", args.tasks, source)
     config = {
-        "gpustreams.enabled": True,
         "gpustreams.backend": backend,
         "gpustreams.streams": args.streams,
         "gpustreams.policy": policy,
     }
     with dask.config.set(config):
-        dask.get(dsk, keys)  # warm-up
+        dask_gpustreams.get(dsk, keys)  # warm-up
         prof = cProfile.Profile()
         prof.enable()
-        dask.get(dsk, keys)
+        dask_gpustreams.get(dsk, keys)
         prof.disable()
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(15)
     stats.sort_stats("cumulative").print_stats("dask_gpustreams", 15)
-    print(f"\ncProfile, synchronous scheduler, chains graph, policy {policy}: top 15 by")
+    print(f"\ncProfile, the launcher, chains graph, policy {policy}: top 15 by")
     print("own time, then the package's functions by cumulative time (per call: percall)")
     print(buf.getvalue())
 

@@ -1,8 +1,11 @@
 """Run Dask task graphs on pools of GPU streams, ordered by device-side events.
 
-Switch it on with ``dask.config.set({"gpustreams.enabled": True})`` (or
-``DASK_GPUSTREAMS__ENABLED=True``) after importing this package.
+Compute with ``scheduler="gpustreams"`` (the stream launcher: one thread
+enqueues the whole graph), or switch the threaded scheduler and distributed
+workers over with ``dask.config.set({"gpustreams.enabled": True})``.
 """
+
+import dask.base
 
 from dask_gpustreams import config as config  # registers the gpustreams.* defaults
 from dask_gpustreams import sim as sim
@@ -10,12 +13,16 @@ from dask_gpustreams.config import StreamsConfig as StreamsConfig
 from dask_gpustreams.diagnostics import timeline as timeline
 from dask_gpustreams.errors import KernelError as KernelError
 from dask_gpustreams.integrations.distributed import StreamsPlugin as StreamsPlugin
+from dask_gpustreams.integrations.launcher import SCHEDULER_NAME as _SCHEDULER_NAME
+from dask_gpustreams.integrations.launcher import get as get
 from dask_gpustreams.integrations.local import hook as _local_hook
 from dask_gpustreams.integrations.preload import dask_setup as dask_setup
+from dask_gpustreams.markers import host_task as host_task
 from dask_gpustreams.runtime import get_runtime as get_runtime
 from dask_gpustreams.transfers import to_device as to_device
 from dask_gpustreams.transfers import to_host as to_host
 
 _local_hook.register()
+dask.base.named_schedulers[_SCHEDULER_NAME] = get
 
 __version__ = "0.1.0"

@@ -137,7 +137,7 @@ class StreamsConfig:
     #: Bytes, or ``'auto'``/None for :func:`auto_pinned_pool_size` (a size string is parsed).
     pinned_pool_size: int | str | None = None
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
-    launch_ahead: int | str = 1 << 30
+    launch_ahead: int | str = 256 << 20
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names

@@ -9,6 +9,7 @@ waited for (one host sync at the end, none per task).
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -19,6 +20,8 @@ from dask_gpustreams.integrations.tasks import wrap_task
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, get_runtime
 from dask_gpustreams.runtime.policies import critical_keys
 
+logger = logging.getLogger("dask_gpustreams")
+
 
 class LocalSchedulerHook(Callback):
     """Runs local-scheduler graphs through the stream runtime while enabled."""
@@ -27,11 +30,19 @@ class LocalSchedulerHook(Callback):
         super().__init__()
         self._runs: dict[int, tuple[StreamRuntime, EventRegistry]] = {}
         self._lock = threading.Lock()
+        self._advised = False
 
     def _start(self, dsk: dict) -> None:
         if not enabled():
             return
         runtime = get_runtime()
+        if not self._advised:
+            self._advised = True
+            logger.info(
+                "gpustreams: running this graph's tasks through the stream runtime from "
+                "Dask's scheduler threads; compute(scheduler='gpustreams') launches the whole "
+                "graph from one thread and is faster on GPU graphs"
+            )
         registry = EventRegistry()
         critical: set | None = None
         if runtime.policy.needs_critical_path:

@@ -66,6 +66,14 @@ class EventRegistry:
         for key in keys:
             pop(key, None)
 
+    def discard(self, key: Hashable) -> None:
+        """Drop the entry of ``key``, if any."""
+        self._records.pop(key, None)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._records.clear()
+
     def records(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
         """The records of those ``keys`` that have one."""
         get = self._records.get

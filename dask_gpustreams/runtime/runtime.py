@@ -14,6 +14,7 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dask.utils import format_bytes
@@ -28,6 +29,8 @@ from dask_gpustreams.backends import (
 )
 from dask_gpustreams.config import StreamsConfig, auto_pinned_pool_size
 from dask_gpustreams.runtime.context import task_state
+from dask_gpustreams.runtime.events import EventPool
+from dask_gpustreams.runtime.hosttasks import HostTasks
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
 from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
@@ -45,6 +48,8 @@ class StreamRuntime:
 
     #: How many task records the timeline keeps (oldest dropped first).
     timeline_maxlen = 100_000
+    #: Threads that run the launcher's host tasks (downloads, NumPy work, sleeps).
+    host_threads = 4
 
     def __init__(self, backend: Backend, config: StreamsConfig):
         self.backend = backend
@@ -59,6 +64,12 @@ class StreamRuntime:
         self.timeline: deque[TaskRecord] | None = (
             deque(maxlen=self.timeline_maxlen) if config.timeline else None
         )
+        #: Completion events the launcher reuses across graphs.
+        self.events = EventPool(backend)
+        #: Which task groups block the host (learned by the launcher).
+        self.host_tasks = HostTasks()
+        self._host_executor: ThreadPoolExecutor | None = None
+        self._host_lock = threading.Lock()
         logger.info(
             "gpustreams: %s backend, device %s, %d streams, policy %r, pinned pool %s",
             backend.name,
@@ -123,6 +134,18 @@ class StreamRuntime:
         if self.timeline is not None:
             self.timeline.append(record)
         return result
+
+    def host_executor(self) -> ThreadPoolExecutor:
+        """The threads that run host tasks for the launcher (started on first use)."""
+        executor = self._host_executor
+        if executor is None:
+            with self._host_lock:
+                if self._host_executor is None:
+                    self._host_executor = ThreadPoolExecutor(
+                        self.host_threads, thread_name_prefix="gpustreams-host"
+                    )
+                executor = self._host_executor
+        return executor
 
     def _wait_for(self, slot: StreamSlot, producers: list[TaskRecord]) -> None:
         """Make ``slot`` wait for the latest event of each other stream among ``producers``."""

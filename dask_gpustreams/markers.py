@@ -1,0 +1,29 @@
+"""Marking task functions that block the host, for the stream launcher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+#: Attribute set on functions that block the host (the launcher runs them on host threads).
+HOST_TASK_ATTR = "__gpustreams_host__"
+
+
+def host_task(fn: F) -> F:
+    """Mark ``fn`` as a task function that blocks the host; returns ``fn`` itself.
+
+    The stream launcher (``scheduler="gpustreams"``) runs tasks calling it on
+    its host threads, after waiting on the host for their inputs, instead of
+    on the launching thread: use it for functions that wait for the device
+    (``.get()``, ``.item()``), compute on host data, do I/O, sleep or lock.
+    Unmarked functions that block are learned from their first slow call.
+    """
+    setattr(fn, HOST_TASK_ATTR, True)
+    return fn
+
+
+def is_host_task(fn: Callable) -> bool:
+    """Whether ``fn`` was marked with :func:`host_task`."""
+    return getattr(fn, HOST_TASK_ATTR, False) is True

@@ -1,0 +1,47 @@
+"""Completion events reused across graphs, so a launch creates none in the steady state."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from dask_gpustreams.backends.base import Backend
+
+
+class EventPool:
+    """Timing-free events of one backend, handed out again once complete and unreferenced.
+
+    Callers give events back with :meth:`release` only when nothing else will
+    wait on or query them (their task records are gone). An event is handed
+    out again only once it has completed, so re-recording it can never move a
+    wait that is still to be enqueued. At most :attr:`capacity` are kept.
+    """
+
+    capacity = 8192
+
+    def __init__(self, backend: Backend):
+        self._backend = backend
+        self._free: deque[Any] = deque()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Any:
+        """A completed released event, or a new one (the oldest released is tried only)."""
+        free = self._free
+        if free:
+            with self._lock:
+                if free and self._backend.done(free[0]):
+                    return free.popleft()
+        return self._backend.create_event()
+
+    def release(self, events: Iterable[Any]) -> None:
+        """Give back ``events`` (in the order they were recorded) for reuse."""
+        free = self._free
+        with self._lock:
+            free.extend(events)
+            while len(free) > self.capacity:
+                free.popleft()
+
+    def __len__(self) -> int:
+        return len(self._free)

@@ -1,0 +1,56 @@
+"""Which kinds of task block the host, learned from how long their calls take.
+
+A GPU task only enqueues work, so its call returns in microseconds; a task
+that waits for the device (a download, ``.item()``), computes on the host or
+sleeps takes as long as that work. The launcher times each call it makes and
+tells :class:`HostTasks`, keyed by the task's group (its key prefix, as
+distributed's task-prefix estimates are): a group whose call took longer
+than :attr:`HostTasks.threshold_s` is sent to host threads from then on, and
+goes back to the launcher after :attr:`HostTasks.recover` fast calls in a
+row (a first call that compiled a kernel or grew the memory pool is not a
+host task).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+
+
+class HostTasks:
+    """Per-group verdicts: does a call of this group block the host?"""
+
+    #: A call longer than this (host seconds) marks its group as host work.
+    threshold_s = 1e-3
+    #: Fast calls in a row on a host thread that send a group back to the launcher.
+    recover = 2
+
+    def __init__(self) -> None:
+        self._fast_runs: dict[Hashable, int] = {}  # host groups -> fast calls in a row
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        """Whether any group is marked (the launcher skips group lookups while none is)."""
+        return bool(self._fast_runs)
+
+    def __contains__(self, group: Hashable) -> bool:
+        return group in self._fast_runs
+
+    def groups(self) -> list[Hashable]:
+        """The groups marked as host work."""
+        return list(self._fast_runs)
+
+    def observe(self, group: Hashable, seconds: float) -> None:
+        """Note a call of ``group`` that took ``seconds`` on the host."""
+        fast = seconds < self.threshold_s
+        with self._lock:
+            runs = self._fast_runs.get(group)
+            if runs is None:
+                if not fast:
+                    self._fast_runs[group] = 0
+            elif not fast:
+                self._fast_runs[group] = 0
+            elif runs + 1 >= self.recover:
+                del self._fast_runs[group]
+            else:
+                self._fast_runs[group] = runs + 1

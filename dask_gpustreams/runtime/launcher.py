@@ -1,0 +1,315 @@
+"""The stream launcher: one thread enqueues a whole graph onto the pool, in priority order.
+
+A task is launched as soon as its inputs have been *launched*: the device,
+not the host, waits for them (event waits). The launching thread never waits
+for the device except for back-pressure: at most ``config.launch_ahead``
+bytes of device outputs whose kernels have not completed, and
+``pool.max_inflight`` tasks per stream. Tasks that block the host (marked,
+or learned by :class:`~dask_gpustreams.runtime.hosttasks.HostTasks`) run on
+the runtime's host threads after a host wait for their inputs' events, so
+they never stall launches that do not depend on them. An intermediate is
+dropped once all its consumers are launched; the pool holds it until their
+events complete.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import deque
+from collections.abc import Callable, Collection, Hashable, Mapping
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dask_gpustreams.runtime.context import task_state
+from dask_gpustreams.runtime.policies import TaskInfo
+from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
+
+if TYPE_CHECKING:
+    from dask_gpustreams.runtime.runtime import StreamRuntime
+
+
+class LaunchHooks(Protocol):
+    """What an integration hears of each task (e.g. dask's local callbacks)."""
+
+    def pretask(self, key: Hashable) -> None: ...
+
+    def posttask(self, key: Hashable, result: Any, worker: int) -> None: ...
+
+
+class _HostDone:
+    """A host task's outcome, handed from its host thread to the launcher."""
+
+    __slots__ = ("key", "result", "record", "error", "seconds", "worker")
+
+    def __init__(self, key, result, record, error, seconds, worker):
+        self.key = key
+        self.result = result
+        self.record = record
+        self.error = error
+        self.seconds = seconds
+        self.worker = worker
+
+
+class GraphLauncher:
+    """Runs one graph through ``runtime`` from the calling thread; see :meth:`run`.
+
+    ``tasks[key](values)`` computes ``key`` from the values of
+    ``dependencies[key]``; ``priority[key]`` orders ready tasks (lower first,
+    e.g. ``dask.order``); ``cache`` holds values known before the run and
+    becomes the results (intermediates are removed from it as they go);
+    ``host`` names tasks that block the host; ``group_of(key)`` names a key's
+    group for learning which tasks block the host.
+    """
+
+    def __init__(
+        self,
+        runtime: StreamRuntime,
+        tasks: Mapping[Hashable, Callable[[Mapping], Any]],
+        dependencies: Mapping[Hashable, Collection[Hashable]],
+        priority: Mapping[Hashable, int],
+        wanted: Collection[Hashable],
+        cache: dict[Hashable, Any] | None = None,
+        host: Collection[Hashable] = (),
+        group_of: Callable[[Hashable], Hashable] = lambda key: key,
+        hooks: LaunchHooks | None = None,
+    ):
+        self.runtime = runtime
+        self.tasks = tasks
+        self.dependencies = dependencies
+        self.priority = priority
+        self.wanted = set(wanted)
+        self.results: dict[Hashable, Any] = {} if cache is None else cache
+        self.host = host
+        self.group_of = group_of
+        self.hooks = hooks
+        self.registry = EventRegistry()
+        self._finished: deque[_HostDone] = deque()
+        self._wake = threading.Event()
+        self._host_running = 0
+        self._error: BaseException | None = None
+
+    # --- the launch loop ----------------------------------------------------------------------
+
+    def run(self) -> dict[Hashable, Any]:
+        """Launch every task, wait for the wanted keys' events; return ``key -> value``.
+
+        The first exception a task raises is raised here, after the work
+        already launched has drained; a kernel failure surfaces as the error
+        of the wanted key whose event reports it.
+        """
+        runtime = self.runtime
+        results = self.results
+        tasks = self.tasks
+        dependencies = self.dependencies
+        priority = self.priority
+        wanted = self.wanted
+        registry = self.registry
+        get_record = registry.get
+        add_record = registry.add
+        backend = runtime.backend
+        pool = runtime.pool
+        pool.slots  # noqa: B018 - create the streams before the first task
+        select = runtime.policy.select
+        assign_lock = pool.assign_lock
+        wait = pool.wait
+        record_on = pool.record
+        use_stream = backend.use_stream
+        is_device = backend.is_device_array
+        acquire = runtime.events.acquire
+        learned = runtime.host_tasks
+        threshold = learned.threshold_s
+        host = self.host
+        hooks = self.hooks
+        timeline = runtime.timeline
+
+        dependents: dict[Hashable, list[Hashable]] = {k: [] for k in tasks}
+        missing: dict[Hashable, int] = {}
+        consumers: dict[Hashable, int] = {}
+        for key, deps in dependencies.items():
+            n = 0
+            for d in deps:
+                if d in dependents:
+                    dependents[d].append(key)
+                    n += 1
+                consumers[d] = consumers.get(d, 0) + 1
+            missing[key] = n
+        ready = [(priority[k], k) for k, n in missing.items() if n == 0]
+        heapq.heapify(ready)
+
+        launched: list[Any] = []  # every event recorded, in order
+        ahead: deque[tuple[Any, int]] = deque()
+        ahead_bytes = 0
+        limit = runtime.config.launch_ahead
+        held: list = []
+        state = task_state.__dict__
+        previous = state.get("runtime"), state.get("stream"), state.get("holds")
+        nested = state.get("launching", False)
+        state["runtime"], state["holds"], state["launching"] = runtime, held, True
+        try:
+            while ready or self._host_running:
+                if self._finished:
+                    self._absorb(ready, dependents, missing, consumers)
+                    if self._error is not None:
+                        break
+                    continue  # the last host task may have finished the graph
+                if not ready:
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                key = heapq.heappop(ready)[1]
+                deps = dependencies[key]
+                values = {d: results[d] for d in deps}
+                if hooks is not None:
+                    hooks.pretask(key)
+                if key in host or (learned and self.group_of(key) in learned):
+                    self._submit_host(key, values)
+                    continue
+                producers = [r for d in deps if (r := get_record(d)) is not None]
+                with assign_lock:
+                    slot = select(TaskInfo(key, producers, registry), pool)
+                    pool.assign(slot)
+                stream = slot.stream
+                start = None
+                try:
+                    for r in producers:
+                        if r.slot is not slot:
+                            wait(slot, r.slot, r.event, r.seq)
+                    if timeline is not None:
+                        start = backend.create_event(timing=True)
+                        backend.record(start, stream)
+                    state["stream"] = stream
+                    t0 = perf_counter()
+                    with use_stream(stream, key):
+                        result = tasks[key](values)
+                    seconds = perf_counter() - t0
+                except BaseException as e:
+                    # Kernels it enqueued may still read the inputs: hold them to the event.
+                    event = acquire()
+                    record_on(slot, event, (values, held[:]), True)
+                    launched.append(event)
+                    held.clear()
+                    self._error = e
+                    break
+                event = backend.create_event(timing=True) if start is not None else acquire()
+                if held:
+                    seq = record_on(slot, event, (values, held[:]), True)
+                    held.clear()
+                else:
+                    seq = record_on(slot, event, values, True)
+                record = TaskRecord(key, slot, event, seq, start)
+                add_record(record)
+                launched.append(event)
+                if start is not None:
+                    timeline.append(record)
+                results[key] = result
+                if seconds > threshold:
+                    learned.observe(self.group_of(key), seconds)
+                if is_device(result):
+                    nbytes = result.nbytes
+                    ahead.append((event, nbytes))
+                    ahead_bytes += nbytes
+                    while ahead_bytes > limit:
+                        done_event, done_bytes = ahead.popleft()
+                        backend.synchronize_event(done_event)
+                        ahead_bytes -= done_bytes
+                self._finish(key, deps, ready, dependents, missing, consumers)
+                if hooks is not None:
+                    hooks.posttask(key, result, 0)
+            self._join_host(dependents, missing, consumers)
+            if self._error is not None:
+                raise self._error
+            runtime.synchronize(wanted, registry)
+            return results
+        except BaseException:
+            # The exception raised wins; this graph's work drains first, so that a kernel
+            # failure it left behind is reported here, not by the next compute.
+            self._join_host(dependents, missing, consumers)
+            error_of = backend.event_error
+            for event in launched:
+                error_of(event)
+            raise
+        finally:
+            state["runtime"], state["stream"], state["holds"] = previous
+            state["launching"] = nested
+            registry.clear()
+            runtime.collect()
+            if timeline is None:
+                runtime.events.release(launched)
+
+    def _finish(self, key, deps, ready, dependents, missing, consumers) -> None:
+        """``key`` is launched: ready its dependents, drop inputs nobody else will read."""
+        priority = self.priority
+        for c in dependents[key]:
+            n = missing[c] - 1
+            missing[c] = n
+            if n == 0:
+                heapq.heappush(ready, (priority[c], c))
+        results = self.results
+        wanted = self.wanted
+        discard = self.registry.discard
+        for d in deps:
+            n = consumers[d] - 1
+            consumers[d] = n
+            if n == 0 and d not in wanted:
+                results.pop(d, None)
+                discard(d)
+
+    # --- host tasks ---------------------------------------------------------------------------
+
+    def _submit_host(self, key: Hashable, values: dict) -> None:
+        producers = self.registry.records(self.dependencies[key])
+        self._host_running += 1
+        self.runtime.host_executor().submit(self._run_host, key, values, producers)
+
+    def _run_host(self, key: Hashable, values: dict, producers: list[TaskRecord]) -> None:
+        """On a host thread: wait for the inputs on the host, then run ``key`` on a stream."""
+        runtime = self.runtime
+        result = record = error = None
+        seconds = 0.0
+        state = task_state.__dict__
+        state["launching"] = True
+        try:
+            for r in producers:
+                runtime.backend.synchronize_event(r.event)
+            registry = EventRegistry()
+            t0 = perf_counter()
+            result = runtime.run(key, self.tasks[key], values, registry)
+            seconds = perf_counter() - t0
+            record = registry.get(key)
+        except BaseException as e:
+            error = e
+        finally:
+            state["launching"] = False
+        worker = threading.get_ident()
+        self._finished.append(_HostDone(key, result, record, error, seconds, worker))
+        self._wake.set()
+
+    def _absorb(self, ready, dependents, missing, consumers) -> None:
+        """Take the outcomes of host tasks that finished (on the launching thread)."""
+        finished = self._finished
+        learned = self.runtime.host_tasks
+        while finished:
+            done = finished.popleft()
+            self._host_running -= 1
+            if done.error is not None:
+                if self._error is None:
+                    self._error = done.error
+                continue
+            key = done.key
+            if key not in self.host:
+                learned.observe(self.group_of(key), done.seconds)
+            self.results[key] = done.result
+            if done.record is not None:
+                self.registry.add(done.record)
+            self._finish(key, self.dependencies[key], ready, dependents, missing, consumers)
+            if self.hooks is not None:
+                self.hooks.posttask(key, done.result, done.worker)
+
+    def _join_host(self, dependents, missing, consumers) -> None:
+        """Wait for every host task still running (their dependents are not launched)."""
+        ready: list = []
+        while self._host_running:
+            self._wake.wait()
+            self._wake.clear()
+            self._absorb(ready, dependents, missing, consumers)

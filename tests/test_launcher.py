@@ -1,0 +1,384 @@
+"""The stream launcher (``scheduler="gpustreams"``) on the simulated device.
+
+Kernels sleep for seeded random times before they write and reused memory
+is poisoned, so a task launched before its producer's work is waited for, or
+an input block reused while still read, shows up as a wrong value.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask import delayed
+from dask.callbacks import Callback
+from dask.diagnostics import ProgressBar
+
+import dask_gpustreams
+from dask_gpustreams import KernelError, sim
+from dask_gpustreams.runtime import StreamPool, get_runtime
+from dask_gpustreams.runtime.launcher import GraphLauncher
+from tests.test_local_scheduler import (
+    BUILTIN_POLICIES,
+    META,
+    array_workload,
+    combine,
+    download,
+    failing,
+    leaf,
+    slow_scale,
+    tree_workload,
+)
+
+CHUNK = 1 << 15  # float64 elements: 256 KiB
+
+
+@pytest.fixture
+def launcher():
+    """``launcher(streams, policy, **more)``: settings of the sim runtime, plugin switch off."""
+
+    def configure(streams: int = 4, policy: str = "round-robin", **more):
+        values = {
+            "gpustreams.backend": "sim",
+            "gpustreams.streams": streams,
+            "gpustreams.policy": policy,
+        }
+        values.update({f"gpustreams.{k}": v for k, v in more.items()})
+        return dask.config.set(values)
+
+    return configure
+
+
+def exact_runs(rng, runs: int) -> bool:
+    """The array and tree workloads ``runs`` times on the launcher; True if all were exact."""
+    exact = True
+    for _ in range(runs):
+        t, expected_t = array_workload(rng)
+        tr, expected_tr = tree_workload(rng)
+        for optimize in (True, False):
+            got_t, got_tr = dask.compute(
+                t.map_blocks(download, meta=META),
+                tr,
+                scheduler="gpustreams",
+                optimize_graph=optimize,
+            )
+            exact &= np.array_equal(got_t, expected_t) and np.array_equal(got_tr, expected_tr)
+    return exact
+
+
+# --- ordering --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", BUILTIN_POLICIES)
+@pytest.mark.parametrize("streams", [1, 2, 4, 8])
+def test_results_are_exact(launcher, rng, streams, policy):
+    with launcher(streams=streams, policy=policy):
+        assert exact_runs(rng, runs=2)
+        assert get_runtime().collect() == 0
+
+
+def test_missing_event_waits_give_wrong_values(launcher, rng, monkeypatch):
+    """The test above is meaningful: without the device-side waits, values go wrong."""
+    monkeypatch.setattr(StreamPool, "wait", lambda self, slot, producer, event, seq: None)
+    with launcher(streams=4):
+        assert not exact_runs(rng, runs=3)
+
+
+def test_named_scheduler_and_callable_are_the_launcher(launcher):
+    assert dask.base.named_schedulers["gpustreams"] is dask_gpustreams.get
+    with launcher(streams=2):
+        x = delayed(leaf)(2.0, 8, 0.01)
+        np.testing.assert_array_equal(x.compute(scheduler=dask_gpustreams.get)._view, [2.0] * 8)
+        with dask.config.set(scheduler="gpustreams"):
+            np.testing.assert_array_equal(x.compute()._view, [2.0] * 8)
+
+
+# --- memory lifetime -------------------------------------------------------------------------
+
+
+def produce():
+    return sim.asarray(np.full(CHUNK, 3.0))
+
+
+def slow_double(x, delay):
+    out = sim.empty(CHUNK)
+    sim.launch(slow_scale, out, x, 2.0, delay)
+    return out
+
+
+def allocate():
+    return sim.empty(CHUNK)  # a block of x's size, on x's stream
+
+
+def first_of(y, z):
+    return y
+
+
+def reuse_scenario(launcher, by_key, rng, runs: int) -> int:
+    """x on stream 0, a slow reader on stream 1, then an allocation on stream 0 once the
+    launcher has dropped x (its only consumer is launched). Returns runs that read poison."""
+    by_key.update({"produce": 0, "consume": 1, "allocate": 0, "final": 2})
+    tasks = {
+        "produce": lambda v: produce(),
+        "consume": lambda v: slow_double(v["produce"], rng.uniform(0.01, 0.03)),
+        "allocate": lambda v: allocate(),
+        "final": lambda v: first_of(v["consume"], v["allocate"]),
+    }
+    deps = {
+        "produce": (),
+        "consume": ("produce",),
+        "allocate": (),
+        "final": ("consume", "allocate"),
+    }
+    priority = {"produce": 0, "consume": 1, "allocate": 2, "final": 3}
+    poisoned = 0
+    with launcher(streams=3, policy="test-placement"):
+        runtime = get_runtime()
+        for _ in range(runs):
+            out = GraphLauncher(runtime, tasks, deps, priority, {"final"}).run()["final"]
+            host = out.get()
+            assert np.isnan(host).all() or (host == 6.0).all()
+            poisoned += bool(np.isnan(host).any())
+    return poisoned
+
+
+def test_inputs_are_held_until_the_consumer_event(launcher, by_key, rng):
+    assert reuse_scenario(launcher, by_key, rng, runs=10) == 0
+
+
+def test_reuse_reads_poison_without_holding(launcher, by_key, rng, monkeypatch):
+    """The test above is meaningful: dropping the held inputs gives poison."""
+    record = StreamPool.record
+    monkeypatch.setattr(
+        StreamPool,
+        "record",
+        lambda self, slot, event, refs, *a: record(self, slot, event, None, *a),
+    )
+    assert reuse_scenario(launcher, by_key, rng, runs=10) >= 1
+
+
+def chain_peak(length: int, delay: float) -> tuple[int, np.ndarray]:
+    """Peak bytes of live sim arrays while a chain of ``length`` tasks runs, and its result."""
+    pool = sim.get_default_memory_pool()
+    peak = [0]
+
+    def step(x):
+        out = sim.empty(CHUNK)
+        sim.launch(slow_scale, out, x, 1.0, delay)
+        peak[0] = max(peak[0], pool.used_bytes())
+        return out
+
+    x = delayed(produce)()
+    for _ in range(length):
+        x = delayed(step)(x)
+    result = delayed(download)(x).compute(scheduler="gpustreams")
+    return peak[0], result
+
+
+def test_intermediates_are_released_as_their_consumers_launch(launcher):
+    """A long chain holds a few chunks at a time, not one per task."""
+    with launcher(streams=4, policy="round-robin", **{"launch-ahead": "1 MiB"}):
+        peak, result = chain_peak(200, 0.0)
+    np.testing.assert_array_equal(result, np.full(CHUNK, 3.0))
+    assert peak <= 16 * CHUNK * 8, f"peak {peak / (CHUNK * 8):.0f} chunks of a 200-task chain"
+
+
+def test_launch_ahead_bounds_memory_of_slow_kernels(launcher):
+    """With kernels slower than the host, the launcher runs ahead by ``launch-ahead`` bytes."""
+    peaks = {}
+    for ahead in ("1 MiB", "64 MiB"):
+        with launcher(streams=4, policy="round-robin", **{"launch-ahead": ahead}):
+            peaks[ahead], result = chain_peak(60, 0.002)
+        np.testing.assert_array_equal(result, np.full(CHUNK, 3.0))
+    assert peaks["1 MiB"] <= 16 * CHUNK * 8, peaks
+    assert peaks["64 MiB"] > 2 * peaks["1 MiB"], peaks
+
+
+# --- host tasks ------------------------------------------------------------------------------
+
+
+def busy_leaf(i, delay):
+    return leaf(float(i), 16, delay)
+
+
+def host_blocker(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def blocking_graph(blocker, n: int, host_s: float, kernel_s: float):
+    """A host task first in priority, and ``n`` independent device tasks of ``kernel_s``."""
+    tasks = {"blocker": lambda v: blocker(host_s)}
+    tasks.update({("leaf", i): (lambda v, i=i: busy_leaf(i, kernel_s)) for i in range(n)})
+    deps = {k: () for k in tasks}
+    priority = {k: i for i, k in enumerate(tasks)}
+    return tasks, deps, priority
+
+
+def test_marked_host_task_does_not_delay_independent_launches(launcher):
+    host_s = kernel_s = 0.2
+    with launcher(streams=8, policy="round-robin"):
+        runtime = get_runtime()
+        tasks, deps, priority = blocking_graph(host_blocker, 8, host_s, kernel_s)
+        t0 = time.perf_counter()
+        out = GraphLauncher(runtime, tasks, deps, priority, set(tasks), host={"blocker"}).run()
+        wall = time.perf_counter() - t0
+    assert out["blocker"] == host_s
+    assert [out[("leaf", i)].get()[0] for i in range(8)] == [float(i) for i in range(8)]
+    # Serial would take host_s + kernel_s; overlapped, about the longer of the two.
+    assert wall < 0.75 * (host_s + kernel_s), f"{wall:.3f} s"
+
+
+def test_host_task_is_learned_after_its_first_slow_call(launcher):
+    """An unmarked blocking function runs once on the launching thread, then on host threads."""
+    host_s = kernel_s = 0.2
+    groups = {"blocker": "sleeper"}
+    with launcher(streams=8, policy="round-robin"):
+        runtime = get_runtime()
+        walls = []
+        for _ in range(2):
+            tasks, deps, priority = blocking_graph(host_blocker, 8, host_s, kernel_s)
+            t0 = time.perf_counter()
+            GraphLauncher(
+                runtime, tasks, deps, priority, set(tasks), group_of=lambda k: groups.get(k, k)
+            ).run()
+            walls.append(time.perf_counter() - t0)
+        assert "sleeper" in runtime.host_tasks
+    assert walls[1] < 0.75 * walls[0], walls
+
+
+def test_download_in_graph_is_a_host_task(launcher):
+    A = np.arange(4 * 64.0)
+    with launcher(streams=4):
+        x = da.from_array(A, chunks=64).map_blocks(sim.asarray, meta=META)
+        y = x.map_blocks(lambda b: combine(b, b, 0.01), meta=META).map_blocks(
+            sim.asnumpy, meta=np.array(())
+        )
+        np.testing.assert_array_equal(y.compute(scheduler="gpustreams"), 2 * A)
+
+
+# --- Dask semantics --------------------------------------------------------------------------
+
+
+def test_persist_gives_complete_chunks(launcher, rng):
+    A = np.arange(256.0)
+    with launcher(streams=4):
+        x = da.from_array(A, chunks=64).map_blocks(
+            lambda b: combine(sim.asarray(b), sim.asarray(b), 0.02), meta=META
+        )
+        persisted = x.persist(scheduler="gpustreams")
+        chunks = [persisted.__dask_graph__()[k] for k in persisted.__dask_keys__()]
+        views = np.concatenate([c._view.copy() for c in chunks])
+    np.testing.assert_array_equal(views, 2 * A)
+
+
+def nested(value):
+    inner = delayed(leaf)(value, 4, 0.01)
+    return delayed(download)(inner).compute(scheduler="gpustreams") + 1
+
+
+def test_nested_compute_inside_a_task(launcher):
+    with launcher(streams=2):
+        got = dask.compute(*[delayed(nested)(float(i)) for i in range(3)], scheduler="gpustreams")
+    assert [g.tolist() for g in got] == [[i + 1.0] * 4 for i in range(3)]
+
+
+class Seen(Callback):
+    def __init__(self):
+        super().__init__()
+        self.started, self.pre, self.post, self.finished = [], [], [], []
+
+    def _start(self, dsk):
+        self.started.append(len(dsk))
+
+    def _pretask(self, key, dsk, state):
+        self.pre.append(key)
+
+    def _posttask(self, key, result, dsk, state, worker_id):
+        self.post.append(key)
+
+    def _finish(self, dsk, state, errored):
+        self.finished.append(errored)
+
+
+def test_callbacks_see_every_task_once(launcher, rng):
+    with launcher(streams=4):
+        tr, expected = tree_workload(rng)
+        graph = dict(tr.__dask_graph__())
+        with Seen() as seen:
+            np.testing.assert_array_equal(tr.compute(scheduler="gpustreams"), expected)
+    assert seen.started and seen.finished == [False]
+    assert sorted(map(str, seen.pre)) == sorted(map(str, graph))
+    assert sorted(map(str, seen.post)) == sorted(map(str, graph))
+
+
+def test_nested_compute_does_not_reach_callbacks(launcher):
+    with launcher(streams=2), Seen() as seen:
+        delayed(nested)(1.0, dask_key_name="outer").compute(scheduler="gpustreams")
+    assert seen.pre == ["outer"] and len(seen.started) == 1
+
+
+def test_progress_bar_reaches_100_percent(launcher, rng):
+    out = io.StringIO()
+    with launcher(streams=4), ProgressBar(out=out, minimum=0):
+        tr, expected = tree_workload(rng)
+        np.testing.assert_array_equal(tr.compute(scheduler="gpustreams"), expected)
+    assert "100% Completed" in out.getvalue()
+
+
+def explode(x):
+    raise LookupError("task 7 failed on the host")
+
+
+def test_exception_in_a_wide_graph_is_raised_and_the_rest_drains(launcher):
+    with launcher(streams=4), Seen() as seen:
+        leaves = [delayed(leaf)(float(i), 16, 0.01) for i in range(16)]
+        leaves[7] = delayed(explode)(leaves[7])
+        total = delayed(lambda *xs: sum(x.get().sum() for x in xs))(*leaves)
+        with pytest.raises(LookupError, match="task 7 failed on the host"):
+            total.compute(scheduler="gpustreams")
+        assert seen.finished == [True]
+        assert get_runtime().collect() == 0  # nothing left in flight
+        # The runtime keeps working.
+        np.testing.assert_array_equal(
+            delayed(download)(delayed(leaf)(5.0, 4, 0.0)).compute(scheduler="gpustreams"), [5] * 4
+        )
+
+
+def test_kernel_error_names_its_key(launcher):
+    with launcher(streams=2):
+        x = delayed(failing)(4, dask_key_name="bad-producer")
+        y = delayed(combine)(x, x, 0.0, dask_key_name="consumer")
+        with pytest.raises(KernelError, match=r"launched by task 'bad-producer' failed") as e:
+            y.compute(scheduler="gpustreams")
+        assert e.value.key == "bad-producer"
+        assert get_runtime().collect() == 0
+        np.testing.assert_array_equal(
+            delayed(download)(delayed(leaf)(1.0, 4, 0.0)).compute(scheduler="gpustreams"), [1] * 4
+        )
+
+
+def test_concurrent_computes_from_threads_are_exact(launcher):
+    """Two launchers share the runtime's pool; each result is its own and complete."""
+    results: dict = {}
+    with launcher(streams=4):
+
+        def work(i):
+            x = delayed(leaf)(float(i), 64, 0.005)
+            for _ in range(10):
+                x = delayed(combine)(x, x, 0.001)
+            results[i] = delayed(download)(x).compute(scheduler="gpustreams")
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert {i: r.tolist() for i, r in results.items()} == {
+        i: [float(i) * 2**10] * 64 for i in range(4)
+    }
