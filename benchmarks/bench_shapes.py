@@ -67,7 +67,7 @@ from dask_gpustreams.diagnostics import (
 )
 from dask_gpustreams.runtime.policies import policy_names
 
-MODES = ("serial", "ptds-sync", "gpustreams", "ideal")
+MODES = ("serial", "serial-sync", "ptds-sync", "gpustreams", "launcher", "ideal")
 SCHEDULERS = ("threaded", "distributed")
 FAMILIES = ("wide", "dagger")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -354,12 +354,18 @@ class Runner:
         return row
 
 
-def threaded_prepare(wl: Workload, config: dict, threads: int, sync_after: bool = False):
+def threaded_prepare(
+    wl: Workload, config: dict, threads: int, sync_after: bool = False, get: Any = None
+):
+    """A run of ``wl`` on Dask's threaded scheduler, or on ``get`` (e.g. the launcher)."""
+
     def prepare(token: int):
         dsk, keys = wl.graph(token, sync_after=sync_after)
 
         def go():
             with dask.config.set(config):
+                if get is not None:
+                    return get(dsk, keys)
                 return dask.threaded.get(dsk, keys, num_workers=threads)
 
         return go
@@ -488,6 +494,9 @@ def run_group(
             row = runner.row(scheduler, wl, "serial", "", 1)
             prep = threaded_prepare(wl, OFF, args.threads) if dist is None else dist.prepare(wl)
             runner.measure(row, wl, prep)
+        if "serial-sync" in modes and dist is None:
+            row = runner.row(scheduler, wl, "serial-sync", "", 1)
+            runner.measure(row, wl, threaded_prepare(wl, OFF, 1, get=dask.get))
         if "ptds-sync" in modes:  # only in the child process, where PTDS is on
             row = runner.row(scheduler, wl, "ptds-sync", "", args.threads)
             prep = (
@@ -526,6 +535,12 @@ def run_group(
                             runner.rows.append(copy)
             if dist is not None:
                 dist.use_streams(None)
+        if "launcher" in modes and dist is None:
+            for n in streams:
+                for policy in policies[:1] if n == 1 else policies:
+                    row = runner.row(scheduler, wl, "launcher", policy, n)
+                    config = {**gpustreams_config(backend, n, policy), "gpustreams.enabled": False}
+                    runner.measure(row, wl, threaded_prepare(wl, config, 1, get=dask_gpustreams.get))
         if "ideal" in modes:
             run_ideal(runner, wl, scheduler, streams)
 

@@ -27,7 +27,9 @@ def source_digest(root: Path = REPO) -> str:
     return digest.hexdigest()[:12]
 
 
-MODE_ORDER = ("serial", "ptds-sync", "gpustreams", "ideal")
+MODE_ORDER = ("serial", "serial-sync", "ptds-sync", "gpustreams", "launcher", "ideal")
+#: Modes measured per stream count and policy.
+STREAM_MODES = ("gpustreams", "launcher", "ideal")
 CSV_FIELDS = (
     "scheduler",
     "family",
@@ -126,7 +128,7 @@ def table(rows: list[dict], headline_streams: int = 8) -> str:
     for r in rows:
         groups[(r["scheduler"], r["family"])].append(r)
     for (scheduler, family), rs in groups.items():
-        streams = sorted({r["streams"] for r in rs if r["mode"] in ("gpustreams", "ideal")})
+        streams = sorted({r["streams"] for r in rs if r["mode"] in STREAM_MODES})
         kernel = sorted({round(r["kernel_ms"], 3) for r in rs})
         out.append(
             f"\n== {scheduler} scheduler · {family} shapes · isolated kernel {kernel} ms "
@@ -136,7 +138,7 @@ def table(rows: list[dict], headline_streams: int = 8) -> str:
         out.append(head)
         cells: dict[tuple, dict] = defaultdict(dict)
         for r in rs:
-            if r["mode"] in ("gpustreams", "ideal"):
+            if r["mode"] in STREAM_MODES:
                 cells[(r["shape"], _label(r))][r["streams"]] = r
         for (shape, label), by_n in cells.items():
             line = f"{shape:<10} {label:<30}"
@@ -149,7 +151,7 @@ def table(rows: list[dict], headline_streams: int = 8) -> str:
             (
                 r
                 for r in rs
-                if r["mode"] in ("serial", "ptds-sync") or r["streams"] == headline_streams
+                if r["mode"] in ("serial", "serial-sync", "ptds-sync") or r["streams"] == headline_streams
             ),
             key=lambda r: (shapes.index(r["shape"]), MODE_ORDER.index(r["mode"])),
         )
@@ -205,14 +207,14 @@ def plot_saturation(rows: list[dict], scheduler: str, path: str) -> bool:
         mine = [r for r in rs if (r["family"], r["shape"]) == (family, shape)]
         lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for r in mine:
-            if r["mode"] in ("gpustreams", "ideal") and r["status"] == "ok":
+            if r["mode"] in STREAM_MODES and r["status"] == "ok":
                 lines[_label(r)].append((r["streams"], r["saturation"]))
         for label, pts in sorted(lines.items()):
             pts.sort()
             style = "--" if label.startswith("ideal") else "-"
             ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=label)
         for r in mine:
-            if r["mode"] in ("serial", "ptds-sync") and r["status"] == "ok":
+            if r["mode"] in ("serial", "serial-sync", "ptds-sync") and r["status"] == "ok":
                 color = "black" if r["mode"] == "serial" else "gray"
                 ax.axhline(r["saturation"], color=color, ls=":", lw=1, label=r["mode"])
         ax.set_xscale("log", base=2)
@@ -240,7 +242,7 @@ def plot_wall(rows: list[dict], scheduler: str, path: str, streams: int = 8) -> 
         if r["scheduler"] == scheduler
         and r["status"] == "ok"
         and r.get("wall_median_ms")
-        and (r["mode"] in ("serial", "ptds-sync") or r["streams"] == streams)
+        and (r["mode"] in ("serial", "serial-sync", "ptds-sync") or r["streams"] == streams)
     ]
     if not rs:
         return False
