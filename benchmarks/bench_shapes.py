@@ -540,7 +540,8 @@ def run_group(
                 for policy in policies[:1] if n == 1 else policies:
                     row = runner.row(scheduler, wl, "launcher", policy, n)
                     config = {**gpustreams_config(backend, n, policy), "gpustreams.enabled": False}
-                    runner.measure(row, wl, threaded_prepare(wl, config, 1, get=dask_gpustreams.get))
+                    prep = threaded_prepare(wl, config, 1, get=dask_gpustreams.get)
+                    runner.measure(row, wl, prep)
         if "ideal" in modes:
             run_ideal(runner, wl, scheduler, streams)
 

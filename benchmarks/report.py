@@ -28,6 +28,8 @@ def source_digest(root: Path = REPO) -> str:
 
 
 MODE_ORDER = ("serial", "serial-sync", "ptds-sync", "gpustreams", "launcher", "ideal")
+#: Modes without the plugin's stream pool (one row per shape).
+UNPOOLED_MODES = ("serial", "serial-sync", "ptds-sync")
 #: Modes measured per stream count and policy.
 STREAM_MODES = ("gpustreams", "launcher", "ideal")
 CSV_FIELDS = (
@@ -148,11 +150,7 @@ def table(rows: list[dict], headline_streams: int = 8) -> str:
             out.append(line)
         shapes = list(dict.fromkeys(r["shape"] for r in rs))
         at = sorted(
-            (
-                r
-                for r in rs
-                if r["mode"] in ("serial", "serial-sync", "ptds-sync") or r["streams"] == headline_streams
-            ),
+            (r for r in rs if r["mode"] in UNPOOLED_MODES or r["streams"] == headline_streams),
             key=lambda r: (shapes.index(r["shape"]), MODE_ORDER.index(r["mode"])),
         )
         out.append(
@@ -214,7 +212,7 @@ def plot_saturation(rows: list[dict], scheduler: str, path: str) -> bool:
             style = "--" if label.startswith("ideal") else "-"
             ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=label)
         for r in mine:
-            if r["mode"] in ("serial", "serial-sync", "ptds-sync") and r["status"] == "ok":
+            if r["mode"] in UNPOOLED_MODES and r["status"] == "ok":
                 color = "black" if r["mode"] == "serial" else "gray"
                 ax.axhline(r["saturation"], color=color, ls=":", lw=1, label=r["mode"])
         ax.set_xscale("log", base=2)
@@ -242,7 +240,7 @@ def plot_wall(rows: list[dict], scheduler: str, path: str, streams: int = 8) -> 
         if r["scheduler"] == scheduler
         and r["status"] == "ok"
         and r.get("wall_median_ms")
-        and (r["mode"] in ("serial", "serial-sync", "ptds-sync") or r["streams"] == streams)
+        and (r["mode"] in UNPOOLED_MODES or r["streams"] == streams)
     ]
     if not rs:
         return False
