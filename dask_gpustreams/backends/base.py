@@ -56,6 +56,12 @@ class Backend(Protocol):
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Device time between two completed timing events, in milliseconds."""
 
+    def isolate_thread(self) -> None:
+        """Make library state that this thread shares across streams safe to use on several.
+
+        Called once per thread (and device) before the thread's first task.
+        """
+
     def use_stream(self, stream: Any, key: Any = None) -> AbstractContextManager:
         """Make ``stream`` current in this thread; ``key`` labels what is launched."""
 

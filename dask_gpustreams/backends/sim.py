@@ -52,6 +52,9 @@ class SimBackend:
     def elapsed_ms(self, start: sim.Event, end: sim.Event) -> float:
         return (end.time - start.time) * 1e3
 
+    def isolate_thread(self) -> None:
+        """Nothing to isolate: the simulated device has no library state."""
+
     @contextmanager
     def use_stream(self, stream: sim.Stream, key: Any = None) -> Iterator[None]:
         with stream, self.device.task(key):

@@ -110,6 +110,7 @@ class GraphLauncher:
         backend = runtime.backend
         pool = runtime.pool
         pool.slots  # noqa: B018 - create the streams before the first task
+        runtime.isolate_thread()
         select = runtime.policy.select
         assign_lock = pool.assign_lock
         wait = pool.wait

@@ -68,6 +68,8 @@ class StreamRuntime:
         self.events = EventPool(backend)
         #: Which task groups block the host (learned by the launcher).
         self.host_tasks = HostTasks()
+        # The thread-local flag of threads whose library state is isolated for this device.
+        self._isolation = ("isolated", backend.name, backend.device_id)
         self._host_executor: ThreadPoolExecutor | None = None
         self._host_lock = threading.Lock()
         logger.info(
@@ -103,6 +105,7 @@ class StreamRuntime:
         """
         backend = self.backend
         pool = self.pool
+        self.isolate_thread()
         get = registry.get
         producers = [r for k in inputs if (r := get(k)) is not None]
         with pool.assign_lock:
@@ -134,6 +137,14 @@ class StreamRuntime:
         if self.timeline is not None:
             self.timeline.append(record)
         return result
+
+    def isolate_thread(self) -> None:
+        """Before this thread's first task: library state safe for several streams (once)."""
+        state = task_state.__dict__
+        if self._isolation not in state:
+            if self.pool.n_streams > 1:
+                self.backend.isolate_thread()
+            state[self._isolation] = True
 
     def host_executor(self) -> ThreadPoolExecutor:
         """The threads that run host tasks for the launcher (started on first use)."""

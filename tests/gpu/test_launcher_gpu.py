@@ -67,3 +67,50 @@ def test_host_task_does_not_stall_device_launches():
     assert [cupy.asnumpy(c)[0] for c in got[1:]] == [float(i) for i in range(6)]
     # Serialized behind the download, the chains would end near 200 ms.
     assert wall < 0.16, f"{wall * 1e3:.0f} ms"
+
+
+def fft_roundtrip(x):
+    return cupy.fft.ifft2(cupy.fft.fft2(x)).real
+
+
+def test_same_shape_ffts_on_many_streams_are_exact():
+    """Same-shape FFTs from one thread on 8 streams: cached plans would share a work area.
+
+    1000 x 1000 (not a power of two) needs a cuFFT work area. Each tile's
+    round trip must equal the one computed alone on the default stream.
+    """
+    rng = np.random.default_rng(3)
+    tiles = [cupy.asarray(rng.standard_normal((1000, 1000))) for _ in range(32)]
+    alone = [cupy.asnumpy(fft_roundtrip(t)) for t in tiles]
+    with dask.config.set(CONFIG):
+        for _ in range(3):
+            got = dask.compute(*[delayed(fft_roundtrip)(t) for t in tiles], scheduler="gpustreams")
+            for g, a in zip(got, alone, strict=True):
+                np.testing.assert_array_equal(cupy.asnumpy(g), a)
+    assert cupy.fft.config.get_plan_cache().get_size() == 0
+
+
+def test_cached_plans_race_across_streams_control():
+    """The test above is meaningful: with CuPy's plan cache on, same-shape FFTs launched
+    from one thread on 8 streams come out wrong (skipped if no race shows in 5 rounds)."""
+    rng = np.random.default_rng(4)
+    tiles = [cupy.asarray(rng.standard_normal((1000, 1000))) for _ in range(32)]
+    alone = [cupy.asnumpy(fft_roundtrip(t)) for t in tiles]
+    streams = [cupy.cuda.Stream() for _ in range(8)]
+    cache = cupy.fft.config.get_plan_cache()
+    size = cache.get_size()
+    cache.set_size(16)
+    wrong = 0
+    try:
+        for _ in range(5):
+            got = []
+            for i, t in enumerate(tiles):
+                with streams[i % 8]:
+                    got.append(fft_roundtrip(t))
+            cupy.cuda.Device().synchronize()
+            wrong += sum(not np.array_equal(cupy.asnumpy(g), a) for g, a in zip(got, alone))
+    finally:
+        cache.set_size(size)
+    if not wrong:
+        pytest.skip("no race in 5 rounds of 32 same-shape FFTs on 8 streams")
+    assert wrong > 0
