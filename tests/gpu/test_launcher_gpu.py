@@ -108,7 +108,8 @@ def test_cached_plans_race_across_streams_control():
                 with streams[i % 8]:
                     got.append(fft_roundtrip(t))
             cupy.cuda.Device().synchronize()
-            wrong += sum(not np.array_equal(cupy.asnumpy(g), a) for g, a in zip(got, alone))
+            pairs = zip(got, alone, strict=True)
+            wrong += sum(not np.array_equal(cupy.asnumpy(g), a) for g, a in pairs)
     finally:
         cache.set_size(size)
     if not wrong:
