@@ -121,21 +121,29 @@ def first_of(y, z):
 
 def reuse_scenario(launcher, by_key, rng, runs: int) -> int:
     """x on stream 0, a slow reader on stream 1, then an allocation on stream 0 once the
-    launcher has dropped x (its only consumer is launched). Returns runs that read poison."""
-    by_key.update({"produce": 0, "consume": 1, "allocate": 0, "final": 2})
+    launcher has dropped x (its only consumer is launched). Returns runs that read poison.
+
+    The launcher takes ready tasks in rounds of one per stream (3 here): two idle
+    tasks fill the first round, so the allocation comes in the round after the reader's.
+    """
+    by_key.update({"produce": 0, "consume": 1, "allocate": 0, "final": 2, "idle-1": 2})
     tasks = {
         "produce": lambda v: produce(),
+        "idle-1": lambda v: None,
+        "idle-2": lambda v: None,
         "consume": lambda v: slow_double(v["produce"], rng.uniform(0.01, 0.03)),
         "allocate": lambda v: allocate(),
         "final": lambda v: first_of(v["consume"], v["allocate"]),
     }
     deps = {
         "produce": (),
+        "idle-1": (),
+        "idle-2": (),
         "consume": ("produce",),
         "allocate": (),
         "final": ("consume", "allocate"),
     }
-    priority = {"produce": 0, "consume": 1, "allocate": 2, "final": 3}
+    priority = {k: i for i, k in enumerate(tasks)}
     poisoned = 0
     with launcher(streams=3, policy="test-placement"):
         runtime = get_runtime()

@@ -20,8 +20,10 @@ from collections.abc import Hashable
 class HostTasks:
     """Per-group verdicts: does a call of this group block the host?"""
 
-    #: A call longer than this (host seconds) marks its group as host work.
-    threshold_s = 1e-3
+    #: A call longer than this (host seconds) marks its group as host work. Enqueueing a
+    #: fused chain of small CuPy operations takes about a millisecond of host time and is
+    #: no host task: on host threads it would only wait for its inputs and fight for the GIL.
+    threshold_s = 5e-3
     #: Fast calls in a row on a host thread that send a group back to the launcher.
     recover = 2
 

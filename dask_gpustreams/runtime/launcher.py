@@ -1,7 +1,9 @@
 """The stream launcher: one thread enqueues a whole graph onto the pool, in priority order.
 
 A task is launched as soon as its inputs have been *launched*: the device,
-not the host, waits for them (event waits). The launching thread never waits
+not the host, waits for them (event waits). Ready tasks go in rounds of as
+many as the pool has streams, most urgent first (``dask.order``), so
+independent chains start together rather than one after another. The launching thread never waits
 for the device except for back-pressure: at most ``config.launch_ahead``
 bytes of device outputs whose kernels have not completed, and
 ``pool.max_inflight`` tasks per stream. Tasks that block the host (marked,
@@ -27,6 +29,9 @@ from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 
 if TYPE_CHECKING:
     from dask_gpustreams.runtime.runtime import StreamRuntime
+
+#: Launches between two releases of the finished work of every stream.
+COLLECT_EVERY = 64
 
 
 class LaunchHooks(Protocol):
@@ -123,6 +128,7 @@ class GraphLauncher:
         host = self.host
         hooks = self.hooks
         timeline = runtime.timeline
+        width = pool.n_streams
 
         dependents: dict[Hashable, list[Hashable]] = {k: [] for k in tasks}
         missing: dict[Hashable, int] = {}
@@ -158,65 +164,72 @@ class GraphLauncher:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                key = heapq.heappop(ready)[1]
-                deps = dependencies[key]
-                values = {d: results[d] for d in deps}
-                if hooks is not None:
-                    hooks.pretask(key)
-                if key in host or (learned and self.group_of(key) in learned):
-                    self._submit_host(key, values)
-                    continue
-                producers = [r for d in deps if (r := get_record(d)) is not None]
-                with assign_lock:
-                    slot = select(TaskInfo(key, producers, registry), pool)
-                    pool.assign(slot)
-                stream = slot.stream
-                start = None
-                try:
-                    for r in producers:
-                        if r.slot is not slot:
-                            wait(slot, r.slot, r.event, r.seq)
-                    if timeline is not None:
-                        start = backend.create_event(timing=True)
-                        backend.record(start, stream)
-                    state["stream"] = stream
-                    t0 = perf_counter()
-                    with use_stream(stream, key):
-                        result = tasks[key](values)
-                    seconds = perf_counter() - t0
-                except BaseException as e:
-                    # Kernels it enqueued may still read the inputs: hold them to the event.
-                    event = acquire()
-                    record_on(slot, event, (values, held[:]), True)
+                # The `width` most urgent ready tasks, then those they made ready: independent
+                # work reaches every stream at once, and memory stays that of `width` paths.
+                batch = [heapq.heappop(ready)[1] for _ in range(min(width, len(ready)))]
+                for key in batch:
+                    deps = dependencies[key]
+                    values = {d: results[d] for d in deps}
+                    if hooks is not None:
+                        hooks.pretask(key)
+                    if key in host or (learned and self.group_of(key) in learned):
+                        self._submit_host(key, values)
+                        continue
+                    producers = [r for d in deps if (r := get_record(d)) is not None]
+                    with assign_lock:
+                        slot = select(TaskInfo(key, producers, registry), pool)
+                        pool.assign(slot)
+                    stream = slot.stream
+                    start = None
+                    try:
+                        for r in producers:
+                            if r.slot is not slot:
+                                wait(slot, r.slot, r.event, r.seq)
+                        if timeline is not None:
+                            start = backend.create_event(timing=True)
+                            backend.record(start, stream)
+                        state["stream"] = stream
+                        t0 = perf_counter()
+                        with use_stream(stream, key):
+                            result = tasks[key](values)
+                        seconds = perf_counter() - t0
+                    except BaseException as e:
+                        # Kernels it enqueued may still read the inputs: hold them to the event.
+                        event = acquire()
+                        record_on(slot, event, (values, held[:]), True)
+                        launched.append(event)
+                        held.clear()
+                        self._error = e
+                        break
+                    event = backend.create_event(timing=True) if start is not None else acquire()
+                    if held:
+                        seq = record_on(slot, event, (values, held[:]), True)
+                        held.clear()
+                    else:
+                        seq = record_on(slot, event, values, True)
+                    record = TaskRecord(key, slot, event, seq, start)
+                    add_record(record)
                     launched.append(event)
-                    held.clear()
-                    self._error = e
+                    if start is not None:
+                        timeline.append(record)
+                    results[key] = result
+                    if seconds > threshold:
+                        learned.observe(self.group_of(key), seconds)
+                    if not len(launched) % COLLECT_EVERY:
+                        pool.collect_all()  # streams not used lately hold finished inputs
+                    if is_device(result):
+                        nbytes = result.nbytes
+                        ahead.append((event, nbytes))
+                        ahead_bytes += nbytes
+                        while ahead_bytes > limit:
+                            done_event, done_bytes = ahead.popleft()
+                            backend.synchronize_event(done_event)
+                            ahead_bytes -= done_bytes
+                    self._finish(key, deps, ready, dependents, missing, consumers)
+                    if hooks is not None:
+                        hooks.posttask(key, result, 0)
+                if self._error is not None:
                     break
-                event = backend.create_event(timing=True) if start is not None else acquire()
-                if held:
-                    seq = record_on(slot, event, (values, held[:]), True)
-                    held.clear()
-                else:
-                    seq = record_on(slot, event, values, True)
-                record = TaskRecord(key, slot, event, seq, start)
-                add_record(record)
-                launched.append(event)
-                if start is not None:
-                    timeline.append(record)
-                results[key] = result
-                if seconds > threshold:
-                    learned.observe(self.group_of(key), seconds)
-                if is_device(result):
-                    nbytes = result.nbytes
-                    ahead.append((event, nbytes))
-                    ahead_bytes += nbytes
-                    while ahead_bytes > limit:
-                        done_event, done_bytes = ahead.popleft()
-                        backend.synchronize_event(done_event)
-                        ahead_bytes -= done_bytes
-                self._finish(key, deps, ready, dependents, missing, consumers)
-                if hooks is not None:
-                    hooks.posttask(key, result, 0)
             self._join_host(dependents, missing, consumers)
             if self._error is not None:
                 raise self._error
