@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import math
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 from dask.sizeof import sizeof
+from numpy.lib.mixins import NDArrayOperatorsMixin
 
+from dask_gpustreams.sim import _functions, _ops
 from dask_gpustreams.sim._device import Device
 from dask_gpustreams.sim._memory import MemoryPool, poison
 
-_device = Device(0)
+_device: Device | None = None
+_device_lock = threading.Lock()
 _pool = MemoryPool()
+_ids = itertools.count()
 
 
 def get_device() -> Device:
-    """The simulated device (there is one, id 0)."""
+    """The simulated device (there is one, id 0), created on first use.
+
+    Creating it starts its default stream's thread, so importing the package starts none.
+    """
+    global _device
+    if _device is None:
+        with _device_lock:
+            if _device is None:
+                _device = Device(0)
     return _device
 
 
@@ -25,14 +40,34 @@ def get_default_memory_pool() -> MemoryPool:
     return _pool
 
 
-class SimArray:
-    """Memory on the simulated device, like a ``cupy.ndarray`` without operators.
+def _forward(func: Callable, name: str) -> Callable:
+    """A method ``name(self, ...)`` that is ``func(self, ...)``."""
 
-    Work on it is written as functions of NumPy views and enqueued with
-    :func:`launch`; :meth:`get` copies it back to the host.
+    def method(self: SimArray, *args: Any, **kwargs: Any) -> Any:
+        return func(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``numpy.{func.__name__}(self, ...)``, enqueued on the current stream."
+    return method
+
+
+class SimArray(NDArrayOperatorsMixin):
+    """Memory on the simulated device, used like a ``cupy.ndarray``.
+
+    Operators, ufuncs, indexing and the NumPy functions that dask.array calls on
+    chunks enqueue a kernel on the current stream and return at once a new
+    array allocated on that stream (see :mod:`dask_gpustreams.sim._ops`).
+    Results are new arrays, never views. Other work is written as functions of
+    NumPy views and enqueued with :func:`launch`. Nothing reaches the host
+    implicitly: :meth:`get` and :func:`asnumpy` copy back, after waiting for the
+    current stream, and so do the ops that return host values (``bool(x)``,
+    ``x.item()``) or whose output shape depends on the data (``x[mask]``,
+    ``numpy.nonzero``).
     """
 
-    __slots__ = ("shape", "dtype", "_block", "_stream", "_view", "__weakref__")
+    __slots__ = ("shape", "dtype", "_block", "_stream", "_view", "_id", "__weakref__")
+    __array_priority__ = 100  # as cupy.ndarray: dask dispatches on the highest
+    __hash__ = object.__hash__  # by identity, as a buffer (NumPy's __eq__ would remove it)
 
     def __init__(self, *args: Any, **kwargs: Any):
         raise TypeError(
@@ -41,14 +76,23 @@ class SimArray:
 
     @classmethod
     def _allocate(cls, shape: tuple[int, ...], dtype: np.dtype) -> SimArray:
+        if dtype.hasobject:
+            raise TypeError(f"SimArray cannot hold Python objects (dtype={dtype})")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimensions are not allowed, got shape {shape}")
         self = object.__new__(cls)
         self.shape = shape
         self.dtype = dtype
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        stream = _device.current_stream()
+        self._id = next(_ids)
+        stream = get_device().current_stream()
+        self._stream = stream
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:  # like CuPy, an empty array takes no memory from the pool
+            self._block = None
+            self._view = np.empty(shape, dtype)
+            return self
         block, reused = _pool.malloc(nbytes, stream)
         self._block = block
-        self._stream = stream
         self._view = block[:nbytes].view(dtype).reshape(shape)
         if reused:
             view = self._view
@@ -74,12 +118,16 @@ class SimArray:
     def size(self) -> int:
         return self._view.size
 
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
     def __repr__(self) -> str:
         return f"<sim.SimArray shape={self.shape} dtype={self.dtype}>"
 
     def get(self) -> np.ndarray:
         """A NumPy copy, after waiting for the current stream (like ``cupy.ndarray.get``)."""
-        _device.current_stream().synchronize()
+        get_device().current_stream().synchronize()
         return self._view.copy()
 
     def __reduce__(self):
@@ -87,17 +135,139 @@ class SimArray:
         # like a device-to-host copy on an unrelated stream.
         return (_rebuild, (self._view.copy(),))
 
+    def __dask_tokenize__(self) -> object:
+        # The buffer may still be written by queued kernels: its bytes cannot name it.
+        return ("sim.SimArray", self._id)
+
+    # --- NumPy protocols ---------------------------------------------------------------------
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        raise TypeError(
+            "Implicit conversion of a SimArray to a NumPy array is not allowed (as for "
+            "cupy.ndarray): use .get() or sim.asnumpy() to copy it to the host"
+        )
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        return _ops.array_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(self, func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+        return _functions.array_function(func, types, args, kwargs)
+
+    def __getitem__(self, key: Any) -> SimArray:
+        return _ops.getitem(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _ops.setitem(self, key, value)
+
+    # --- host values: these wait for the current stream ----------------------------------------
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    def __iter__(self) -> Iterator[SimArray]:
+        if not self.shape:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(self.shape[0]))
+
+    def __bool__(self) -> bool:
+        return bool(self.get())
+
+    def __int__(self) -> int:
+        return int(self.get())
+
+    def __float__(self) -> float:
+        return float(self.get())
+
+    def __complex__(self) -> complex:
+        return complex(self.get())
+
+    def __index__(self) -> int:
+        return self.get().__index__()
+
+    def item(self, *args: Any) -> Any:
+        """The element as a Python scalar, after waiting for the current stream."""
+        return self.get().item(*args)
+
+    def tolist(self) -> Any:
+        """Nested lists of Python scalars, after waiting for the current stream."""
+        return self.get().tolist()
+
+    # --- methods: enqueued like the NumPy functions they name --------------------------------
+
+    @property
+    def T(self) -> SimArray:
+        return np.transpose(self)
+
+    @property
+    def real(self) -> SimArray:
+        return np.real(self)
+
+    @property
+    def imag(self) -> SimArray:
+        return np.imag(self)
+
+    def astype(
+        self, dtype: Any, order: str = "K", casting: str = "unsafe", copy: bool = True
+    ) -> SimArray:
+        """A converted copy (``self`` if ``copy`` is false and the dtype is the same)."""
+        return _ops.astype(self, dtype, casting=casting, copy=copy)
+
+    def copy(self, order: str = "C") -> SimArray:
+        """A copy on the current stream."""
+        return np.copy(self)
+
+    def reshape(self, *shape: Any, order: str = "C") -> SimArray:
+        """``numpy.reshape``; the shape may be given as one tuple or as integers."""
+        return np.reshape(self, shape[0] if len(shape) == 1 else shape, order=order)
+
+    def transpose(self, *axes: Any) -> SimArray:
+        """``numpy.transpose``; the axes may be given as one tuple or as integers."""
+        return np.transpose(self, (axes[0] if len(axes) == 1 else axes) or None)
+
+    def flatten(self, order: str = "C") -> SimArray:
+        return np.ravel(self, order=order)
+
+    def fill(self, value: Any) -> None:
+        """Set every element to ``value`` (a kernel on the current stream)."""
+        self[...] = value
+
+    ravel = _forward(np.ravel, "ravel")
+    squeeze = _forward(np.squeeze, "squeeze")
+    swapaxes = _forward(np.swapaxes, "swapaxes")
+    take = _forward(np.take, "take")
+    repeat = _forward(np.repeat, "repeat")
+    sum = _forward(np.sum, "sum")
+    prod = _forward(np.prod, "prod")
+    mean = _forward(np.mean, "mean")
+    std = _forward(np.std, "std")
+    var = _forward(np.var, "var")
+    max = _forward(np.max, "max")
+    min = _forward(np.min, "min")
+    any = _forward(np.any, "any")
+    all = _forward(np.all, "all")
+    argmax = _forward(np.argmax, "argmax")
+    argmin = _forward(np.argmin, "argmin")
+    cumsum = _forward(np.cumsum, "cumsum")
+    cumprod = _forward(np.cumprod, "cumprod")
+    clip = _forward(np.clip, "clip")
+    round = _forward(np.round, "round")
+    conj = conjugate = _forward(np.conjugate, "conj")
+    dot = _forward(np.dot, "dot")
+    nonzero = _forward(np.nonzero, "nonzero")
+
 
 def _rebuild(host: np.ndarray) -> SimArray:
     """Unpickled data arrives complete: the copy is enqueued, then waited for."""
     out = asarray(host)
-    _device.current_stream().synchronize()
+    get_device().current_stream().synchronize()
     return out
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any = "float64") -> SimArray:
     """Uninitialized (poisoned) device memory allocated on the current stream."""
-    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
     return SimArray._allocate(shape, np.dtype(dtype))
 
 
@@ -116,8 +286,9 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
         return out
     staged = np.array(obj, dtype=dtype, copy=True)
     out = empty(staged.shape, staged.dtype)
-    view = out._view
-    _device.current_stream().enqueue(lambda _s: np.copyto(view, staged))
+    if out.size:
+        view = out._view
+        get_device().current_stream().enqueue(lambda _s: np.copyto(view, staged))
     return out
 
 
@@ -147,7 +318,8 @@ def launch(fn: Callable, *args: Any, **kwargs: Any) -> None:
     """
     args = tuple(_as_view(a) for a in args)
     kwargs = {k: _as_view(v) for k, v in kwargs.items()}
-    _device.current_stream().launch(fn, args, kwargs, _device.current_key())
+    device = get_device()
+    device.current_stream().launch(fn, args, kwargs, device.current_key())
 
 
 @sizeof.register(SimArray)

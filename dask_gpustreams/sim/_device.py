@@ -9,6 +9,9 @@ are skipped (as after a sticky CUDA error) and every marker it reaches carries
 the error, which waits pass on to other streams. The first host sync that
 sees the error raises it and clears it from every stream it reached; once
 reported, it is neither raised nor passed on again.
+
+``Device.kernel_delay`` makes every kernel sleep a random time before it
+runs, to vary the interleaving of streams in tests.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import queue
+import random
 import threading
 import time
 import weakref
@@ -68,11 +72,17 @@ class Stream:
         self._queue.put((self, op))
 
     def launch(self, fn: Callable, args: tuple, kwargs: dict, key: Any) -> None:
-        """Enqueue a kernel: ``fn(*args, **kwargs)`` run on the stream's thread."""
+        """Enqueue a kernel: ``fn(*args, **kwargs)`` run on the stream's thread.
+
+        It first sleeps for a delay drawn now from :attr:`Device.kernel_delay`.
+        """
+        delay = self.device._draw_delay()
 
         def kernel(stream: Stream) -> None:
             if stream._error is not None:
                 return
+            if delay:
+                time.sleep(delay)
             try:
                 fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - any kernel failure is reported later
@@ -201,7 +211,30 @@ class Device:
         self._local = threading.local()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self._reported_errors: weakref.WeakSet[KernelError] = weakref.WeakSet()
+        self._kernel_delay = (0.0, 0.0)
+        self._random = random.Random()
         self.default_stream = self.create_stream()
+
+    @property
+    def kernel_delay(self) -> tuple[float, float]:
+        """``(low, high)``: each kernel sleeps uniformly that many seconds before it runs.
+
+        Drawn per launch, on the launching thread; ``(0, 0)`` (the default)
+        adds no sleep. Slow, randomly timed kernels make ordering and lifetime
+        bugs show as wrong values in tests.
+        """
+        return self._kernel_delay
+
+    @kernel_delay.setter
+    def kernel_delay(self, value: tuple[float, float]) -> None:
+        low, high = (float(v) for v in value)
+        if not 0 <= low <= high:
+            raise ValueError(f"kernel_delay must satisfy 0 <= low <= high, got {value!r}")
+        self._kernel_delay = (low, high)
+
+    def _draw_delay(self) -> float:
+        low, high = self._kernel_delay
+        return self._random.uniform(low, high) if high else 0.0
 
     def create_stream(self, priority: int = 0) -> Stream:
         """A new stream with its own thread; ``priority`` is kept for diagnostics."""

@@ -24,7 +24,7 @@ def poison(view: np.ndarray) -> None:
     if view.dtype.kind in "fc":
         view.fill(np.nan)
     else:
-        view.view(np.uint8).fill(POISON_BYTE)
+        view.reshape(-1).view(np.uint8).fill(POISON_BYTE)  # 1-d: a 0-d view cannot change itemsize
 
 
 class MemoryPool:
