@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +104,12 @@ def write_json(path: str, meta: dict, rows: list[dict]) -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
+def write_csv(path: str, rows: list[dict], fields: Sequence[str] = CSV_FIELDS) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: _fmt(r.get(k)) for k in CSV_FIELDS})
+            w.writerow({k: _fmt(r.get(k)) for k in fields})
 
 
 def _fmt(v: Any) -> Any:

@@ -1,0 +1,55 @@
+"""The ordinary-workloads benchmark end to end at ``--quick`` sizes, and its result checks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import bench_workloads as bw
+
+
+def test_quick_run_is_correct_and_writes_its_outputs(tmp_path):
+    backend = "sim" if bw.sim_has_ops() else "numpy"
+    out = tmp_path / "run"
+    assert bw.main(["--backend", backend, "--quick", "--out", str(out)]) == 0
+    for name in ("results.json", "results.csv", "table.txt", "speedup.png", "rows.jsonl"):
+        assert (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    rows = data["rows"]
+    assert {(r["workload"], r["mode"]) for r in rows} == {
+        (w, m) for w in bw.WORKLOADS for m in bw.MODES
+    }
+    assert len((out / "rows.jsonl").read_text().splitlines()) == len(rows)
+    status = [f"{r['workload']}/{r['mode']}: {r['status']} {r['error']}" for r in rows]
+    assert all(r["status"] in ("ok", "SKIPPED") for r in rows), status
+    ran = {r["workload"] for r in rows if r["status"] == "ok"}
+    assert len(ran) >= len(bw.WORKLOADS) // 2, status
+    for r in rows:
+        if r["workload"] in ran and r["mode"] != "launcher":
+            assert r["status"] == "ok" and r["samples"] == 5 and r["n_tasks"] > 0, r
+        if r["mode"] == "launcher" and data["meta"]["launcher"] != "registered":
+            assert r["status"] == "SKIPPED" and r["error"] == data["meta"]["launcher"]
+        if r["status"] == "ok" and backend == "sim":
+            assert r["peak_held"] >= r["peak_used"] >= r["base_bytes"] and r["peak_used"] > 0
+    means = data["meta"]["geomean"]
+    assert means["threads"]["speedup_vs_threads"] == pytest.approx(1.0)
+    assert "geometric mean" in (out / "table.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    ("got", "tol", "expected"),
+    [
+        (np.array([1.0, 2.0, 3.0]), None, None),
+        (np.array([1.0, 2.0, 3.0 + 1e-12]), None, "1 of 3 differ"),
+        (np.array([1.0, 2.0, 3.0 + 1e-12]), (1e-5, 1e-6), None),
+        (np.array([1.0, 2.0, 3.1]), (1e-5, 1e-6), "not allclose"),
+        (np.array([1.0, np.nan, 3.0]), (1e-5, 1e-6), "1 NaN of 3"),
+        (np.array([1.0, 2.0]), None, "expected float64[3]"),
+        (np.array([1.0, 2.0, 3.0], np.float32), None, "float32[3], expected float64[3]"),
+    ],
+)
+def test_a_wrong_result_is_named(got, tol, expected):
+    found = bw.problem(bw.NumpyArrays(), got, np.array([1.0, 2.0, 3.0]), tol)
+    assert (found is None) if expected is None else (expected in found), found
