@@ -268,6 +268,73 @@ def test_kernel_failure_is_the_error_of_its_key(client):
     client.cancel([*futures, graph])  # raised exceptions keep their futures alive
 
 
+def test_wanted_dependent_gathered_after_its_failed_input_raises(client):
+    """The dependent's result derives from the failed kernel: once the failed key has
+    erred, the dependent cannot be recomputed, and must err too instead of hanging."""
+    a, _ = workers(client)
+    x = client.submit(produce, 100, 1.0, 0.0, workers=[a], pure=False)
+    futures = [x]
+    for _ in range(3):
+        k = client.submit(bad, x, workers=[a], pure=False)
+        d = client.submit(inc, k, workers=[a], pure=False)
+        wait([k, d], timeout=30)  # both in memory: the kernel failure is not seen yet
+        with pytest.raises(KernelError) as info:
+            k.result(timeout=30)
+        assert info.value.key == k.key
+        with pytest.raises(KernelError) as info:
+            d.result(timeout=30)
+        assert info.value.key == k.key
+        futures += [k, d]
+    client.cancel(futures)
+
+
+def test_random_dags_with_a_failing_kernel_leave_no_future_pending(client):
+    """Every wanted key resolves with its value or raises the KernelError of the failed
+    key, whatever the order in which the futures are gathered. Keys derived from the
+    failed kernel raise; others may too (a stream in error skips work launched on it
+    before the error is cleared, as after a sticky CUDA error), but never hang."""
+    rng = np.random.default_rng(11)
+    names = workers(client)
+    for _ in range(8):
+        futures, expected, poisoned = [], [], []
+        bad_at = int(rng.integers(2, 10))
+        for i in range(12):
+            where = [names[int(rng.integers(0, 2))]]
+            if i < 2:
+                f = client.submit(produce, 16, float(i + 1), 0.0, workers=where, pure=False)
+                value, tainted = float(i + 1), False
+            elif i == bad_at:
+                j = int(rng.integers(0, i))
+                f = client.submit(bad, futures[j], workers=where, pure=False)
+                value, tainted = None, True
+                bad_key = f.key
+            else:
+                j, k = rng.integers(0, i, 2)
+                f = client.submit(add, futures[j], futures[k], workers=where, pure=False)
+                value = (
+                    None
+                    if expected[j] is None or expected[k] is None
+                    else (expected[j] + expected[k])
+                )
+                tainted = poisoned[j] or poisoned[k]
+            futures.append(f)
+            expected.append(value)
+            poisoned.append(tainted)
+        for i in rng.permutation(len(futures)):
+            if poisoned[i]:
+                with pytest.raises(KernelError) as info:
+                    futures[i].result(timeout=30)
+                assert info.value.key == bad_key
+            else:
+                try:
+                    got = values(futures[i].result(timeout=30))
+                except KernelError as e:
+                    assert e.key == bad_key
+                else:
+                    np.testing.assert_array_equal(got, np.full(16, expected[i]))
+        client.cancel(futures)
+
+
 def test_failure_reported_inside_a_task_still_fails_the_other_consumers(client):
     """A sync inside ``total`` reports the failure first; the device then no longer passes it
     on to work waiting for it, yet neither the failed key nor its other consumer is served."""

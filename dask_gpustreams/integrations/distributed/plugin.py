@@ -68,7 +68,10 @@ Failures
     - When an egress wait (``get_data``, spilling) finds a corrupt key, the
       key is not served; the worker records the error, drops the key and
       tells the scheduler (``release-worker-data``, as if the data were lost),
-      which recomputes it for whoever wants it. When the recomputation runs
+      which recomputes it for whoever wants it. If an input of the key has
+      erred meanwhile, the key cannot be recomputed: the plugin's scheduler
+      part (:class:`.ErredInputs`) errs it, blamed on that input, so nobody
+      waits for it forever. When the recomputation runs
       on a worker that recorded the failure, the task raises the recorded
       ``KernelError`` instead of running again, so the client gets that
       error for that key, and dependents become erred as usual. A key with
@@ -122,6 +125,7 @@ Known limits
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -129,13 +133,17 @@ from typing import Any
 
 from distributed import WorkerPlugin
 from distributed.core import Status
+from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.integrations.distributed.egress import Egress
+from dask_gpustreams.integrations.distributed.erred_inputs import ErredInputs
 from dask_gpustreams.integrations.distributed.execution import Execution
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
+
+logger = logging.getLogger("dask_gpustreams")
 
 # Transitions after which a key's result is no longer this worker's to serve.
 _GONE = frozenset({"released", "forgotten", "error"})
@@ -223,8 +231,12 @@ class StreamsPlugin(WorkerPlugin):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def setup(self, worker: Any) -> None:
-        """Read the worker's config, wrap ``get_data`` and hook spilling (event loop)."""
+    async def setup(self, worker: Any) -> None:
+        """Read the worker's config, wrap ``get_data``, hook spilling; guard the scheduler.
+
+        The scheduler gets :class:`.ErredInputs` (once: it is idempotent), so a
+        corrupt result whose input has erred errs instead of waiting forever.
+        """
         self.config = StreamsConfig.from_dask_config(**self.overrides)
         # Threads of the egress waits and of the clears of stream errors after failures.
         self._egress_threads = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
@@ -235,6 +247,17 @@ class StreamsPlugin(WorkerPlugin):
         self._collector = PeriodicCallback(self._collect, self.collect_interval * 1000)
         self._collector.start()
         self._active = True
+        try:
+            await worker.scheduler.register_scheduler_plugin(
+                plugin=dumps(ErredInputs()), name=ErredInputs.name, idempotent=True
+            )
+        except Exception as e:  # e.g. dask_gpustreams not importable on the scheduler
+            logger.warning(
+                "gpustreams: could not install %s on the scheduler (%r); a result found "
+                "corrupt after its input erred will not err, and gathering it will wait",
+                ErredInputs.name,
+                e,
+            )
 
     async def teardown(self, worker: Any) -> None:
         """Stop wrapping; wait for the work already wrapped; restore the worker."""

@@ -22,6 +22,7 @@ from distributed.worker_state_machine import RemoveReplicasEvent
 
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.errors import KernelError
+from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFIX
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, get_runtime
 
 logger = logging.getLogger("dask_gpustreams")
@@ -159,7 +160,7 @@ class Provenance:
             else:
                 now.append(key)
         if now:
-            stimulus_id = f"gpustreams-kernel-error-{time.time()}"
+            stimulus_id = f"{STIMULUS_PREFIX}-{time.time()}"
             worker.handle_stimulus(RemoveReplicasEvent(keys=now, stimulus_id=stimulus_id))
         if later:
             worker.loop.call_later(0.05, self._release, later)
