@@ -5,11 +5,13 @@ import logging
 import re
 import threading
 import time
+import weakref
 
 import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask import delayed
 
 from dask_gpustreams import StreamsConfig, get_runtime, sim
 from dask_gpustreams import config as config_module
@@ -347,3 +349,20 @@ def test_zero_size_download(shape, dtype):
     stream = rt.backend.current_stream()
     result = rt.transfers.to_host(rt.transfers.to_device(np.empty(shape, dtype), stream), stream)
     assert result.shape == shape and result.dtype == dtype
+
+
+def test_downloaded_device_array_is_not_kept_after_the_compute(gpustreams):
+    """A download's copy stream does not keep the device array once the copy is done."""
+    refs = []
+
+    def make():
+        x = sim.asarray(np.arange(1000.0))
+        refs.append(weakref.ref(x))
+        return x
+
+    with gpustreams(streams=2):
+        got = delayed(to_host)(delayed(make)()).compute()
+        got_launcher = dask.compute(delayed(to_host)(delayed(make)()), scheduler="gpustreams")[0]
+    np.testing.assert_array_equal(got, np.arange(1000.0))
+    np.testing.assert_array_equal(got_launcher, np.arange(1000.0))
+    assert [r() for r in refs] == [None, None]

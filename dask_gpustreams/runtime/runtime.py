@@ -184,8 +184,8 @@ class StreamRuntime:
                 self.backend.synchronize_event(record.event)
 
     def collect(self) -> int:
-        """Release the inputs of every task whose event has completed; return those left."""
-        return self.pool.collect_all()
+        """Release what completed tasks and copies held; return the work still in flight."""
+        return self.pool.collect_all() + self.transfers.collect()
 
 
 def fit_hardware_queues(backend: Backend, n_streams: int, copies: int) -> int:

@@ -96,6 +96,7 @@ class Transfers:
             backend.copy_to_host(out, device, slot.stream)
             self.d2h.record(slot, copied, device)
             backend.synchronize_event(copied)
+            self.d2h.collect(slot)  # the copy is done: let the device array go
             return out
         buffer = self.pinned.acquire(device.nbytes)
         copied = None
@@ -105,9 +106,14 @@ class Transfers:
             backend.copy_to_host(staged, device, slot.stream)
             self.d2h.record(slot, copied, device)
             backend.synchronize_event(copied)
+            self.d2h.collect(slot)
             return staged.copy()
         finally:
             self.pinned.release(buffer, copied)
+
+    def collect(self) -> int:
+        """Release what finished copies held; return the copies still in flight."""
+        return self.h2d.collect_all() + self.d2h.collect_all()
 
     def synchronize(self) -> None:
         """Block until every copy stream is idle."""
