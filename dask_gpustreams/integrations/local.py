@@ -67,6 +67,7 @@ class LocalSchedulerHook(Callback):
         else:
             runtime.synchronize(state.get("cache", ()), registry)
         runtime.collect()
+        runtime.release_events(registry)
 
 
 hook = LocalSchedulerHook()

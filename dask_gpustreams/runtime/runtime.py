@@ -121,7 +121,7 @@ class StreamRuntime:
             if self.timeline is not None:
                 start = backend.create_event(timing=True)
                 backend.record(start, slot.stream)
-            event = backend.create_event(timing=start is not None)
+            event = self.events.acquire() if start is None else backend.create_event(timing=True)
             active["runtime"], active["stream"], active["holds"] = self, slot.stream, holds
             with backend.use_stream(slot.stream, key):
                 result = fn(inputs)
@@ -176,6 +176,12 @@ class StreamRuntime:
         """
         for record in registry.records(keys):
             self.backend.synchronize_event(record.event)
+
+    def release_events(self, registry: EventRegistry) -> None:
+        """Give the events of ``registry``, a finished graph's, back for reuse; forget them."""
+        records = registry.records(registry)
+        registry.clear()
+        self.events.release(r.event for r in records if r.start is None)
 
     def drain(self, registry: EventRegistry) -> None:
         """Wait for the work of every key of ``registry``; failures are consumed, not raised."""
