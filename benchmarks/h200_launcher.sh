@@ -8,20 +8,19 @@ source benchmarks/h200_setup.sh
 R="$OUT/launcher"
 mkdir -p "$R"
 git log -1 --format='commit %H %s' > "$R/commit.txt" 2>/dev/null || true
-timeout 270 python3 -m benchmarks.bench_workloads --backend cupy --out "$R/workloads" \
+timeout 250 python3 -m benchmarks.bench_workloads --backend cupy --out "$R/workloads" \
     > "$R/workloads.log" 2>&1
-timeout 150 python3 -m benchmarks.bench_shapes --backend cupy --schedulers threaded \
+timeout 110 python3 -m benchmarks.bench_shapes --backend cupy --schedulers threaded \
     --families wide,dagger --modes serial,serial-sync,gpustreams,launcher,ideal \
     --policies auto,round-robin --streams 8 --dagger-streams 8 --kernel-ms 2 --warmup 1 \
     --gantt-policies auto --out "$R/shapes-2ms" > "$R/shapes-2ms.log" 2>&1
-timeout 60 python3 -m benchmarks.bench_shapes --backend cupy --schedulers threaded \
+timeout 30 python3 -m benchmarks.bench_shapes --backend cupy --schedulers threaded \
     --families wide --modes serial,serial-sync,gpustreams,launcher,ideal --policies auto \
     --streams 8 --kernel-ms 0.5 --warmup 1 --gantt-policies auto --out "$R/shapes-05ms" \
     > "$R/shapes-05ms.log" 2>&1
-timeout 45 python3 -m benchmarks.bench_overhead --backend cupy --tasks 10000 --repeats 3 \
+timeout 40 python3 -m benchmarks.bench_overhead --backend cupy --tasks 10000 --repeats 3 \
     --policies auto,round-robin > "$R/overhead.txt" 2>&1
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_launcher_gpu.py \
-    tests/gpu/test_runtime_gpu.py tests/gpu/test_transfers_gpu.py > "$R/gpu-tests.txt" 2>&1
+timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
 { tail -25 "$R/workloads.log"; tail -40 "$R/shapes-2ms.log"; tail -20 "$R/shapes-05ms.log"
-  cat "$R/overhead.txt"; tail -5 "$R/gpu-tests.txt"; } > "$OUT/summary.txt"
+  cat "$R/overhead.txt"; tail -15 "$R/gpu-tests.txt"; } > "$OUT/summary.txt"
 tar -czf "$OUT/launcher.tar.gz" -C "$OUT" launcher && rm -rf "$R"
