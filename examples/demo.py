@@ -7,6 +7,10 @@ wall times. Uses the GPU through CuPy when one is visible, else the simulated
 stream device (``dask_gpustreams.sim``), where kernels sleep on stream threads.
 
     python examples/demo.py [--streams 8] [--kernel-ms 20] [--width 4] [--depth 6]
+                            [--scheduler gpustreams|threads]
+
+``--scheduler gpustreams`` (the default) runs each graph on the stream launcher;
+``threads`` runs it on Dask's threaded scheduler with ``gpustreams.enabled``.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ def main() -> None:
     parser.add_argument("--kernel-ms", type=float, default=20.0)
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--scheduler", choices=("gpustreams", "threads"), default="gpustreams")
     args = parser.parse_args()
 
     backend = "cupy" if gpu_visible()[0] else "sim"
@@ -106,7 +111,8 @@ def main() -> None:
     node, to_numpy = make(args.kernel_ms)
     print(
         f"dask-gpustreams {dask_gpustreams.__version__}: {backend} backend, "
-        f"{args.kernel_ms:g} ms kernels, {args.width} x {args.depth} DAGs"
+        f"{args.kernel_ms:g} ms kernels, {args.width} x {args.depth} DAGs, "
+        f"scheduler={args.scheduler!r}"
     )
     print(
         f"{'shape':10} {'tasks':>5} {'1 stream':>10} {f'{args.streams} streams':>11} {'speedup':>8}"
@@ -118,14 +124,14 @@ def main() -> None:
         walls = []
         for streams in (1, args.streams):
             cfg = {
-                "gpustreams.enabled": True,
+                "gpustreams.enabled": args.scheduler == "threads",
                 "gpustreams.backend": backend,
                 "gpustreams.streams": streams,
             }
             with dask.config.set(cfg):
-                dask.compute(*outputs)  # warm-up: streams, kernels
+                dask.compute(*outputs, scheduler=args.scheduler)  # warm-up: streams, kernels
                 t0 = time.perf_counter()
-                got = dask.compute(*outputs)
+                got = dask.compute(*outputs, scheduler=args.scheduler)
                 walls.append(time.perf_counter() - t0)
             for g, w in zip(got, want, strict=True):
                 np.testing.assert_array_equal(to_numpy(g), np.full(4, w))
