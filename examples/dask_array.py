@@ -10,7 +10,6 @@ plain Dask's synchronous scheduler::
 
 import time
 
-import dask
 import dask.array as da
 import numpy as np
 
