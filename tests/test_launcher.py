@@ -7,6 +7,7 @@ an input block reused while still read, shows up as a wrong value.
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 import time
@@ -39,19 +40,9 @@ CHUNK = 1 << 15  # float64 elements: 256 KiB
 
 
 @pytest.fixture
-def launcher():
+def launcher(gpustreams):
     """``launcher(streams, policy, **more)``: settings of the sim runtime, plugin switch off."""
-
-    def configure(streams: int = 4, policy: str = "round-robin", **more):
-        values = {
-            "gpustreams.backend": "sim",
-            "gpustreams.streams": streams,
-            "gpustreams.policy": policy,
-        }
-        values.update({f"gpustreams.{k}": v for k, v in more.items()})
-        return dask.config.set(values)
-
-    return configure
+    return functools.partial(gpustreams, enabled=False)
 
 
 def exact_runs(rng, runs: int) -> bool:
