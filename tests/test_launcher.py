@@ -381,3 +381,22 @@ def test_concurrent_computes_from_threads_are_exact(launcher):
     assert {i: r.tolist() for i, r in results.items()} == {
         i: [float(i) * 2**10] * 64 for i in range(4)
     }
+
+
+def test_tall_skinny_qr_is_bitwise_plain_dask(launcher):
+    """``da.linalg.qr`` (tsqr: block QRs, a QR of the stacked R's, matmuls) through the
+    launcher on 8 streams with random kernel delays equals plain Dask's bit for bit."""
+    rng = np.random.default_rng(5)
+    host = rng.random((16 * 256, 32)).astype(np.float32)
+    x = da.from_array(host, chunks=(256, 32)).map_blocks(sim.asarray).persist(scheduler="sync")
+    q, r = da.linalg.qr(x)
+    want = [sim.asnumpy(v) for v in dask.compute(q, r, scheduler="sync")]
+    device = sim.get_device()
+    device.kernel_delay = (0.0, 0.002)
+    try:
+        with launcher(streams=8, policy="auto"):
+            for _ in range(5):
+                got = [sim.asnumpy(v) for v in dask.compute(q, r, scheduler="gpustreams")]
+                assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    finally:
+        device.kernel_delay = (0.0, 0.0)
