@@ -17,11 +17,13 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask import delayed
+from dask._task_spec import DataNode
 from dask.callbacks import Callback
 from dask.diagnostics import ProgressBar
 
 import dask_gpustreams
 from dask_gpustreams import KernelError, sim
+from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.runtime import StreamPool, get_runtime
 from dask_gpustreams.runtime.launcher import GraphLauncher
 from tests.test_local_scheduler import (
@@ -400,3 +402,101 @@ def test_tall_skinny_qr_is_bitwise_plain_dask(launcher):
                 assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
     finally:
         device.kernel_delay = (0.0, 0.0)
+
+
+# --- found in review: nested host tasks, library-state isolation, drains, callbacks -----------
+
+
+@dask_gpustreams.host_task
+def outer_with_nested_compute(i):
+    inner = delayed(dask_gpustreams.to_host)(delayed(leaf)(float(i), 4, 0.0))
+    return inner.compute(scheduler="gpustreams") + 1
+
+
+def test_nested_computes_in_more_host_tasks_than_host_threads(launcher):
+    """Each outer host task's nested compute has a host task of its own: with every host
+    thread taken by outer tasks, those run inline instead of waiting for a free thread."""
+    n = 2 * get_runtime().host_threads
+    with launcher(streams=2):
+        got = dask.compute(
+            *[delayed(outer_with_nested_compute)(i) for i in range(n)], scheduler="gpustreams"
+        )
+    assert [g.tolist() for g in got] == [[i + 1.0] * 4 for i in range(n)]
+
+
+def test_library_state_is_isolated_on_threads_of_a_later_multi_stream_runtime(
+    launcher, monkeypatch
+):
+    """A thread that ran one-stream graphs is still isolated for a later multi-stream one
+    (the isolation is per thread and device: a fresh thread here)."""
+    calls = []
+    monkeypatch.setattr(SimBackend, "isolate_thread", lambda self: calls.append(self))
+
+    def computes():
+        for streams in (1, 4):
+            with launcher(streams=streams):
+                delayed(leaf)(1.0, 4, 0.0).compute(scheduler="gpustreams")
+                calls.append(streams)
+
+    thread = threading.Thread(target=computes)
+    thread.start()
+    thread.join()
+    assert len(calls) == 3 and calls[0] == 1 and calls[2] == 4  # isolated once, for 4 streams
+
+
+def failing_on_host():
+    return failing(4)
+
+
+def test_a_host_tasks_kernel_failure_is_drained_by_the_compute_that_raised(launcher):
+    with launcher(streams=2):
+        bad = delayed(dask_gpustreams.host_task(failing_on_host))(dask_key_name="H")
+        with pytest.raises(LookupError, match="task 7 failed on the host"):
+            dask.compute(bad, delayed(explode)(delayed(leaf)(1.0, 4, 0.02)), scheduler="gpustreams")
+        np.testing.assert_array_equal(
+            delayed(download)(delayed(leaf)(2.0, 4, 0.0)).compute(scheduler="gpustreams"), [2] * 4
+        )
+
+
+class Replace(Callback):
+    """Replaces a key's task by a value in ``_start``, as ``dask.cache.Cache`` does."""
+
+    def __init__(self, key, value):
+        super().__init__()
+        self.key, self.value = key, value
+
+    def _start(self, dsk):
+        if self.key in dsk:
+            dsk[self.key] = DataNode(self.key, self.value)
+
+
+def test_callbacks_may_change_the_graph_in_start(launcher):
+    calls = []
+
+    def expensive(x):
+        calls.append(x)
+        return x * 10
+
+    y = delayed(expensive)(1, dask_key_name="expensive") + 1
+    with launcher(streams=2), Replace("expensive", 100):
+        assert y.compute(scheduler="gpustreams") == 101
+    assert calls == []
+
+
+def test_callbacks_passed_to_compute_are_used(launcher, rng):
+    tr, expected = tree_workload(rng)
+    seen = Seen()
+    with launcher(streams=2):
+        np.testing.assert_array_equal(
+            tr.compute(scheduler="gpustreams", callbacks=[seen]), expected
+        )
+    assert seen.finished == [False] and len(seen.pre) == len(seen.post) > 0
+
+
+def test_a_host_task_that_cannot_start_raises_instead_of_hanging(launcher):
+    with launcher(streams=2):
+        runtime = get_runtime()
+        executor = runtime.host_executor()
+        executor.shutdown()  # as after concurrent.futures' exit handler
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            delayed(dask_gpustreams.host_task(lambda: 1))().compute(scheduler="gpustreams")

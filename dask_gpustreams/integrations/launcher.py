@@ -11,11 +11,12 @@ in Dask.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from dask._task_spec import DataNode, Task, _execute_subgraph, convert_legacy_graph
-from dask.callbacks import Callback, unpack_callbacks
+from dask.callbacks import Callback, normalize_callback, unpack_callbacks
 from dask.core import flatten
 from dask.local import nested_get
 from dask.order import order
@@ -43,30 +44,48 @@ def blocks_host(node: Task) -> bool:
 
 
 class DaskCallbacks:
-    """Dask's local callbacks, fed by the launcher with a state like ``get_async``'s."""
+    """Dask's local callbacks, fed by the launcher with a state like ``get_async``'s.
 
-    def __init__(self, callbacks: Sequence[tuple], dsk: Mapping, deps: Mapping, results: dict):
+    ``start(dsk)`` runs before the graph is read, as in ``get_async``, so that a
+    callback may still change it (``dask.cache.Cache`` does).
+    """
+
+    def __init__(self, callbacks: Sequence[tuple]):
+        self._starts, self._start_states, self._pre, self._post, self._finishes = unpack_callbacks(
+            callbacks
+        )
+        self.dsk: Mapping = {}
+        self.state: dict[str, Any] = {}
+
+    def start(self, dsk: Mapping) -> None:
         self.dsk = dsk
-        starts, start_states, self._pre, self._post, self._finishes = unpack_callbacks(callbacks)
-        self.state: dict[str, Any] = {
+        for start in self._starts:
+            start(dsk)
+
+    def start_state(self, deps: Mapping, results: dict) -> None:
+        dependents: dict = {k: set() for k in deps}
+        for key, ds in deps.items():
+            for d in ds:
+                dependents.setdefault(d, set()).add(key)
+        self.state = {
             "dependencies": deps,
-            "dependents": {},
-            "waiting": {k: set(v) for k, v in deps.items()},
+            "dependents": dependents,
+            "waiting": {k: set(v) for k, v in deps.items() if v},
             "waiting_data": {},
-            "ready": [],
+            "ready": [k for k, v in deps.items() if not v],
             "running": set(),
             "finished": set(),
             "released": set(),
             "cache": results,
         }
-        for start in starts:
-            start(dsk)
-        for start_state in start_states:
-            start_state(dsk, self.state)
+        for start_state in self._start_states:
+            start_state(self.dsk, self.state)
 
     def pretask(self, key: Hashable) -> None:
         state = self.state
-        state["waiting"].pop(key, None)
+        if state["waiting"].pop(key, None) is None:
+            with contextlib.suppress(ValueError):
+                state["ready"].remove(key)
         state["running"].add(key)
         for f in self._pre:
             f(key, self.dsk, state)
@@ -83,19 +102,32 @@ class DaskCallbacks:
             f(self.dsk, self.state, errored)
 
 
-def get(dsk: Mapping, keys: Sequence[Hashable] | Hashable, cache: Mapping | None = None, **kwargs):
+def get(
+    dsk: Mapping,
+    keys: Sequence[Hashable] | Hashable,
+    cache: Mapping | None = None,
+    callbacks: Sequence[Any] | None = None,
+    **kwargs: Any,
+):
     """Compute ``keys`` of ``dsk`` on the stream launcher (``scheduler="gpustreams"``).
 
     Settings come from ``gpustreams.*`` in dask's config (``gpustreams.enabled``
-    is not needed: choosing this scheduler is the switch). Other keyword
-    arguments of Dask's local schedulers (``num_workers``, ``pool``, ...) are
-    accepted and ignored: one thread launches, host tasks use the runtime's
-    host threads.
+    is not needed: choosing this scheduler is the switch). ``callbacks`` are
+    Dask callback tuples used instead of the active ones, as in ``get_async``.
+    Other keyword arguments of Dask's local schedulers (``num_workers``,
+    ``pool``, ...) are accepted and ignored: one thread launches, host tasks
+    use the runtime's host threads.
     """
     if not isinstance(dsk, Mapping):
         dsk = dsk.__dask_graph__()
     dsk = convert_legacy_graph(dsk)
     runtime = get_runtime()
+    hooks = None
+    if callbacks is None and not getattr(task_state, "launching", False):
+        callbacks = [cb for cb in Callback.active if cb != hook._callback]
+    if callbacks:
+        hooks = DaskCallbacks([normalize_callback(cb) for cb in callbacks])
+        hooks.start(dsk)
     wanted = set(flatten(keys)) if isinstance(keys, list) else {keys}
     table = transfer_rewrites(type(runtime.backend))
     values: dict = dict(cache or {})
@@ -112,11 +144,8 @@ def get(dsk: Mapping, keys: Sequence[Hashable] | Hashable, cache: Mapping | None
                 host.add(key)
         tasks[key] = node
         dependencies[key] = node.dependencies
-    hooks = None
-    if Callback.active and not getattr(task_state, "launching", False):
-        active = [cb for cb in Callback.active if cb != hook._callback]
-        if active:
-            hooks = DaskCallbacks(active, dsk, dependencies, values)
+    if hooks is not None:
+        hooks.start_state(dependencies, values)
     launcher = GraphLauncher(
         runtime, tasks, dependencies, order(dsk), wanted, values, host, key_split, hooks
     )

@@ -16,6 +16,7 @@ events complete.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
 from collections import deque
@@ -93,6 +94,7 @@ class GraphLauncher:
         self._wake = threading.Event()
         self._host_running = 0
         self._error: BaseException | None = None
+        self._launched: list[Any] = []
 
     # --- the launch loop ----------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class GraphLauncher:
         ready = [(priority[k], k) for k, n in missing.items() if n == 0]
         heapq.heapify(ready)
 
-        launched: list[Any] = []  # every event recorded, in order
+        launched = self._launched  # every event recorded, in order
         ahead: deque[tuple[Any, int]] = deque()
         ahead_bytes = 0
         limit = runtime.config.launch_ahead
@@ -181,6 +183,7 @@ class GraphLauncher:
                         pool.assign(slot)
                     stream = slot.stream
                     start = None
+                    event = None
                     try:
                         for r in producers:
                             if r.slot is not slot:
@@ -188,20 +191,26 @@ class GraphLauncher:
                         if timeline is not None:
                             start = backend.create_event(timing=True)
                             backend.record(start, stream)
+                            event = backend.create_event(timing=True)
+                        else:
+                            event = acquire()
                         state["stream"] = stream
                         t0 = perf_counter()
                         with use_stream(stream, key):
                             result = tasks[key](values)
                         seconds = perf_counter() - t0
                     except BaseException as e:
-                        # Kernels it enqueued may still read the inputs: hold them to the event.
-                        event = acquire()
-                        record_on(slot, event, (values, held[:]), True)
-                        launched.append(event)
+                        state["stream"] = None
+                        if event is None:
+                            pool.unassign(slot)
+                        else:
+                            # Kernels it enqueued may still read the inputs: hold them.
+                            record_on(slot, event, (values, held[:]), True)
+                            launched.append(event)
                         held.clear()
                         self._error = e
                         break
-                    event = backend.create_event(timing=True) if start is not None else acquire()
+                    state["stream"] = None
                     if held:
                         seq = record_on(slot, event, (values, held[:]), True)
                         held.clear()
@@ -239,9 +248,10 @@ class GraphLauncher:
             # The exception raised wins; this graph's work drains first, so that a kernel
             # failure it left behind is reported here, not by the next compute.
             self._join_host(dependents, missing, consumers)
-            error_of = backend.event_error
+            sync = backend.synchronize_event
             for event in launched:
-                error_of(event)
+                with contextlib.suppress(Exception):  # reported here, so no later sync sees it
+                    sync(event)
             raise
         finally:
             state["runtime"], state["stream"], state["holds"] = previous
@@ -272,9 +282,15 @@ class GraphLauncher:
     # --- host tasks ---------------------------------------------------------------------------
 
     def _submit_host(self, key: Hashable, values: dict) -> None:
+        """Run ``key`` on a host thread; inline if this thread is one (a nested compute in a
+        host task), since all host threads may be taken by tasks that wait for this one."""
         producers = self.registry.records(self.dependencies[key])
-        self._host_running += 1
+        if task_state.__dict__.get("host_thread"):
+            self._host_running += 1
+            self._run_host(key, values, producers)
+            return
         self.runtime.host_executor().submit(self._run_host, key, values, producers)
+        self._host_running += 1
 
     def _run_host(self, key: Hashable, values: dict, producers: list[TaskRecord]) -> None:
         """On a host thread: wait for the inputs on the host, then run ``key`` on a stream."""
@@ -282,19 +298,20 @@ class GraphLauncher:
         result = record = error = None
         seconds = 0.0
         state = task_state.__dict__
-        state["launching"] = True
+        previous = state.get("launching", False), state.get("host_thread", False)
+        state["launching"] = state["host_thread"] = True
+        registry = EventRegistry()
         try:
             for r in producers:
                 runtime.backend.synchronize_event(r.event)
-            registry = EventRegistry()
             t0 = perf_counter()
             result = runtime.run(key, self.tasks[key], values, registry)
             seconds = perf_counter() - t0
-            record = registry.get(key)
         except BaseException as e:
             error = e
         finally:
-            state["launching"] = False
+            state["launching"], state["host_thread"] = previous
+        record = registry.get(key)  # also after a failure: its kernels are drained
         worker = threading.get_ident()
         self._finished.append(_HostDone(key, result, record, error, seconds, worker))
         self._wake.set()
@@ -306,6 +323,8 @@ class GraphLauncher:
         while finished:
             done = finished.popleft()
             self._host_running -= 1
+            if done.record is not None:
+                self._launched.append(done.record.event)
             if done.error is not None:
                 if self._error is None:
                     self._error = done.error

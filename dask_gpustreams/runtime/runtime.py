@@ -130,20 +130,20 @@ class StreamRuntime:
             if event is None:
                 pool.unassign(slot)
             else:
-                # Recorded even if fn raised: kernels it enqueued may still read the inputs.
+                # Recorded even if fn raised: kernels it enqueued may still read the inputs,
+                # and a drain of the registry waits for them.
                 seq = pool.record(slot, event, (inputs, holds) if holds else inputs, True)
-        record = TaskRecord(key, slot, event, seq, start)
-        registry.add(record)
-        if self.timeline is not None:
-            self.timeline.append(record)
+                record = TaskRecord(key, slot, event, seq, start)
+                registry.add(record)
+                if self.timeline is not None:
+                    self.timeline.append(record)
         return result
 
     def isolate_thread(self) -> None:
         """Before this thread's first task: library state safe for several streams (once)."""
         state = task_state.__dict__
-        if self._isolation not in state:
-            if self.pool.n_streams > 1:
-                self.backend.isolate_thread()
+        if self._isolation not in state and self.pool.n_streams > 1:
+            self.backend.isolate_thread()
             state[self._isolation] = True
 
     def host_executor(self) -> ThreadPoolExecutor:
