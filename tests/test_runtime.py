@@ -208,10 +208,13 @@ def test_inputs_are_held_when_the_task_raises_after_launching(by_key):
     del x
     assert ref() is not None
     assert rt.collect() == 1
+    # Registered, so that a drain of the registry waits for the kernels it launched.
+    assert not reg.get("c").event.done
     gate.set()
-    rt.pool.synchronize()
+    rt.drain(reg)
+    assert reg.get("c").event.done
+    rt.collect()
     assert ref() is None
-    assert "c" not in reg
 
 
 def test_synchronize_waits_only_for_the_given_keys(by_key):
