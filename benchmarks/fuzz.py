@@ -1,0 +1,1097 @@
+"""Random-DAG fuzzer: random Dask graphs through the stream runtime, every result checked exactly.
+
+Run from the repository root (see ``benchmarks/README.md``)::
+
+    python -m benchmarks.fuzz --seed 1 --dags 2000
+    python -m benchmarks.fuzz --seconds 900 --routes threaded,launcher
+    python -m benchmarks.fuzz --self-check
+    python -m benchmarks.fuzz --seed 1 --routes launcher --start 417 --dags 1 -v  # one DAG again
+
+A DAG is either a ``dask.delayed`` graph of 2-24 tasks on arrays of 1-64 elements
+(kernels, uploads and downloads, unmarked host tasks that ``.get()`` a device
+array, ``host_task``-marked ones, sleeps that pass their input through, NumPy
+work; in a fifth of them one kernel fails) or a ``dask.array`` expression over
+device chunks (elementwise ops, reductions, ``@``, ``rechunk``, slicing,
+transposes, concatenation, sleeping kernels). Each has its own stream count
+(1-8), policy, kernel delays (``Device.kernel_delay`` and kernels that sleep,
+0-2 ms), 1-3 outputs, and sometimes a ``persist`` of intermediates first.
+Values are integers below ``P`` (every op ends ``% P``), so float64 results are
+exact in any order of evaluation; they are compared with ``==`` to the same
+functions run on NumPy values (NaN, the sim's poison, never compares equal).
+
+Routes (``--routes``): ``threaded`` (``gpustreams.enabled``, the threaded
+scheduler, random ``num_workers`` and ``chunksize``), ``launcher``
+(``scheduler="gpustreams"``), ``distributed`` (an in-process ``LocalCluster`` of
+2 workers x 2 threads, the plugin by ``gpustreams.enabled``; a new cluster with
+new settings every 100 DAGs) and ``distributed-spill`` (the same with a memory
+target so small that every result is spilled). Outcomes: a wrong value; a hang
+(a compute past ``--timeout``; the run goes on with fresh runtimes or a fresh
+cluster); an unexpected error (any exception, or a ``KernelError`` naming
+another key). With a failing kernel, a local compute must raise the
+``KernelError`` of the failing key; on distributed, each output derived from
+it must raise that error, and every other one its exact value or that error.
+
+``--self-check`` breaks one mechanism at a time and must then find a wrong value
+on each route where it matters: ``wait`` (device-side event waits), ``hold``
+(inputs held until their consumer's event), ``egress`` (``get_data`` waits for
+the key's work), ``spill`` (spilling does), ``failure`` (after a kernel failure
+the worker clears its streams' errors; broken, later DAGs get wrong errors,
+which count as wrong there). ``--backend cupy`` runs the same DAGs with
+CuPy chunks and kernels (CuPy operators), without failing or sleeping kernels:
+it is not tested here (no GPU), and its exactness rests on the same integer
+arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import dask
+import dask.array as da
+import numpy as np
+from dask import delayed
+
+import dask_gpustreams
+from dask_gpustreams import KernelError, host_task, sim
+from dask_gpustreams.integrations.distributed.egress import Egress
+from dask_gpustreams.integrations.distributed.provenance import Provenance
+from dask_gpustreams.runtime import StreamPool
+from dask_gpustreams.runtime import runtime as runtime_module
+from dask_gpustreams.runtime.policies import make_policy, policy_names
+
+#: Every value is an integer in [0, P): sums of products of them stay exact in float64.
+P = 4093
+ROUTES = ("threaded", "launcher", "distributed", "distributed-spill")
+DISTRIBUTED = ("distributed", "distributed-spill")
+#: DAGs per distributed cluster (its stream count and policy are drawn per cluster).
+CLUSTER_DAGS = 100
+POLICIES = tuple(
+    n for n in policy_names() if type(make_policy(n)).__module__.startswith("dask_gpustreams")
+)
+DELAYS = ((0.0, 0.0), (0.0, 0.0005), (0.0, 0.002))
+SPILL = {"distributed.worker.memory.target": 1e-6}  # of 32 MiB: every result is spilled
+CLUSTER_CONFIG = {  # only target-based spilling; the process-memory monitor stays out
+    "distributed.worker.memory.spill": False,
+    "distributed.worker.memory.pause": False,
+    "distributed.worker.memory.terminate": False,
+}
+
+# --- task functions: the same code runs on device arrays and, for the reference, on NumPy ---
+
+
+def add(a, b):
+    return (a + b) % P
+
+
+def affine(a, k):
+    return (a * k + 1) % P
+
+
+def mix(a, b, c):
+    return (a * 2 + b + c) % P
+
+
+def total(a):
+    return (a + a.sum()) % P
+
+
+def flip(a):
+    return a[::-1] % P
+
+
+def inc(a):
+    return (a + 1) % P
+
+
+def _host(x: Any) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def host_get(a):
+    """An unmarked host task: the launcher learns it from its first slow call."""
+    return (_host(a) * 3 + 1) % P
+
+
+@host_task
+def host_marked(a, b):
+    return (_host(a) + 2 * _host(b)) % P
+
+
+@host_task
+def host_sleep(a, seconds):
+    """Sleeps, then returns its input itself (device or host)."""
+    time.sleep(seconds)
+    return a
+
+
+def numpy_work(a, b):
+    return np.remainder(np.cumsum(_host(a)[::-1]) + _host(b), P)
+
+
+# --- sim kernels ------------------------------------------------------------------------------
+
+
+def _fill(out, base, delay):
+    time.sleep(delay)
+    out[...] = base
+
+
+def _slow_inc(out, a, delay):
+    time.sleep(delay)
+    np.remainder(a + 1, P, out=out)
+
+
+def _boom(out, a):
+    raise ValueError("boom")
+
+
+def sim_fill(base, delay):
+    """A device array written by a kernel that sleeps ``delay`` first."""
+    out = sim.empty(base.shape)
+    sim.launch(_fill, out, base, delay)
+    return out
+
+
+def sim_slow(a, delay):
+    """``inc(a)`` by a kernel that sleeps ``delay`` first."""
+    out = sim.empty(a.shape)
+    sim.launch(_slow_inc, out, a, delay)
+    return out
+
+
+def sim_fail(a):
+    """Returns at once; its kernel raises on the stream."""
+    out = sim.empty(a.shape)
+    sim.launch(_boom, out, a)
+    return out
+
+
+def cupy_fill(base, delay):
+    import cupy
+
+    return cupy.asarray(base)
+
+
+def cupy_slow(a, delay):
+    return inc(a)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The backend-specific task functions; the rest are the generic ones above."""
+
+    upload: Callable
+    download: Callable
+    fill: Callable
+    slow: Callable
+    fail: Callable | None
+    meta: Any
+
+
+def make_kernels(backend: str) -> Kernels:
+    """The task functions of ``backend`` (``sim`` or ``cupy``)."""
+    if backend == "sim":
+        return Kernels(sim.asarray, sim.asnumpy, sim_fill, sim_slow, sim_fail, np.empty((0, 0)))
+    import cupy
+
+    return Kernels(cupy.asarray, cupy.asnumpy, cupy_fill, cupy_slow, None, cupy.empty((0, 0)))
+
+
+def _same(x, *consts):
+    return x
+
+
+#: References of the delayed ops that differ from their task function (None: fails).
+DELAYED_REFS: dict[str, Callable | None] = {
+    "upload": _same,
+    "to-device": _same,
+    "download": _same,
+    "to-host": _same,
+    "fill": _same,
+    "host-sleep": _same,
+    "slow": lambda a, delay: inc(a),
+    "fail": None,
+}
+GENERIC = {
+    "add": add,
+    "affine": affine,
+    "mix": mix,
+    "total": total,
+    "flip": flip,
+    "host-get": host_get,
+    "host-marked": host_marked,
+    "host-sleep": host_sleep,
+    "numpy": numpy_work,
+    "to-device": dask_gpustreams.to_device,
+    "to-host": dask_gpustreams.to_host,
+}
+
+
+def delayed_func(name: str, kernels: Kernels) -> Callable:
+    return GENERIC.get(name) or getattr(kernels, name)
+
+
+# --- dask.array ops: ``m`` is an ArrayGraph for the graph, an ArrayReference for NumPy -------
+
+
+class ArrayGraph:
+    """The functions the array ops call to build a graph: dask.array's, and the kernels'."""
+
+    where = staticmethod(da.where)
+    maximum = staticmethod(da.maximum)
+    concatenate = staticmethod(da.concatenate)
+
+    def __init__(self, kernels: Kernels):
+        self.kernels = kernels
+
+    def rechunk(self, x, chunks):
+        return x.rechunk(chunks)
+
+    def slow(self, x, delay):
+        return x.map_blocks(self.kernels.slow, delay, meta=self.kernels.meta)
+
+
+class ArrayReference:
+    """The same on NumPy arrays."""
+
+    where = staticmethod(np.where)
+    maximum = staticmethod(np.maximum)
+    concatenate = staticmethod(np.concatenate)
+
+    def rechunk(self, x, chunks):
+        return x
+
+    def slow(self, x, delay):
+        return inc(x)
+
+
+def _common(x, y):
+    return min(x.shape[0], y.shape[0]), min(x.shape[1], y.shape[1])
+
+
+def a_affine(m, x, k):
+    return (x * k + 1) % P
+
+
+def a_add(m, x, y):
+    r, c = _common(x, y)
+    return (x[:r, :c] + y[:r, :c]) % P
+
+
+def a_maximum(m, x, y):
+    r, c = _common(x, y)
+    return m.maximum(x[:r, :c], y[:r, :c])
+
+
+def a_matmul(m, x, y):
+    c = _common(x, y)[1]
+    return (x[:, :c] @ y[:, :c].T) % P
+
+
+def a_concat(m, x, y):
+    c = _common(x, y)[1]
+    return m.concatenate([x[:, :c], y[:, :c]], axis=0)
+
+
+def a_transpose(m, x):
+    return x.T
+
+
+def a_slice(m, x, r0, c0, step):
+    return x[r0:, c0::step]
+
+
+def a_rechunk(m, x, chunks):
+    return m.rechunk(x, chunks)
+
+
+def a_sum(m, x, axis):
+    return (x + x.sum(axis=axis, keepdims=True)) % P
+
+
+def a_cumsum(m, x, axis):
+    return x.cumsum(axis=axis) % P
+
+
+def a_where(m, x, k):
+    return m.where(x > k, x, k - x)
+
+
+def a_slow(m, x, delay):
+    return m.slow(x, delay)
+
+
+ARRAY_UNARY = (a_affine, a_transpose, a_slice, a_rechunk, a_sum, a_cumsum, a_where, a_slow)
+ARRAY_BINARY = (a_add, a_maximum, a_matmul, a_concat)
+ARRAY_OPS = {f.__name__[2:]: f for f in ARRAY_UNARY + ARRAY_BINARY}
+
+
+# --- DAGs -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """``op(*inputs, *consts)``: inputs are indices of earlier nodes."""
+
+    op: str
+    inputs: tuple[int, ...] = ()
+    consts: tuple = ()
+
+
+@dataclass
+class Dag:
+    """One random graph, its settings and what to compute."""
+
+    route: str
+    index: int
+    kind: str  # "delayed" or "array"
+    nodes: list[Node]
+    outputs: list[int]
+    streams: int
+    policy: str
+    delay: tuple[float, float]
+    threads: int = 4
+    chunksize: int = 1
+    optimize: bool = True  # optimize_graph: fused tasks and aliases, or one task per op
+    persist: list[int] = field(default_factory=list)  # persisted before node ``split``
+    split: int = 0
+    failing: int | None = None
+    fail_key: str = ""
+
+    def tainted(self) -> list[bool]:
+        """Per node: whether its value derives from the failing kernel."""
+        bad: list[bool] = []
+        for i, node in enumerate(self.nodes):
+            bad.append(i == self.failing or any(bad[j] for j in node.inputs))
+        return bad
+
+    def describe(self) -> str:
+        def const(c):
+            if isinstance(c, np.ndarray):
+                return f"<{c.shape}>"
+            return f"{c:.4f}" if isinstance(c, float) else repr(c)
+
+        ops = " ".join(
+            f"{i}={n.op}({','.join([*map(str, n.inputs), *map(const, n.consts)])})"
+            for i, n in enumerate(self.nodes)
+        )
+        persist = f" persist {self.persist} before {self.split}" if self.persist else ""
+        threads = f" threads={self.threads} chunksize={self.chunksize}"
+        return (
+            f"{self.route} dag {self.index} ({self.kind}): {ops}; outputs {self.outputs}{persist};"
+            f" streams={self.streams} policy={self.policy} kernel_delay={self.delay}"
+            f" optimize_graph={self.optimize}" + (threads if self.route == "threaded" else "")
+        )
+
+
+def _earlier(rng: np.random.Generator, n: int) -> int:
+    """An earlier node, the recent ones more often."""
+    return n - min(int(rng.geometric(0.35)), n)
+
+
+#: Delayed ops: name, inputs, where they must be, where the output is (``same``: as the
+#: first input), weight.
+DELAYED_OPS = (
+    ("add", 2, "device", "device", 4),
+    ("affine", 1, "device", "device", 3),
+    ("mix", 3, "device", "device", 2),
+    ("total", 1, "device", "device", 1),
+    ("flip", 1, "device", "device", 1),
+    ("slow", 1, "device", "device", 3),
+    ("host-get", 1, "device", "host", 1),
+    ("host-marked", 2, "any", "host", 1),
+    ("host-sleep", 1, "any", "same", 1),
+    ("numpy", 2, "any", "host", 1),
+    ("download", 1, "device", "host", 1),
+    ("to-host", 1, "device", "host", 1),
+)
+_WEIGHTS = np.array([op[4] for op in DELAYED_OPS], dtype=float) / sum(op[4] for op in DELAYED_OPS)
+
+
+def delayed_dag(rng: np.random.Generator, base: dict, fail: bool) -> Dag:
+    """A random ``dask.delayed`` graph of 2-24 tasks on arrays of 1-64 elements."""
+    n = int(rng.integers(1, 65))
+    size = int(rng.integers(2, 25))
+    nodes: list[Node] = []
+    where: list[str] = []
+    fail_at = int(rng.integers(1, size)) if fail else None
+
+    def add_node(node: Node, loc: str) -> int:
+        nodes.append(node)
+        where.append(loc)
+        return len(nodes) - 1
+
+    def leaf() -> int:
+        data = rng.integers(0, P, n).astype(np.float64)
+        if rng.random() < 0.5:
+            return add_node(Node("fill", (), (data, float(rng.uniform(0, 0.002)))), "device")
+        return add_node(Node(str(rng.choice(["upload", "to-device"])), (), (data,)), "device")
+
+    def on_device(j: int) -> int:
+        if where[j] == "device":
+            return j
+        return add_node(Node(str(rng.choice(["upload", "to-device"])), (j,)), "device")
+
+    failing = None
+    while len(nodes) < size:
+        if not nodes or rng.random() < 0.12:
+            leaf()
+            continue
+        if failing is None and fail_at is not None and len(nodes) >= fail_at:
+            failing = add_node(Node("fail", (on_device(_earlier(rng, len(nodes))),)), "device")
+            continue
+        name, arity, takes, gives, _ = DELAYED_OPS[rng.choice(len(DELAYED_OPS), p=_WEIGHTS)]
+        inputs = [_earlier(rng, len(nodes)) for _ in range(arity)]
+        if takes == "device":
+            inputs = [on_device(j) for j in inputs]
+        consts: tuple = ()
+        if name == "affine":
+            consts = (int(rng.integers(-3, 4)),)
+        elif name in ("slow", "host-sleep"):
+            consts = (float(rng.uniform(0, 0.002)),)
+        add_node(Node(name, tuple(inputs), consts), where[inputs[0]] if gives == "same" else gives)
+    outputs = sorted({len(nodes) - 1, *(int(j) for j in rng.integers(0, len(nodes), 2))})
+    dag = Dag(kind="delayed", nodes=nodes, outputs=outputs[: int(rng.integers(1, 4))], **base)
+    if failing is not None:
+        dag.failing = failing
+        dag.fail_key = f"fail-{int(rng.integers(2**63)):x}"
+        tainted = dag.tainted()
+        if not any(tainted[i] for i in dag.outputs):
+            dag.outputs.append(max(i for i, t in enumerate(tainted) if t))
+    return dag
+
+
+def array_dag(rng: np.random.Generator, base: dict) -> Dag:
+    """A random ``dask.array`` expression of 1-6 ops over 1-3 arrays of device chunks."""
+    nodes: list[Node] = []
+    shapes: list[tuple[int, int]] = []
+
+    def chunks(shape) -> tuple[int, ...]:
+        return tuple(int(rng.integers(1, s + 1)) for s in shape)
+
+    for _ in range(int(rng.integers(1, 4))):
+        shape = (int(rng.integers(1, 13)), int(rng.integers(1, 13)))
+        data = rng.integers(0, P, shape).astype(np.float64)
+        nodes.append(Node("array", (), (data, chunks(shape))))
+        shapes.append(shape)
+    for _ in range(int(rng.integers(1, 7))):
+        if rng.random() < 0.4:
+            f = ARRAY_BINARY[int(rng.integers(len(ARRAY_BINARY)))]
+            inputs = (_earlier(rng, len(nodes)), _earlier(rng, len(nodes)))
+        else:
+            f = ARRAY_UNARY[int(rng.integers(len(ARRAY_UNARY)))]
+            inputs = (_earlier(rng, len(nodes)),)
+        shape = shapes[inputs[0]]
+        consts: tuple = ()
+        if f is a_affine:
+            consts = (int(rng.integers(-3, 4)),)
+        elif f is a_slice:
+            consts = (
+                int(rng.integers(shape[0])),
+                int(rng.integers(shape[1])),
+                1 + int(rng.random() < 0.3),
+            )
+        elif f is a_rechunk:
+            consts = (chunks(shape),)
+        elif f in (a_sum, a_cumsum):
+            consts = (int(rng.integers(2)),)
+        elif f is a_where:
+            consts = (int(rng.integers(0, P)),)
+        elif f is a_slow:
+            consts = (float(rng.uniform(0, 0.002)),)
+        nodes.append(Node(f.__name__[2:], inputs, consts))
+        shapes.append(f(ArrayReference(), *(np.zeros(shapes[j]) for j in inputs), *consts).shape)
+    outputs = sorted({len(nodes) - 1, int(rng.integers(0, len(nodes)))})
+    return Dag(kind="array", nodes=nodes, outputs=outputs[: int(rng.integers(1, 3))], **base)
+
+
+def make_dag(seed: int, route: str, index: int, backend: str, failures: bool = True) -> Dag:
+    """DAG ``index`` of ``route`` for ``seed``: the same on every run (``failures``: may fail)."""
+    rng = np.random.default_rng([seed, ROUTES.index(route), index])
+    base = {
+        "route": route,
+        "index": index,
+        "streams": int(rng.integers(1, 9)),
+        "policy": str(rng.choice(POLICIES)),
+        "delay": DELAYS[int(rng.integers(len(DELAYS)))] if backend == "sim" else (0.0, 0.0),
+        "threads": int(rng.choice([1, 2, 4, 8])),
+        "chunksize": int(rng.choice([1, 1, 4, 8])),
+        "optimize": bool(rng.random() < 0.7),
+    }
+    if rng.random() < 0.25:
+        dag = array_dag(rng, base)
+    else:
+        fail = rng.random() < 0.2 and failures and backend == "sim"
+        dag = delayed_dag(rng, base, fail)
+    if len(dag.nodes) > 2 and rng.random() < 0.2:
+        dag.split = int(rng.integers(1, len(dag.nodes)))
+        later = {j for node in dag.nodes[dag.split :] for j in node.inputs}
+        dag.persist = sorted(j for j in range(dag.split) if j in later or j in dag.outputs)
+    return dag
+
+
+def reference(dag: Dag) -> list[np.ndarray | None]:
+    """Each node's value computed on NumPy (None where it derives from the failing kernel)."""
+    values: list[Any] = []
+    for node in dag.nodes:
+        args = [values[j] for j in node.inputs]
+        if any(a is None for a in args):
+            values.append(None)
+        elif dag.kind == "array":
+            values.append(
+                node.consts[0]
+                if node.op == "array"
+                else ARRAY_OPS[node.op](ArrayReference(), *args, *node.consts)
+            )
+        else:
+            ref = DELAYED_REFS[node.op] if node.op in DELAYED_REFS else GENERIC[node.op]
+            values.append(None if ref is None else ref(*args, *node.consts))
+    return values
+
+
+def build(dag: Dag, kernels: Kernels, persist: Callable[[list], list]) -> list:
+    """The graph's outputs as Dask collections; ``persist`` persists the intermediates."""
+    graph = ArrayGraph(kernels)
+    values: list[Any] = []
+    for i, node in enumerate(dag.nodes):
+        if dag.persist and i == dag.split:
+            for j, value in zip(
+                dag.persist, persist([values[j] for j in dag.persist]), strict=True
+            ):
+                values[j] = value
+        args = [values[j] for j in node.inputs]
+        if dag.kind == "array":
+            if node.op == "array":
+                data, chunks = node.consts
+                x = da.from_array(data, chunks=chunks)
+                values.append(x.map_blocks(kernels.upload, meta=kernels.meta))
+            else:
+                values.append(ARRAY_OPS[node.op](graph, *args, *node.consts))
+        else:
+            name = {"dask_key_name": dag.fail_key} if i == dag.failing else {}
+            values.append(delayed(delayed_func(node.op, kernels))(*args, *node.consts, **name))
+    return [values[i] for i in dag.outputs]
+
+
+# --- checking ---------------------------------------------------------------------------------
+
+OK = ("ok", "")
+
+
+def compare(got: Any, want: np.ndarray) -> str | None:
+    """None if ``got`` is exactly ``want``, else what differs."""
+    host = np.asarray(_host(got))
+    if host.shape != want.shape:
+        return f"shape {host.shape}, expected {want.shape}"
+    if np.array_equal(host, want):
+        return None
+    nan = int(np.isnan(host).sum())
+    return f"{int((host != want).sum())} of {host.size} differ ({nan} NaN)"
+
+
+def _blame(error: BaseException, dag: Dag) -> tuple[str, str]:
+    """The outcome of ``error`` raised by a compute of ``dag``."""
+    if dag.failing is not None and isinstance(error, KernelError) and error.key == dag.fail_key:
+        return OK
+    return "error", f"{type(error).__name__}: {error}"
+
+
+def check_local(dag: Dag, result: Any, error: BaseException | None) -> tuple[str, str]:
+    """A local compute of ``dag``: exact outputs, or the failing kernel's ``KernelError``."""
+    if error is not None:
+        return _blame(error, dag)
+    if dag.failing is not None:
+        return "wrong", f"no KernelError for the failing kernel {dag.fail_key!r}"
+    want = reference(dag)
+    for i, got in zip(dag.outputs, result, strict=True):
+        problem = compare(got, want[i])
+        if problem is not None:
+            return "wrong", f"output {i}: {problem}"
+    return OK
+
+
+@contextlib.contextmanager
+def kernel_delay(delay: tuple[float, float], backend: str) -> Iterator[None]:
+    """``Device.kernel_delay`` set to ``delay`` on the sim device, then restored."""
+    if backend != "sim":
+        yield
+        return
+    device = sim.get_device()
+    previous = device.kernel_delay
+    device.kernel_delay = delay
+    try:
+        yield
+    finally:
+        device.kernel_delay = previous
+
+
+# --- routes -----------------------------------------------------------------------------------
+
+
+class ComputeThread:
+    """A daemon thread that runs one call at a time, so that a hung call can be left behind."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="fuzz-compute", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, box, done = call
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - every exception is an outcome
+                box["error"] = e
+            done.set()
+            del call, fn, box, done
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> dict | None:
+        """``{"result": fn()}`` or ``{"error": exception}``; None if it takes over ``timeout``."""
+        box: dict = {}
+        done = threading.Event()
+        self._calls.put((fn, box, done))
+        return box if done.wait(timeout) else None
+
+    def close(self) -> None:
+        """End the thread once its call (if any) returns."""
+        self._calls.put(None)
+
+
+class LocalRoute:
+    """``threaded`` or ``launcher``: each compute in a thread, waited for with a timeout."""
+
+    def __init__(self, name: str, backend: str, timeout: float):
+        self.name = name
+        self.backend = backend
+        self.kernels = make_kernels(backend)
+        self.timeout = timeout
+        self.scheduler = "threads" if name == "threaded" else "gpustreams"
+        self.thread = ComputeThread()
+
+    def __enter__(self) -> LocalRoute:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.close()
+
+    def config(self, dag: Dag) -> dict:
+        config = {
+            "gpustreams.backend": self.backend,
+            "gpustreams.streams": dag.streams,
+            "gpustreams.policy": dag.policy,
+        }
+        if self.name == "threaded":
+            config.update(
+                {"gpustreams.enabled": True, "num_workers": dag.threads, "chunksize": dag.chunksize}
+            )
+        return config
+
+    def run(self, dag: Dag) -> tuple[str, str]:
+        """Compute ``dag``; its outcome and what went wrong."""
+        scheduler = self.scheduler
+
+        def compute() -> tuple:
+            options = {"scheduler": scheduler, "optimize_graph": dag.optimize}
+            outs = build(dag, self.kernels, lambda xs: dask.persist(*xs, **options))
+            return dask.compute(*outs, **options)
+
+        with dask.config.set(self.config(dag)), kernel_delay(dag.delay, self.backend):
+            box = self.thread.call(compute, self.timeout)
+        if box is None:
+            # The hung compute keeps its thread and runtime; the next DAG gets fresh ones.
+            self.thread.close()
+            self.thread = ComputeThread()
+            runtime_module._runtimes.clear()
+            return "hang", f"no result after {self.timeout} s"
+        return check_local(dag, box.get("result"), box.get("error"))
+
+
+class DistributedRoute:
+    """``distributed`` (or ``distributed-spill``): a LocalCluster, new every CLUSTER_DAGS DAGs."""
+
+    def __init__(self, name: str, backend: str, timeout: float, seed: int):
+        self.name = name
+        self.backend = backend
+        self.kernels = make_kernels(backend)
+        self.timeout = timeout
+        self.seed = seed
+        self.batch: int | None = None
+        self.client: Any = None
+        self.cluster: Any = None
+        self._config: Any = None  # the dask.config.set of the cluster's settings
+
+    def __enter__(self) -> DistributedRoute:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, batch: int) -> None:
+        """A cluster whose stream count and policy are drawn for ``batch``."""
+        from distributed import Client, LocalCluster
+
+        rng = np.random.default_rng([self.seed, ROUTES.index(self.name), batch, 0])
+        self.streams, self.policy = int(rng.integers(1, 9)), str(rng.choice(POLICIES))
+        spill = self.name == "distributed-spill"
+        config = {
+            **CLUSTER_CONFIG,
+            **(SPILL if spill else {}),
+            "gpustreams.enabled": True,
+            "gpustreams.backend": self.backend,
+            "gpustreams.streams": self.streams,
+            "gpustreams.policy": self.policy,
+        }
+        self._config = dask.config.set(config)
+        self._config.__enter__()
+        self.cluster = LocalCluster(
+            processes=False,
+            n_workers=2,
+            threads_per_worker=2,
+            dashboard_address=":0",
+            silence_logs=logging.CRITICAL,
+            **({"memory_limit": "32 MiB"} if spill else {}),
+        )
+        self.client = Client(self.cluster)
+        self.batch = batch
+
+    def close(self) -> None:
+        """Close the cluster, giving up after the timeout (a hung worker may never close)."""
+        if self.client is None:
+            return
+        for closing in (self.client, self.cluster):  # a hung one may not close: left behind
+            with contextlib.suppress(Exception):
+                closing.close(timeout=self.timeout)
+        self._config.__exit__(None, None, None)
+        self.client = self.cluster = self.batch = None
+
+    def run(self, dag: Dag) -> tuple[str, str]:
+        """Compute ``dag``; gather its outputs one by one in a random order."""
+        batch = dag.index // CLUSTER_DAGS
+        if batch != self.batch:
+            self.close()
+            self.start(batch)
+        dag.streams, dag.policy = self.streams, self.policy
+        client = self.client
+        with kernel_delay(dag.delay, self.backend):
+            # Futures are released by dropping them: Client.cancel of a persisted key whose
+            # dependents no client wants fails an assertion in the scheduler (2026.8.0).
+            options = {"optimize_graph": dag.optimize}
+            try:
+                outs = build(dag, self.kernels, lambda xs: client.persist(xs, **options))
+                futures = client.compute(outs, **options)
+            except Exception as e:  # noqa: BLE001 - every exception is an outcome
+                return _blame(e, dag)
+            return self.check(dag, futures)
+
+    def check(self, dag: Dag, futures: list) -> tuple[str, str]:
+        """Each output exact or the failing kernel's error; those derived from it the error."""
+        want = reference(dag)
+        tainted = dag.tainted()
+        order = np.random.default_rng(dag.index).permutation(len(futures))
+        for k in order:
+            i = dag.outputs[k]
+            try:
+                got = futures[k].result(timeout=self.timeout)
+            except TimeoutError:
+                self.close()
+                return "hang", f"output {i} pending after {self.timeout} s"
+            except Exception as e:  # noqa: BLE001 - every exception is an outcome
+                outcome = _blame(e, dag)
+                if outcome != OK:
+                    return outcome
+                continue
+            if tainted[i]:
+                return "wrong", f"output {i} derives from the failing kernel, yet resolved"
+            problem = compare(got, want[i])
+            if problem is not None:
+                return "wrong", f"output {i}: {problem}"
+        return OK
+
+
+def make_route(name: str, backend: str, timeout: float, seed: int) -> Any:
+    if name in DISTRIBUTED:
+        return DistributedRoute(name, backend, timeout, seed)
+    return LocalRoute(name, backend, timeout)
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """Outcomes of one route's DAGs."""
+
+    dags: int = 0
+    failing: int = 0
+    wrong: int = 0
+    hangs: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+    def add(self, dag: Dag, outcome: str, seconds: float) -> None:
+        self.dags += 1
+        self.failing += dag.failing is not None
+        self.wrong += outcome == "wrong"
+        self.hangs += outcome == "hang"
+        self.errors += outcome == "error"
+        self.seconds += seconds
+
+    def bad(self) -> int:
+        return self.wrong + self.hangs + self.errors
+
+
+def run_route(
+    route: Any,
+    args: argparse.Namespace,
+    quota: int | None,
+    seconds: float | None,
+    failures: bool = True,
+    until: Callable[[Tally], bool] | None = None,
+) -> Tally:
+    """DAGs ``args.start, ...`` on ``route`` until ``quota`` DAGs, ``seconds`` or ``until``.
+
+    ``failures``: some DAGs have a failing kernel. Problems are printed with the
+    command that runs their DAG again, except in a self-check (``until`` set).
+    """
+    tally = Tally()
+    deadline = time.monotonic() + seconds if seconds is not None else None
+    index = args.start
+    while (quota is None or tally.dags < quota) and (
+        deadline is None or time.monotonic() < deadline
+    ):
+        dag = make_dag(args.seed, route.name, index, args.backend, failures)
+        t0 = time.perf_counter()
+        outcome, detail = route.run(dag)
+        tally.add(dag, outcome, time.perf_counter() - t0)
+        if args.verbose or (outcome != "ok" and until is None):
+            print(f"{outcome.upper()} {detail}\n  {dag.describe()}", flush=True)
+            if outcome != "ok":
+                print(
+                    f"  again: python -m benchmarks.fuzz --seed {args.seed} --routes {route.name}"
+                    f" --start {index} --dags 1 --backend {args.backend}",
+                    flush=True,
+                )
+        if until is not None and until(tally):
+            break
+        index += 1
+    return tally
+
+
+def print_tallies(tallies: dict[str, Tally], seconds: float) -> Tally:
+    """The per-route table and the summary line; returns the sum over the routes."""
+    print(
+        f"{'route':<18} {'DAGs':>7} {'failing':>7} {'wrong':>5} {'hangs':>5} {'errors':>6} {'s':>7}"
+    )
+    total = Tally()
+    for name, t in tallies.items():
+        print(
+            f"{name:<18} {t.dags:>7} {t.failing:>7} {t.wrong:>5} {t.hangs:>5} {t.errors:>6}"
+            f" {t.seconds:>7.1f}"
+        )
+        for f in ("dags", "failing", "wrong", "hangs", "errors"):
+            setattr(total, f, getattr(total, f) + getattr(t, f))
+    print(
+        f"fuzz: {total.dags} DAGs ({total.failing} with a failing kernel), {total.wrong} wrong,"
+        f" {total.hangs} hangs, {total.errors} unexpected errors, {seconds:.1f} s",
+        flush=True,
+    )
+    return total
+
+
+def _not_corrupt_report(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("gpustreams: result of ")
+
+
+@contextlib.contextmanager
+def quiet(verbose: bool) -> Iterator[None]:
+    """Unless ``verbose``, without the workers' reports of corrupt results (each failing
+    kernel gives some) and dask.array's warnings of many chunks; afterwards, the
+    runtimes made here dropped (a hung one would still hold its streams)."""
+    logger = logging.getLogger("dask_gpustreams")
+    with warnings.catch_warnings():
+        if not verbose:
+            logger.addFilter(_not_corrupt_report)
+            warnings.simplefilter("ignore", da.PerformanceWarning)
+        try:
+            yield
+        finally:
+            logger.removeFilter(_not_corrupt_report)
+            runtime_module._runtimes.clear()
+
+
+def fuzz(args: argparse.Namespace) -> int:
+    """Run the DAGs over the routes (each its share of ``--dags`` or ``--seconds``)."""
+    t0 = time.perf_counter()
+    tallies = {}
+    n = len(args.routes)
+    with quiet(args.verbose):
+        for k, name in enumerate(args.routes):
+            quota = None if args.seconds else args.dags // n + (k < args.dags % n)
+            seconds = args.seconds / n if args.seconds else None
+            with make_route(name, args.backend, args.timeout, args.seed) as route:
+                tallies[name] = run_route(route, args, quota, seconds)
+    return int(print_tallies(tallies, time.perf_counter() - t0).bad() > 0)
+
+
+# --- self-check -------------------------------------------------------------------------------
+
+_RECORD = StreamPool.record
+
+
+def _no_wait(self, slot, producer, event, seq):
+    return None
+
+
+def _record_without_refs(self, slot, event, refs, *args):
+    return _RECORD(self, slot, event, None, *args)
+
+
+async def _no_egress_wait(self, keys):
+    return {}
+
+
+def _no_spill_wait(self, key, value):
+    return None
+
+
+def _no_error_clearing(self):
+    return None
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """What breaks a mechanism, the routes where it matters, and whether DAGs fail kernels.
+
+    Without failing kernels, breaking it must give wrong values; with them (``failure``),
+    wrong values, hangs or wrong errors.
+    """
+
+    patch: Callable[[], Any]
+    routes: tuple[str, ...]
+    failures: bool = False
+
+    def found(self, tally: Tally) -> int:
+        return tally.bad() if self.failures else tally.wrong
+
+
+MECHANISMS = {
+    # device-side event waits between streams
+    # (spilling waits for every result anyway)
+    "wait": Mechanism(lambda: mock.patch.object(StreamPool, "wait", _no_wait), ROUTES[:3]),
+    # the hold of a task's inputs until its event completes
+    "hold": Mechanism(
+        lambda: mock.patch.object(StreamPool, "record", _record_without_refs), ROUTES
+    ),
+    # get_data (peer fetch, gather) waits for the key's work
+    "egress": Mechanism(
+        lambda: mock.patch.object(Egress, "wait_for", _no_egress_wait), ("distributed",)
+    ),
+    # spilling waits for the key's work
+    "spill": Mechanism(
+        lambda: mock.patch.object(Egress, "before_spill", _no_spill_wait), ("distributed-spill",)
+    ),
+    # after a kernel failure, the worker's streams are synchronized so later work runs again
+    "failure": Mechanism(
+        lambda: mock.patch.object(Provenance, "clear_stream_errors_soon", _no_error_clearing),
+        ("distributed",),
+        failures=True,
+    ),
+}
+
+
+def self_check(args: argparse.Namespace) -> int:
+    """Each mechanism broken in turn: each of its routes must find a problem in ``--dags``."""
+    missed = 0
+    with quiet(args.verbose):
+        for name in args.self_check:
+            mechanism = MECHANISMS[name]
+            found = dags = hits = 0
+            routes = [r for r in args.routes if r in mechanism.routes]
+            for route_name in routes:
+                # The cluster starts inside the patch: the spill hook is bound as it installs.
+                with (
+                    mechanism.patch(),
+                    make_route(route_name, args.backend, args.timeout, args.seed) as route,
+                ):
+                    tally = run_route(
+                        route, args, args.dags, None, mechanism.failures, mechanism.found
+                    )
+                runtime_module._runtimes.clear()  # made while broken
+                print(
+                    f"  {name} on {route_name}: {tally.wrong} wrong, {tally.hangs} hangs,"
+                    f" {tally.errors} unexpected errors in {tally.dags} DAGs",
+                    flush=True,
+                )
+                found += mechanism.found(tally)
+                dags += tally.dags
+                hits += mechanism.found(tally) > 0
+            verdict = "found" if routes and hits == len(routes) else "NOT FOUND"
+            missed += verdict != "found"
+            print(f"self-check {name}: {found} wrong in {dags} DAGs ({verdict})", flush=True)
+    return int(missed > 0)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def _names(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
+        return names
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fuzz", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--seed", type=int, default=0, help="DAG i of a route is the same per seed")
+    parser.add_argument(
+        "--dags", type=int, help="DAGs in all (200; a self-check: at most, per route: 1000)"
+    )
+    parser.add_argument("--seconds", type=float, help="run this long instead of --dags")
+    parser.add_argument("--start", type=int, default=0, help="index of the first DAG")
+    parser.add_argument(
+        "--routes", type=_names(ROUTES), default=list(ROUTES), help=f"of {', '.join(ROUTES)}"
+    )
+    parser.add_argument("--backend", choices=("sim", "cupy"), default="sim")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds a compute may take")
+    parser.add_argument(
+        "--self-check",
+        type=_names(tuple(MECHANISMS)),
+        nargs="?",
+        const=list(MECHANISMS),
+        metavar="MECHANISMS",
+        help=f"break each mechanism ({', '.join(MECHANISMS)}; default all) and find wrong values",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every DAG")
+    args = parser.parse_args(argv)
+    if args.self_check and args.backend != "sim":
+        parser.error("--self-check needs --backend sim (the poison that shows wrong values)")
+    if args.dags is None:
+        args.dags = 1000 if args.self_check else 200
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the fuzzer (or its self-check); 1 if anything was wrong, hung or raised."""
+    args = parse_args(argv)
+    return self_check(args) if args.self_check else fuzz(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""The random-DAG fuzzer (``benchmarks/fuzz.py``): a short fixed-seed run, and its self-check."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from benchmarks import fuzz
+
+SUMMARY = re.compile(
+    r"^fuzz: (\d+) DAGs \((\d+) with a failing kernel\), (\d+) wrong, (\d+) hangs,"
+    r" (\d+) unexpected errors, [\d.]+ s$"
+)
+
+
+def summary(out: str) -> tuple[int, ...]:
+    """DAGs, failing, wrong, hangs, errors of the summary line, which comes last."""
+    match = SUMMARY.match(out.strip().splitlines()[-1])
+    assert match, out
+    return tuple(int(g) for g in match.groups())
+
+
+@pytest.mark.parametrize(
+    ("routes", "dags"), [("threaded,launcher", 160), ("distributed,distributed-spill", 40)]
+)
+def test_fixed_seed_run_is_exact(capsys, routes, dags):
+    """Seed 6 has failing kernels, persists and array expressions on every route."""
+    assert fuzz.main(["--seed", "6", "--dags", str(dags), "--routes", routes]) == 0
+    out = capsys.readouterr().out
+    n, failing, wrong, hangs, errors = summary(out)
+    assert (n, wrong, hangs, errors) == (dags, 0, 0, 0), out
+    for route in routes.split(","):
+        row = re.search(rf"^{route} +(\d+) +(\d+) +0 +0 +0 ", out, re.M)
+        assert row and int(row[1]) == dags // 2 and int(row[2]) >= 1, out
+
+
+@pytest.mark.parametrize(
+    ("mechanisms", "routes"),
+    [("wait,hold", "threaded,launcher"), ("egress,spill,failure", "distributed,distributed-spill")],
+)
+def test_self_check_finds_each_broken_mechanism(capsys, mechanisms, routes):
+    argv = ["--self-check", mechanisms, "--routes", routes, "--dags", "100"]
+    assert fuzz.main(argv) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    for mechanism in mechanisms.split(","):
+        found = rf"^self-check {mechanism}: [1-9]\d* wrong in \d+ DAGs \(found\)$"
+        assert re.search(found, out, re.M), out
+
+
+def test_dags_are_reproducible_and_their_values_stay_below_p():
+    a, b = (fuzz.make_dag(5, "launcher", 17, "sim") for _ in range(2))
+    assert a.describe() == b.describe()
+    for x, y in zip(fuzz.reference(a), fuzz.reference(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    for i in range(50):
+        for value in fuzz.reference(fuzz.make_dag(5, "threaded", i, "sim")):
+            if value is not None:
+                assert value.dtype == np.float64 and ((value >= 0) & (value < fuzz.P)).all()
