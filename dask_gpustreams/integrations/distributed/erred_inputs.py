@@ -5,8 +5,12 @@ so that the scheduler recomputes it. But the scheduler sends a released key
 back to ``waiting`` only if none of its dependencies has erred
 (``Scheduler._transition_memory_released``): when the failed kernel's own key
 has already erred, the dependent stays ``released`` and whoever wants it
-waits forever. :class:`ErredInputs` turns such a key into an error blamed on
-the erred input, as the scheduler does for dependents of a task that raised.
+waits forever. The same holds for a key released because a peer found such a
+result missing. :class:`ErredInputs` turns any key released while one of its
+inputs has erred, and still wanted, into an error blamed on that input, as the
+scheduler does for the dependents of a task that raises; so is a key sent back
+to ``waiting`` for an input that has erred since (a chain of such keys errs
+link by link).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from collections.abc import Hashable
 from typing import Any
 
 from distributed import SchedulerPlugin
+
+#: States in which a key whose input has erred waits forever.
+_STUCK = frozenset({"released", "waiting"})
 
 #: Prefix of the stimulus ids of the workers' releases of corrupt results.
 STIMULUS_PREFIX = "gpustreams-kernel-error"
@@ -30,16 +37,16 @@ class ErredInputs(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
 
-    def transition(
-        self, key: Hashable, start: str, finish: str, *args: Any, stimulus_id: str = "", **kw: Any
-    ) -> None:
-        if start == "memory" and finish == "released" and stimulus_id.startswith(STIMULUS_PREFIX):
-            # Transitions cannot be started from inside one: after this batch.
+    def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kw: Any) -> None:
+        # Whatever released it (the worker's drop of a corrupt result, or a fetch of that
+        # result that found it missing), a key released after one of its inputs erred can
+        # never run again. Transitions cannot be started from inside one: after this batch.
+        if finish in _STUCK:
             self.scheduler.loop.add_callback(self._err_if_stuck, key)
 
     def _err_if_stuck(self, key: Hashable) -> None:
         ts = self.scheduler.tasks.get(key)
-        if ts is None or ts.state != "released" or not (ts.who_wants or ts.waiters):
+        if ts is None or ts.state not in _STUCK or not (ts.who_wants or ts.waiters):
             return
         erred = next((d for d in ts.dependencies if d.state == "erred"), None)
         if erred is None:
