@@ -105,6 +105,25 @@ def test_dropped_stream_runs_its_pending_work_then_its_thread_ends():
     assert not thread.is_alive()
 
 
+def test_a_stream_whose_memory_was_reused_still_ends():
+    # The pool's per-stream free lists are keyed by stream id: they do not keep it alive.
+    pool = sim.get_default_memory_pool()
+    stream = device.create_stream()
+    thread = stream._thread
+    with stream:
+        x = sim.asarray(np.ones(1000))
+        del x  # its block goes to the stream's free list
+        y = sim.empty(1000)  # reused from it
+        y.fill(1.0)
+        total = pool.total_bytes()
+        assert (y + 1).get().sum() == 2000
+    del stream  # y and its free list refer to the stream's id only
+    thread.join(GATE_TIMEOUT)
+    assert not thread.is_alive()
+    del y  # the stream has ended: its block and free list are dropped
+    assert pool.total_bytes() <= total - 8192
+
+
 AT_EXIT = """
 import atexit
 

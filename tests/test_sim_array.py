@@ -264,7 +264,7 @@ def test_ops_enqueue_on_the_current_stream_and_return_at_once(streams):
         z = np.concatenate([x[::2], x.T])
         elapsed = time.perf_counter() - t0
         assert (y.shape, y.dtype, z.shape) == ((), np.dtype("float64"), (9,))
-        assert y._stream is a and z._stream is a  # allocated on the current stream
+        assert y._stream_id == a.id and z._stream_id == a.id  # allocated on the current stream
     assert elapsed < GATE_TIMEOUT / 2
     assert not a.record().done
     gate.set()
@@ -417,10 +417,13 @@ def test_importing_the_package_starts_no_thread(run_python):
         "print(sorted(t.name for t in threading.enumerate()))\n"
         "dask_gpustreams.sim.get_device()\n"
         "print(sorted(t.name for t in threading.enumerate()))\n"
+        "dask_gpustreams.sim.get_device().synchronize()\n"
+        "print(sorted(t.name for t in threading.enumerate()))\n"
     )
-    before, after = run_python(code).splitlines()
+    before, created, used = run_python(code).splitlines()
     assert "sim-stream-" not in before
-    assert "sim-stream-" in after
+    assert "sim-stream-" not in created  # the default stream starts at its first use
+    assert "sim-stream-" in used
 
 
 # --- dask.array over SimArray chunks ---------------------------------------------------------

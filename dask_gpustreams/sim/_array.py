@@ -25,13 +25,14 @@ _ids = itertools.count()
 def get_device() -> Device:
     """The simulated device (there is one, id 0), created on first use.
 
-    Creating it starts its default stream's thread, so importing the package starts none.
+    Creating it starts no thread: each stream's thread starts with the stream (the
+    default stream's at its first use) and ends once the stream is garbage.
     """
     global _device
     if _device is None:
         with _device_lock:
             if _device is None:
-                _device = Device(0)
+                _device = Device(0, on_stream_end=_pool.stream_ended)
     return _device
 
 
@@ -65,7 +66,7 @@ class SimArray(NDArrayOperatorsMixin):
     ``numpy.nonzero``).
     """
 
-    __slots__ = ("shape", "dtype", "_block", "_stream", "_view", "_id", "__weakref__")
+    __slots__ = ("shape", "dtype", "_block", "_stream_id", "_view", "_id", "__weakref__")
     __array_priority__ = 100  # as cupy.ndarray: dask dispatches on the highest
     __hash__ = object.__hash__  # by identity, as a buffer (NumPy's __eq__ would remove it)
 
@@ -85,13 +86,13 @@ class SimArray(NDArrayOperatorsMixin):
         self.dtype = dtype
         self._id = next(_ids)
         stream = get_device().current_stream()
-        self._stream = stream
+        self._stream_id = stream.id  # an identifier: an array does not keep its stream alive
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:  # like CuPy, an empty array takes no memory from the pool
             self._block = None
             self._view = np.empty(shape, dtype)
             return self
-        block, reused = _pool.malloc(nbytes, stream)
+        block, reused = _pool.malloc(nbytes, stream.id)
         self._block = block
         self._view = block[:nbytes].view(dtype).reshape(shape)
         if reused:
@@ -104,7 +105,7 @@ class SimArray(NDArrayOperatorsMixin):
     def __del__(self) -> None:
         block = getattr(self, "_block", None)
         if block is not None:
-            _pool.free(block, self._stream)
+            _pool.free(block, self._stream_id)
 
     @property
     def nbytes(self) -> int:

@@ -62,7 +62,8 @@ class Stream:
         )
         self._thread.start()
         # Work queued holds the stream; once none is and the stream is garbage, the thread ends.
-        weakref.finalize(self, self._queue.put, None).atexit = False  # atexit code may sync
+        finalizer = weakref.finalize(self, _stream_ended, self._queue, device, self.id)
+        finalizer.atexit = False  # atexit code may sync
 
     def __repr__(self) -> str:
         return f"<sim.Stream {self.id} priority={self.priority}>"
@@ -198,22 +199,49 @@ def _serve(work: queue.SimpleQueue) -> None:
         del item, stream, op
 
 
+def _stream_ended(work: queue.SimpleQueue, device: Device, stream_id: int) -> None:
+    """A stream is garbage: its thread ends after the work queued; tell the device's listener."""
+    work.put(None)
+    if device._on_stream_end is not None:
+        device._on_stream_end(stream_id)
+
+
 def _clear_error(error: KernelError, stream: Stream) -> None:
     if stream._error is error:
         stream._error = None
 
 
 class Device:
-    """The simulated device: a default stream and the streams created on it."""
+    """The simulated device: a default stream and the streams created on it.
 
-    def __init__(self, device_id: int = 0):
+    ``on_stream_end(stream_id)`` is called, from any thread and without
+    locks that it may take, when a stream of this device is garbage (its
+    memory pool drops that stream's free list).
+    """
+
+    def __init__(
+        self, device_id: int = 0, on_stream_end: Callable[[int], None] | None = None
+    ) -> None:
         self.id = device_id
         self._local = threading.local()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self._reported_errors: weakref.WeakSet[KernelError] = weakref.WeakSet()
         self._kernel_delay = (0.0, 0.0)
         self._random = random.Random()
-        self.default_stream = self.create_stream()
+        self._on_stream_end = on_stream_end
+        self._default_stream: Stream | None = None
+        self._default_lock = threading.Lock()
+
+    @property
+    def default_stream(self) -> Stream:
+        """The stream of work launched with no stream current (its thread starts at first use)."""
+        stream = self._default_stream
+        if stream is None:
+            with self._default_lock:
+                if self._default_stream is None:
+                    self._default_stream = self.create_stream()
+                stream = self._default_stream
+        return stream
 
     @property
     def kernel_delay(self) -> tuple[float, float]:

@@ -1,8 +1,10 @@
 """The simulated device's memory pool.
 
-Like CuPy's pool, it keeps one free list per stream: a block goes back to the
+Like CuPy's pool, it keeps one free list per stream, keyed by the stream's
+identifier (so the pool never keeps a stream alive): a block goes back to the
 list of the stream that was current when it was allocated, at once, on the
-host, when its array is garbage collected. A block handed out again is first
+host, when its array is garbage collected. The list of a stream that has
+ended is dropped, and so are blocks freed after it ended. A block handed out again is first
 poisoned (NaN for floats, 0xA5 bytes otherwise) by work enqueued on the new
 allocation's stream, so a kernel on another stream that still reads the old
 contents sees the poison, as it would see reused memory on a GPU.
@@ -11,7 +13,8 @@ contents sees the poison, as it would see reused memory on a GPU.
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -28,32 +31,59 @@ def poison(view: np.ndarray) -> None:
 
 
 class MemoryPool:
-    """Per-stream free lists of host buffers standing in for device blocks."""
+    """Per-stream free lists of host buffers standing in for device blocks.
+
+    ``stream`` arguments are stream identifiers (any hashable, ``Stream.id``).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: dict[object, dict[int, list[np.ndarray]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
+        self._free: dict[Hashable, defaultdict[int, list[np.ndarray]]] = {}
+        # Streams that ended. Their finalizers run in any thread, even inside this pool's
+        # lock: they only append, the lock's holders drain.
+        self._ended: deque[Hashable] = deque()
         self._used = 0
         self._total = 0
 
-    def malloc(self, nbytes: int, stream: object) -> tuple[np.ndarray, bool]:
+    def malloc(self, nbytes: int, stream: Hashable) -> tuple[np.ndarray, bool]:
         """A block of at least ``nbytes`` from ``stream``'s free list, and whether it was reused."""
         size = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
         with self._lock:
-            free = self._free[stream][size]
+            self._drop_ended()
+            lists = self._free.get(stream)
+            if lists is None:
+                lists = self._free[stream] = defaultdict(list)
+            free = lists[size]
             self._used += size
             if free:
                 return free.pop(), True
             self._total += size
         return np.empty(size, dtype=np.uint8), False
 
-    def free(self, block: np.ndarray, stream: object) -> None:
-        """Return ``block`` to ``stream``'s free list now, whatever is still queued on it."""
+    def free(self, block: np.ndarray, stream: Hashable) -> None:
+        """Return ``block`` to ``stream``'s free list now, whatever is still queued on it.
+
+        If ``stream`` has ended (:meth:`stream_ended`), the block is dropped.
+        """
         with self._lock:
+            self._drop_ended()
             self._used -= block.nbytes
-            self._free[stream][block.nbytes].append(block)
+            lists = self._free.get(stream)
+            if lists is None:
+                self._total -= block.nbytes
+            else:
+                lists[block.nbytes].append(block)
+
+    def stream_ended(self, stream: Hashable) -> None:
+        """``stream`` is gone: drop its free list (safe from any thread, takes no lock)."""
+        self._ended.append(stream)
+
+    def _drop_ended(self) -> None:
+        ended = self._ended
+        while ended:
+            lists = self._free.pop(ended.popleft(), None)
+            if lists:
+                self._total -= sum(b.nbytes for blocks in lists.values() for b in blocks)
 
     def used_bytes(self) -> int:
         """Bytes held by live arrays."""
@@ -66,6 +96,7 @@ class MemoryPool:
     def free_all_blocks(self) -> None:
         """Drop every cached free block."""
         with self._lock:
+            self._drop_ended()
             for lists in self._free.values():
                 for blocks in lists.values():
                     self._total -= sum(b.nbytes for b in blocks)
