@@ -3,11 +3,18 @@
 Pool streams are blocking (``non_blocking=False``), so they stay ordered with
 the legacy default stream that serializers and spilling use; events are
 created without timing unless asked for, as CUDA recommends for waits.
+
+Inside a task, CuPy's current stream is the task's pool stream; so is
+PyTorch's, once PyTorch has initialized CUDA in the process (see
+:meth:`CupyBackend.use_stream`). Numba has no current stream: a task passes
+``numba.cuda.external_stream(cupy.cuda.get_current_stream().ptr)`` to each
+launch (docs/guide.md, "Other libraries inside a task").
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -29,9 +36,14 @@ class CupyBackend:
     upload_functions = (cupy.asarray,)
     download_functions = (cupy.asnumpy, cupy.ndarray.get)
 
+    #: Make each pool stream PyTorch's current stream too, inside tasks (see use_stream).
+    torch_interop = True
+
     def __init__(self) -> None:
         self.device_id = cupy.cuda.Device().id
         self.is_hip = bool(cupy.cuda.runtime.is_hip)
+        self._torch_cuda: Any = None  # torch.cuda, once PyTorch has started CUDA
+        self._torch_streams: dict[cupy.cuda.Stream, Any] = {}  # keeps the streams alive
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -79,7 +91,37 @@ class CupyBackend:
             cupy.fft.config.get_plan_cache().set_size(0)
 
     def use_stream(self, stream: cupy.cuda.Stream, key: Any = None) -> AbstractContextManager:
-        return stream
+        """``stream`` current for CuPy and, once PyTorch has started CUDA, for PyTorch.
+
+        Until then (or with :attr:`torch_interop` off) this is ``stream`` itself,
+        after a ``sys.modules`` lookup (and ``torch.cuda.is_initialized()`` once
+        PyTorch is imported); PyTorch is never imported here, and each stream's
+        ``torch.cuda.ExternalStream`` is made once. A task that starts PyTorch's
+        CUDA itself runs its first PyTorch work on PyTorch's default stream, the
+        legacy one, which CUDA orders with the blocking pool streams: correct,
+        only not concurrent.
+        """
+        if not self.torch_interop:
+            return stream
+        cuda = self._torch_cuda or self._find_torch_cuda()
+        if cuda is None:
+            return stream
+        torch_stream = self._torch_streams.get(stream)
+        if torch_stream is None:
+            torch_stream = self._torch_streams.setdefault(
+                stream, cuda.ExternalStream(stream.ptr, device=self.device_id)
+            )
+        return _TorchAndCupyStream(stream, torch_stream, cuda)
+
+    def _find_torch_cuda(self) -> Any:
+        """``torch.cuda`` if PyTorch is imported and its CUDA started, else None (not cached)."""
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None)  # None while torch is still being imported
+        is_initialized = getattr(cuda, "is_initialized", None)
+        if is_initialized is None or not is_initialized():
+            return None
+        self._torch_cuda = cuda
+        return cuda
 
     def current_stream(self) -> cupy.cuda.Stream:
         return cupy.cuda.get_current_stream()
@@ -103,3 +145,38 @@ class CupyBackend:
 
     def copy_to_host(self, dst: np.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
         src.get(stream=stream, out=dst, blocking=False)
+
+
+class _TorchAndCupyStream:
+    """Enters a CuPy stream, then makes its ``ExternalStream`` PyTorch's current stream.
+
+    On exit PyTorch's previous current stream is restored, then CuPy's. Both
+    libraries keep the current stream per thread and device.
+    """
+
+    __slots__ = ("_cuda", "_previous", "_stream", "_torch_stream")
+
+    def __init__(self, stream: cupy.cuda.Stream, torch_stream: Any, cuda: Any) -> None:
+        self._stream = stream
+        self._torch_stream = torch_stream
+        self._cuda = cuda
+        self._previous = None
+
+    def __enter__(self) -> cupy.cuda.Stream:
+        stream = self._stream
+        stream.__enter__()
+        try:
+            cuda = self._cuda
+            self._previous = cuda.current_stream()
+            cuda.set_stream(self._torch_stream)
+        except BaseException:
+            stream.__exit__(None, None, None)
+            raise
+        return stream
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._cuda.set_stream(self._previous)
+        finally:
+            self._previous = None
+            self._stream.__exit__(*exc)
