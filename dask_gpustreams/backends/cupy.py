@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -43,7 +44,8 @@ class CupyBackend:
         self.device_id = cupy.cuda.Device().id
         self.is_hip = bool(cupy.cuda.runtime.is_hip)
         self._torch_cuda: Any = None  # torch.cuda, once PyTorch has started CUDA
-        self._torch_streams: dict[cupy.cuda.Stream, Any] = {}  # keeps the streams alive
+        # Each stream's torch.cuda.ExternalStream, dropped with the stream.
+        self._torch_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
