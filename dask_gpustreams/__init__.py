@@ -15,14 +15,14 @@ from dask_gpustreams.errors import KernelError as KernelError
 from dask_gpustreams.integrations.distributed import StreamsPlugin as StreamsPlugin
 from dask_gpustreams.integrations.launcher import SCHEDULER_NAME as _SCHEDULER_NAME
 from dask_gpustreams.integrations.launcher import get as get
-from dask_gpustreams.integrations.local import hook as _local_hook
+from dask_gpustreams.integrations.local import install as _install_local_route
 from dask_gpustreams.integrations.preload import dask_setup as dask_setup
 from dask_gpustreams.markers import host_task as host_task
 from dask_gpustreams.runtime import get_runtime as get_runtime
 from dask_gpustreams.transfers import to_device as to_device
 from dask_gpustreams.transfers import to_host as to_host
 
-_local_hook.register()
+_install_local_route()
 dask.base.named_schedulers[_SCHEDULER_NAME] = get
 
 __version__ = "0.1.0"

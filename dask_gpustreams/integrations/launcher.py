@@ -22,7 +22,6 @@ from dask.local import nested_get
 from dask.order import order
 from dask.utils import key_split
 
-from dask_gpustreams.integrations.local import hook
 from dask_gpustreams.integrations.tasks import rewrite_transfers, transfer_rewrites
 from dask_gpustreams.markers import host_task, is_host_task
 from dask_gpustreams.runtime import get_runtime
@@ -124,7 +123,7 @@ def get(
     runtime = get_runtime()
     hooks = None
     if callbacks is None and not getattr(task_state, "launching", False):
-        callbacks = [cb for cb in Callback.active if cb != hook._callback]
+        callbacks = list(Callback.active)
     if callbacks:
         hooks = DaskCallbacks([normalize_callback(cb) for cb in callbacks])
         hooks.start(dsk)

@@ -1,19 +1,53 @@
-"""The local (threaded or synchronous) scheduler: a dask callback that wraps each graph.
+"""The local (threaded or synchronous) scheduler: each compute's graph goes through the runtime.
 
-Registered at import of :mod:`dask_gpustreams`; it does nothing unless
-``gpustreams.enabled`` is true when ``compute``/``persist`` starts. Then every
-task runs through the stream runtime in the pool thread that executes it,
-and before ``compute`` returns the events of the results handed back are
-waited for (one host sync at the end, none per task).
+:func:`install` (run at import of :mod:`dask_gpustreams`) puts
+:func:`local_callbacks` in place of ``dask.local.local_callbacks``, the context
+manager through which ``dask.local.get_async`` (behind ``dask.threaded.get``,
+``get_sync`` and ``dask.multiprocessing.get``) resolves its callbacks at the
+start of every compute. While ``gpustreams.enabled`` is true, read per compute,
+it adds :data:`hook`'s callbacks to that compute's own list. Then every task
+runs through the stream runtime in the pool thread that executes it, and
+before ``compute`` returns the events of the results handed back are waited
+for (one host sync at the end, none per task). While disabled it returns
+Dask's list unchanged.
+
+Why not a registered :class:`dask.callbacks.Callback`:
+
+- A registered callback lives in ``Callback.active``, a set that Dask's own
+  tests and users expect to hold only their callbacks
+  (``assert not Callback.active``).
+- ``dask.callbacks.local_callbacks`` swaps ``Callback.active`` for an empty set
+  while a compute runs and puts the saved set back at its end. So a nested
+  compute inside a task, and a compute another thread starts meanwhile, see no
+  global callback. When two computes on two threads overlap, the one that ends
+  last restores the empty set it saw: a registered hook would be gone for the
+  rest of the process.
+
+Added per compute, the hook is in every local compute's list, nested and
+concurrent ones included, and never in ``Callback.active``. (Dask's rule that
+only the outermost compute sees the global callbacks still holds for the
+user's; a nested compute's tasks run on pool streams too.) Dask offers no
+per-compute hook of its own: the collections bind ``dask.threaded.get`` at
+import (``__dask_scheduler__``), and a callback cannot change the graph's
+executor. ``get_async`` looks ``local_callbacks`` up as a module global at call
+time, so replacing that one name is enough; the replacement calls Dask's
+function first, so ``Callback.active`` keeps Dask's semantics.
+
+The hook's ``_finish`` comes first in the list and its ``_start`` last: the
+other callbacks' ``_start`` see the graph as Dask gives it (``dask.cache.Cache``
+may still replace nodes), and their ``_finish`` see complete results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from dask.callbacks import Callback
+import dask.callbacks
+import dask.local
 
 from dask_gpustreams.config import enabled
 from dask_gpustreams.integrations.tasks import wrap_task
@@ -23,18 +57,27 @@ from dask_gpustreams.runtime.policies import critical_keys
 logger = logging.getLogger("dask_gpustreams")
 
 
-class LocalSchedulerHook(Callback):
-    """Runs local-scheduler graphs through the stream runtime while enabled."""
+class LocalSchedulerHook:
+    """Runs local-scheduler graphs through the stream runtime while enabled.
+
+    ``_start`` and ``_finish`` have the signatures of Dask's callbacks; they
+    run on the thread that calls ``compute`` and may block there.
+    """
 
     def __init__(self) -> None:
-        super().__init__()
         self._runs: dict[int, tuple[StreamRuntime, EventRegistry]] = {}
         self._lock = threading.Lock()
         self._advised = False
 
+    def callbacks(self, others: Sequence[tuple]) -> list[tuple]:
+        """``others`` (Dask callback tuples) with this hook's finish first and start last."""
+        return [
+            (None, None, None, None, self._finish),
+            *others,
+            (self._start, None, None, None, None),
+        ]
+
     def _start(self, dsk: dict) -> None:
-        if not enabled():
-            return
         runtime = get_runtime()
         if not self._advised:
             self._advised = True
@@ -71,3 +114,32 @@ class LocalSchedulerHook(Callback):
 
 
 hook = LocalSchedulerHook()
+
+
+@contextlib.contextmanager
+def local_callbacks(callbacks: Sequence[tuple] | None = None) -> Iterator[Sequence[tuple]]:
+    """Dask's ``local_callbacks(callbacks)``, plus :data:`hook`'s while ``gpustreams.enabled``."""
+    with _wrapped(callbacks) as resolved:
+        yield hook.callbacks(resolved) if enabled() else resolved
+
+
+def install() -> None:
+    """Make ``dask.local.get_async`` resolve its callbacks through :func:`local_callbacks`.
+
+    Idempotent: the function it replaces (Dask's, or another wrapper of it) is
+    the one :func:`local_callbacks` calls, and :func:`uninstall` puts it back.
+    """
+    global _wrapped
+    if dask.local.local_callbacks is not local_callbacks:
+        _wrapped = dask.local.local_callbacks
+        dask.local.local_callbacks = local_callbacks
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: local computes bypass the runtime, even while enabled."""
+    if dask.local.local_callbacks is local_callbacks:
+        dask.local.local_callbacks = _wrapped
+
+
+#: The ``local_callbacks`` that :func:`local_callbacks` wraps (Dask's until :func:`install`).
+_wrapped: Any = dask.callbacks.local_callbacks

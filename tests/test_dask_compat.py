@@ -1,0 +1,179 @@
+"""What Dask's and distributed's own tests expect of a process that imports the plugin.
+
+Issue 12's peer-suite causes: the local route never registers a global
+callback, and stays on under nested and concurrent computes (A, A2); wrapped
+tasks are Dask ``Task`` nodes (B); a task error's traceback shows no plugin
+frame (C); a client logs no preload line (E).
+"""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+from dask import delayed
+from dask.callbacks import Callback
+
+from dask_gpustreams import sim
+from dask_gpustreams.integrations import local
+
+TIMEOUT = 30  # seconds any wait below may take before the test fails
+
+
+def on_pool_stream(*args):
+    """Whether this task runs with a pool stream current (through the runtime)."""
+    device = sim.get_device()
+    return device.current_stream() is not device.default_stream
+
+
+def fill(out, value):
+    time.sleep(0.001)
+    out[...] = value
+
+
+def add(out, a, b):
+    time.sleep(0.001)
+    np.add(a, b, out=out)
+
+
+def leaf(value):
+    out = sim.empty(4, "float64")
+    sim.launch(fill, out, value)
+    return out
+
+
+def total(a, b):
+    out = sim.empty(4, "float64")
+    sim.launch(add, out, a, b)
+    return out
+
+
+# --- A and A2: no global callback, on under nested and concurrent computes -----------------
+
+
+def test_no_global_callback_after_import_nor_after_computes(run_python):
+    code = textwrap.dedent(
+        """
+        import dask
+        from dask.callbacks import Callback
+        import dask_gpustreams
+        from dask_gpustreams import sim
+
+        def on_pool_stream():
+            return sim.get_device().current_stream() is not sim.get_device().default_stream
+
+        assert not Callback.active, Callback.active
+        assert dask.delayed(on_pool_stream, pure=False)().compute() is False
+        assert not Callback.active, Callback.active
+        with dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}):
+            assert dask.delayed(on_pool_stream, pure=False)().compute() is True
+            assert dask.delayed(on_pool_stream, pure=False)().compute(scheduler="sync") is True
+            assert not Callback.active, Callback.active
+        print("ok")
+        """
+    )
+    assert run_python(code).splitlines()[-1] == "ok"
+
+
+def test_callbacks_active_stay_the_users_while_enabled(gpustreams):
+    seen = []
+    user = Callback(pretask=lambda key, dsk, state: seen.append(key))
+    with gpustreams(streams=2):
+        assert delayed(on_pool_stream, pure=False)().compute()
+        assert Callback.active == set()
+        with user:
+            assert Callback.active == {user._callback}
+            assert delayed(on_pool_stream, pure=False)(dask_key_name="x").compute()
+        assert Callback.active == set()
+    assert seen == ["x"]
+
+
+def test_overlapping_computes_from_two_threads_and_later_ones_run_through_the_runtime(
+    gpustreams,
+):
+    """B starts while A's task runs and ends after A's compute: with a global callback, B
+    would miss it, and restoring the empty set B saw would drop it for good."""
+    a_running, a_done = threading.Event(), threading.Event()
+    both_running = threading.Barrier(2, timeout=TIMEOUT)
+    results: dict[str, object] = {}
+
+    def task_a():
+        on = on_pool_stream()
+        a_running.set()
+        both_running.wait()
+        return on
+
+    def task_b():
+        on = on_pool_stream()
+        both_running.wait()
+        assert a_done.wait(TIMEOUT)
+        return on
+
+    def compute(name, fn, before=None):
+        try:
+            if before is not None:
+                assert before.wait(TIMEOUT)
+            results[name] = delayed(fn, pure=False)().compute()
+        except BaseException as e:  # reported by the main thread
+            results[name] = e
+        finally:
+            if name == "a":
+                a_done.set()
+
+    with gpustreams(streams=2):
+        threads = [
+            threading.Thread(target=compute, args=("a", task_a)),
+            threading.Thread(target=compute, args=("b", task_b, a_running)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not any(t.is_alive() for t in threads)
+        assert results == {"a": True, "b": True}
+        for scheduler in ("threads", "sync"):
+            assert delayed(on_pool_stream, pure=False)().compute(scheduler=scheduler)
+    assert Callback.active == set()
+
+
+def nested_compute(scheduler):
+    inner = delayed(total)(delayed(leaf)(1.0), delayed(leaf)(2.0))
+    on_outer = on_pool_stream()
+    on_inner = delayed(on_pool_stream, pure=False)().compute(scheduler=scheduler)
+    values = inner.compute(scheduler=scheduler).get()
+    return on_outer, on_inner, values.tolist()
+
+
+@pytest.mark.parametrize("outer", ["threads", "sync"])
+@pytest.mark.parametrize("inner", ["threads", "sync"])
+def test_nested_compute_in_a_task_runs_through_the_runtime(gpustreams, outer, inner):
+    with gpustreams(streams=3):
+        got = delayed(nested_compute)(inner).compute(scheduler=outer)
+    assert got == (True, True, [3.0] * 4)
+
+
+def test_disabled_leaves_dasks_callbacks_unchanged():
+    with local.local_callbacks() as callbacks:
+        assert list(callbacks) == []
+    explicit = [(None, None, None, None, None)]
+    with local.local_callbacks(explicit) as callbacks:
+        assert callbacks is explicit
+
+
+def test_install_is_idempotent_and_uninstall_bypasses_the_runtime(gpustreams):
+    import dask.local
+
+    assert dask.local.local_callbacks is local.local_callbacks
+    local.install()
+    assert local._wrapped is dask.callbacks.local_callbacks
+    try:
+        local.uninstall()
+        with gpustreams(streams=2):
+            assert delayed(on_pool_stream, pure=False)().compute() is False
+    finally:
+        local.install()
+    with gpustreams(streams=2):
+        assert delayed(on_pool_stream, pure=False)().compute() is True
