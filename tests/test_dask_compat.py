@@ -8,17 +8,25 @@ frame (C); a client logs no preload line (E).
 
 from __future__ import annotations
 
+import pickle
 import textwrap
 import threading
 import time
 
+import dask
 import numpy as np
 import pytest
 from dask import delayed
+from dask._task_spec import Alias, Task, TaskRef
 from dask.callbacks import Callback
+from dask.diagnostics import Profiler
+from dask.sizeof import sizeof
+from dask.tokenize import tokenize
 
 from dask_gpustreams import sim
 from dask_gpustreams.integrations import local
+from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
+from dask_gpustreams.runtime import EventRegistry, get_runtime
 
 TIMEOUT = 30  # seconds any wait below may take before the test fails
 
@@ -177,3 +185,60 @@ def test_install_is_idempotent_and_uninstall_bypasses_the_runtime(gpustreams):
         local.install()
     with gpustreams(streams=2):
         assert delayed(on_pool_stream, pure=False)().compute() is True
+
+
+# --- B: wrapped tasks are Dask tasks --------------------------------------------------------
+
+
+def test_wrapped_tasks_are_dask_tasks(gpustreams):
+    with gpustreams(streams=2):
+        node = Task("y", np.add, TaskRef("x"), 1, _data_producer=True)
+        wrapped = wrap_task(node, get_runtime(), EventRegistry())
+        assert isinstance(wrapped, Task) and type(wrapped) is StreamTask
+        assert (wrapped.func, wrapped.args, wrapped.kwargs) == (np.add, node.args, {})
+        assert wrapped.dependencies == {"x"} and wrapped.data_producer
+        assert not wrapped.is_coro and not wrapped.has_subgraph()
+        assert wrapped == wrap_task(node, get_runtime(), EventRegistry())
+        assert tokenize(wrapped) == tokenize(wrapped.copy()) != tokenize(node)
+        assert hash(wrapped) == hash(wrapped.copy())
+        assert wrapped._get_token() == wrapped.copy()._get_token() != node._get_token()
+        assert sizeof(wrapped) >= sizeof(node)
+        assert repr(wrapped) == f"StreamTask({node!r})"
+        assert wrap_task(wrapped, get_runtime(), EventRegistry()) is wrapped
+        assert pickle.loads(pickle.dumps(wrapped)).args == node.args
+
+        alias = wrap_task(Alias("z", "y"), get_runtime(), EventRegistry())
+        assert isinstance(alias, Task) and alias.dependencies == {"y"}
+        assert alias.args == (TaskRef("y"),) and alias.kwargs == {}
+        assert alias.func(5) == 5
+        assert alias({"y": 5}) == 5
+
+
+def test_profiler_sees_dask_tasks(gpustreams):
+    dsk = {"a": 1, "b": 2, "c": (np.add, "a", "b"), "d": (np.multiply, "c", 2)}
+    with gpustreams(streams=2), Profiler() as prof:
+        assert dask.get(dsk, "d") == 6
+        assert dask.threaded.get(dsk, "d") == 6
+    assert sorted(r.key for r in prof.results) == ["c", "c", "d", "d"]
+    assert all(isinstance(r.task, StreamTask) for r in prof.results)
+    assert all(isinstance(r.task, Task) for r in prof.results)
+
+
+def test_wrapping_allocates_one_object_per_task(gpustreams):
+    """No per-task host cost beyond the wrapper itself (issue 12, cause B)."""
+    import tracemalloc
+
+    with gpustreams(streams=2):
+        runtime, registry = get_runtime(), EventRegistry()
+        nodes = [Task(("y", i), np.negative, TaskRef(("x", i))) for i in range(1000)]
+        wrap_task(nodes[0], runtime, registry)  # warm caches
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            wrapped = [wrap_task(n, runtime, registry) for n in nodes]
+            after = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+    grown = sum(s.count_diff for s in after.compare_to(before, "filename"))
+    assert len(wrapped) == 1000
+    assert grown <= 1000 + 10  # the wrappers, plus the list that holds them

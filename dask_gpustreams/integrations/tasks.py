@@ -6,18 +6,25 @@ import functools
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from dask._task_spec import Alias, GraphNode, Task, _execute_subgraph
+from dask._task_spec import Alias, GraphNode, Task, TaskRef, _execute_subgraph
+from dask.sizeof import sizeof
 
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 from dask_gpustreams.transfers import to_device, to_host
 
 
-class StreamTask(GraphNode):
-    """A graph node that runs ``node`` through the stream runtime, with its key and dependencies.
+class StreamTask(Task):
+    """A task that runs ``node`` through the stream runtime, with its key and dependencies.
 
-    Called by the scheduler with the values of its dependencies, as ``node``
-    would be. Pickled for another process (the multiprocessing scheduler), it
-    becomes ``node`` again: streams and events stay in this process.
+    A :class:`~dask._task_spec.Task` to Dask (its diagnostics see tasks as
+    before), whose ``func``, ``args`` and ``kwargs`` are ``node``'s (an
+    ``Alias`` reads as the identity of its target). Called by the scheduler
+    with the values of its dependencies, as ``node`` would be. Pickled for
+    another process (the multiprocessing scheduler), it becomes ``node``
+    again: streams and events stay in this process.
+
+    ``Task``'s own fields stay unset (``Task.__init__`` is not run: it would
+    walk the arguments again); every method that reads them is overridden.
     """
 
     __slots__ = ("node", "runtime", "registry", "critical")
@@ -37,8 +44,27 @@ class StreamTask(GraphNode):
         self.critical = critical
 
     @property
+    def func(self) -> Any:  # type: ignore[override]
+        node = self.node
+        return node.func if isinstance(node, Task) else _alias_value
+
+    @property
+    def args(self) -> tuple:  # type: ignore[override]
+        node = self.node
+        return node.args if isinstance(node, Task) else (TaskRef(node.target),)
+
+    @property
+    def kwargs(self) -> dict:  # type: ignore[override]
+        node = self.node
+        return node.kwargs if isinstance(node, Task) else {}
+
+    @property
     def data_producer(self) -> bool:
         return self.node.data_producer
+
+    @property
+    def is_coro(self) -> bool:
+        return self.node.is_coro
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
@@ -60,12 +86,25 @@ class StreamTask(GraphNode):
     def __dask_tokenize__(self) -> Any:
         return ("StreamTask", self.node, self.critical)
 
+    def _get_token(self) -> str:
+        from dask.tokenize import tokenize
+
+        return tokenize(self.__dask_tokenize__())
+
+    def __sizeof__(self) -> int:
+        return object.__sizeof__(self) + sizeof(self.node)
+
     def substitute(self, subs: dict, key: Hashable | None = None) -> GraphNode:
         node = self.node.substitute(subs, key)
         return wrap_task(node, self.runtime, self.registry, self.critical)
 
     def __repr__(self) -> str:
         return f"StreamTask({self.node!r})"
+
+
+def _alias_value(value: Any) -> Any:
+    """The ``func`` of a wrapped ``Alias``: its target's value."""
+    return value
 
 
 @functools.cache
@@ -127,7 +166,7 @@ def wrap_task(
     if isinstance(node, Alias):
         if node.target == node.key:
             return node
-    elif not isinstance(node, Task) or node.is_coro:
+    elif not isinstance(node, Task) or isinstance(node, StreamTask) or node.is_coro:
         return node
     else:
         node = rewrite_transfers(node, transfer_rewrites(type(runtime.backend)))
