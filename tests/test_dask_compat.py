@@ -12,6 +12,7 @@ import pickle
 import textwrap
 import threading
 import time
+import traceback
 
 import dask
 import numpy as np
@@ -22,9 +23,10 @@ from dask.callbacks import Callback
 from dask.diagnostics import Profiler
 from dask.sizeof import sizeof
 from dask.tokenize import tokenize
+from distributed import Client
 
 from dask_gpustreams import sim
-from dask_gpustreams.integrations import local
+from dask_gpustreams.integrations import local, tasks
 from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
 from dask_gpustreams.runtime import EventRegistry, get_runtime
 
@@ -242,3 +244,76 @@ def test_wrapping_allocates_one_object_per_task(gpustreams):
     grown = sum(s.count_diff for s in after.compare_to(before, "filename"))
     assert len(wrapped) == 1000
     assert grown <= 1000 + 10  # the wrappers, plus the list that holds them
+
+
+# --- C: tracebacks as without the plugin ----------------------------------------------------
+
+
+def f1():
+    return 1 / 0
+
+
+def f2():
+    return f1() + 5
+
+
+def f3():
+    return f2() + 1
+
+
+def error_frames(fn):
+    with pytest.raises(ZeroDivisionError) as e:
+        fn()
+    return [
+        (frame.f_code.co_filename, frame.f_code.co_name) for frame, _ in traceback.walk_tb(e.tb)
+    ]
+
+
+def assert_frames_as_plain(fn, gpustreams):
+    plain = error_frames(fn)
+    with gpustreams(streams=2):
+        frames = error_frames(fn)
+    assert [f for f in frames if "dask_gpustreams" in f[0]] == []
+    assert [name for _, name in frames] == [name for _, name in plain]
+    assert [name for _, name in frames][-3:] == ["f3", "f2", "f1"]
+
+
+@pytest.mark.parametrize("scheduler", ["threads", "sync", "gpustreams"])
+@pytest.mark.parametrize("method", ["compute", "persist"])
+def test_task_error_traceback_has_no_plugin_frames(gpustreams, scheduler, method):
+    def run():
+        getattr(dask, method)(delayed(f3)(), scheduler=scheduler)
+
+    assert_frames_as_plain(run, gpustreams)
+
+
+def distributed_error_frames(enabled):
+    config = {"gpustreams.enabled": enabled, "gpustreams.backend": "sim"}
+    with (
+        dask.config.set(config),
+        Client(processes=False, n_workers=1, threads_per_worker=2, dashboard_address=":0") as c,
+    ):
+        plugins = c.run(lambda dask_worker: list(dask_worker.plugins)).popitem()[1]
+        assert ("gpustreams" in plugins) is enabled
+        futures = [c.submit(f3, pure=False), c.compute(delayed(f3)())]
+        return [error_frames(f.result) for f in futures] + [error_frames(lambda: c.gather(futures))]
+
+
+def test_task_error_traceback_on_distributed_has_no_plugin_frames():
+    plain = distributed_error_frames(False)
+    got = distributed_error_frames(True)
+    for frames, plain_frames in zip(got, plain, strict=True):
+        assert [f for f in frames if "dask_gpustreams" in f[0]] == []
+        assert [name for _, name in frames] == [name for _, name in plain_frames]
+        assert [name for _, name in frames][-3:] == ["f3", "f2", "f1"]
+
+
+def test_traceback_default_keeps_dasks_and_is_added_once():
+    shorten = dask.config.get("admin.traceback.shorten")
+    dask_default = dask.config.defaults[0]["admin"]["traceback"]["shorten"]
+    assert shorten[: len(dask_default)] == dask_default
+    assert shorten[len(dask_default) :] == list(tasks.TRACEBACK_SHORTEN)
+    tasks._add_traceback_shorten_default()
+    assert dask.config.get("admin.traceback.shorten") == shorten
+    with dask.config.set({"admin.traceback.shorten": ["mine"]}):
+        assert dask.config.get("admin.traceback.shorten") == ["mine"]

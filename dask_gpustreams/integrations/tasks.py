@@ -1,4 +1,16 @@
-"""Wrapping dask ``Task`` nodes so they run through the stream runtime (shared by integrations)."""
+"""Wrapping dask ``Task`` nodes so they run through the stream runtime (shared by integrations).
+
+Importing this module appends :data:`TRACEBACK_SHORTEN` to the default of
+Dask's ``admin.traceback.shorten``: ``compute``, ``persist`` and distributed's
+``Future.result``/``Client.gather`` then drop the frames of the wrappers
+between Dask's and the task's own, and a task error's traceback reads as
+without the plugin. Dask's and distributed's patterns stay. As with
+``distributed.client.preload`` (:mod:`.preload`), a value set in YAML, the
+environment or ``dask.config.set`` replaces the default (add these patterns
+to it), and ``dask.config.refresh()`` drops them. On distributed the client
+shortens with its own config: a client process that never imports the
+package shows the wrappers' frames.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +18,21 @@ import functools
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+import dask.config
 from dask._task_spec import Alias, GraphNode, Task, TaskRef, _execute_subgraph
 from dask.sizeof import sizeof
 
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 from dask_gpustreams.transfers import to_device, to_host
+
+#: ``admin.traceback.shorten`` patterns: the modules whose frames sit between Dask's and a
+#: task's own (the task wrappers, the runtime's ``run``, the local route's callbacks, the
+#: launcher's loop). Modules that may raise errors of their own (transfers, pool) are not here.
+TRACEBACK_SHORTEN = (
+    r"dask_gpustreams[\\/]integrations[\\/](tasks|local|launcher)\.py",
+    r"dask_gpustreams[\\/]integrations[\\/]distributed[\\/]execution\.py",
+    r"dask_gpustreams[\\/]runtime[\\/](runtime|launcher)\.py",
+)
 
 
 class StreamTask(Task):
@@ -171,3 +193,16 @@ def wrap_task(
     else:
         node = rewrite_transfers(node, transfer_rewrites(type(runtime.backend)))
     return StreamTask(node, runtime, registry, critical)
+
+
+def _add_traceback_shorten_default() -> None:
+    """Append :data:`TRACEBACK_SHORTEN` to the default of ``admin.traceback.shorten``."""
+    default = dask.config.merge(*dask.config.defaults).get("admin", {}).get("traceback", {})
+    default = list(default.get("shorten") or ())
+    missing = [p for p in TRACEBACK_SHORTEN if p not in default]
+    if missing:
+        shorten = [*default, *missing]
+        dask.config.update_defaults({"admin": {"traceback": {"shorten": shorten}}})
+
+
+_add_traceback_shorten_default()
