@@ -8,6 +8,7 @@ frame (C); a client logs no preload line (E).
 
 from __future__ import annotations
 
+import logging
 import pickle
 import textwrap
 import threading
@@ -24,9 +25,10 @@ from dask.diagnostics import Profiler
 from dask.sizeof import sizeof
 from dask.tokenize import tokenize
 from distributed import Client
+from distributed.utils_test import captured_logger
 
 from dask_gpustreams import sim
-from dask_gpustreams.integrations import local, tasks
+from dask_gpustreams.integrations import local, preload, tasks
 from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
 from dask_gpustreams.runtime import EventRegistry, get_runtime
 
@@ -317,3 +319,33 @@ def test_traceback_default_keeps_dasks_and_is_added_once():
     assert dask.config.get("admin.traceback.shorten") == shorten
     with dask.config.set({"admin.traceback.shorten": ["mine"]}):
         assert dask.config.get("admin.traceback.shorten") == ["mine"]
+
+
+# --- E: a client logs no preload line -------------------------------------------------------
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_client_logs_no_preload_line_and_installs_the_plugin_when_enabled(enabled):
+    config = {"gpustreams.enabled": enabled, "gpustreams.backend": "sim"}
+    with (
+        dask.config.set(config),
+        captured_logger("distributed") as log,
+        Client(processes=False, n_workers=1, dashboard_address=":0") as c,
+    ):
+        assert c.submit(on_pool_stream, pure=False).result() is enabled
+        plugins = c.run(lambda dask_worker: list(dask_worker.plugins)).popitem()[1]
+    assert ("gpustreams" in plugins) is enabled
+    assert "preload" not in log.getvalue().lower()
+
+
+def test_quiet_filter_keeps_errors_and_other_preloads():
+    def record(level, msg, name):
+        return logging.LogRecord("distributed.preloading", level, __file__, 1, msg, (name,), None)
+
+    quiet = preload.QuietClientPreload()
+    assert not quiet.filter(record(logging.INFO, "Creating preload: %s", preload.CLIENT_PRELOAD))
+    assert quiet.filter(
+        record(logging.ERROR, "Failed to start preload: %s", preload.CLIENT_PRELOAD)
+    )
+    assert quiet.filter(record(logging.INFO, "Creating preload: %s", "dask_gpustreams"))
+    assert preload._quiet_client_preload in logging.getLogger("distributed.preloading").filters

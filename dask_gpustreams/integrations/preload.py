@@ -13,8 +13,9 @@ preload route names the package:
 - a scheduler: ``dask scheduler --preload dask_gpustreams``. The scheduler
   registers the plugin for every worker that connects to it, dask-cuda
   workers included.
-- a client: importing :mod:`dask_gpustreams` adds the package to the
-  *defaults* of ``distributed.client.preload``. A client created while
+- a client: importing :mod:`dask_gpustreams` adds this module
+  (:data:`CLIENT_PRELOAD`) to the *defaults* of ``distributed.client.preload``.
+  A client created while
   ``gpustreams.enabled`` is true registers the plugin with its scheduler
   (unless one is registered already: a plugin registered with settings
   stays), which installs it on the current workers and on those that join later;
@@ -31,6 +32,17 @@ default only applies while ``distributed.client.preload`` keeps its default
 value: a list set in YAML, the environment or ``dask.config.set`` replaces it
 (add ``"dask_gpustreams"`` to such a list), and ``dask.config.refresh()``
 drops it (dask re-applies the first default of a key).
+
+Why quiet: distributed logs three INFO lines for every preload of every
+client ("Creating preload", "Import preload module", "Run preload setup"),
+and a user who only imported the package did not ask for one. So the default
+names this module, not the package, and a filter on the
+``distributed.preloading`` logger drops those INFO lines for that name alone
+(:class:`QuietClientPreload`), enabled or not. Its errors ("Failed to start
+preload", logged at ERROR) and every line of a preload the user names
+(``dask_gpustreams`` included) stay. Distributed has no other client-side
+hook that runs once the client is connected (its ``extensions`` are built
+before it connects, and event handlers subscribe at the scheduler).
 
 ``dask_setup`` is a plain function: preload arguments (dask-cuda passes
 ``--create-cuda-context`` to every preload) are ignored, where a click
@@ -50,8 +62,8 @@ from dask_gpustreams.config import enabled
 
 logger = logging.getLogger("dask_gpustreams")
 
-#: The module named in ``distributed.client.preload`` (its ``dask_setup`` is this one's).
-CLIENT_PRELOAD = "dask_gpustreams"
+#: The module added to the default of ``distributed.client.preload`` (this one).
+CLIENT_PRELOAD = "dask_gpustreams.integrations.preload"
 
 
 def dask_setup(server: Any) -> Any:
@@ -105,6 +117,23 @@ async def _register(request: Any) -> None:
             raise RuntimeError(f"gpustreams plugin failed to start on {address}") from exc
 
 
+class QuietClientPreload(logging.Filter):
+    """Drops ``distributed.preloading``'s INFO lines about :data:`CLIENT_PRELOAD`.
+
+    Every line of other preloads, and the ERROR lines of this one, pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.levelno <= logging.INFO
+            and isinstance(record.args, tuple)
+            and record.args[:1] == (CLIENT_PRELOAD,)
+        )
+
+
+_quiet_client_preload = QuietClientPreload()
+
+
 def _add_client_preload_default() -> None:
     """Append :data:`CLIENT_PRELOAD` to the default of ``distributed.client.preload``."""
     default = dask.config.merge(*dask.config.defaults)["distributed"]["client"]["preload"]
@@ -115,3 +144,4 @@ def _add_client_preload_default() -> None:
 
 
 _add_client_preload_default()
+logging.getLogger("distributed.preloading").addFilter(_quiet_client_preload)
