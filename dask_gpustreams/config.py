@@ -138,6 +138,8 @@ class StreamsConfig:
     pinned_pool_size: int | str | None = None
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
     launch_ahead: int | str = 256 << 20
+    #: One NVTX range per task (Nsight Systems); see :mod:`dask_gpustreams.diagnostics.nvtx`.
+    nvtx: bool = False
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names

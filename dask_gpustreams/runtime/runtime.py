@@ -57,6 +57,10 @@ class StreamRuntime:
         self.policy = make_policy(config.policy)
         n_streams = fit_hardware_queues(backend, config.streams, 2 * config.copy_streams)
         self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
+        if config.nvtx:  # a range per task for Nsight; off, tasks run exactly as without
+            from dask_gpustreams.diagnostics.nvtx import annotate
+
+            annotate(backend, self.pool)
         pinned = config.pinned_pool_size
         if pinned is None:  # 'auto'; counting the host's devices may start NVML
             pinned = auto_pinned_pool_size(host_device_count(backend.name))
