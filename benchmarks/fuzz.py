@@ -36,16 +36,22 @@ on each route where it matters: ``wait`` (device-side event waits), ``hold``
 (inputs held until their consumer's event), ``egress`` (``get_data`` waits for
 the key's work), ``spill`` (spilling does), ``failure`` (after a kernel failure
 the worker clears its streams' errors; broken, later DAGs get wrong errors,
-which count as wrong there). ``--backend cupy`` runs the same DAGs with
-CuPy chunks and kernels (CuPy operators), without failing or sleeping kernels:
-it is not tested here (no GPU), and its exactness rests on the same integer
-arithmetic.
+which count as wrong there). ``--backend cupy`` runs the same kinds of DAGs with
+CuPy chunks and kernels (CuPy operators), without failing kernels; its sleeping
+kernels spin on the device for their delay (0-2 ms). It adds what shares library
+state across streams: same-shape FFTs (each array embedded in a tile of
+``FFT_TILE``, a round trip through ``fft2``/``ifft2``, rounded back to integers),
+``da.random`` leaves from a CuPy ``RandomState`` (their reference is plain Dask's
+result for the same seed), and, where PyTorch has CUDA, PyTorch ops on shared
+memory (DLPack). Its DAGs differ from the sim's for the same seed. It is not
+tested here (no GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -176,14 +182,95 @@ def sim_fail(a):
     return out
 
 
-def cupy_fill(base, delay):
+_SPIN_SOURCE = r"""
+extern "C" __global__ void fuzz_spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+#: The shape of every FFT of a cupy DAG (a prime side: cuFFT needs a work area).
+FFT_TILE = (128, 1009)
+
+
+@functools.cache
+def _spin_kernel() -> tuple[Any, int]:
     import cupy
 
-    return cupy.asarray(base)
+    return cupy.RawKernel(_SPIN_SOURCE, "fuzz_spin"), cupy.cuda.Device().attributes["ClockRate"]
+
+
+def cupy_spin(seconds: float) -> None:
+    """A one-thread kernel that spins ``seconds`` on the current stream."""
+    if seconds > 0:
+        kernel, khz = _spin_kernel()
+        kernel((1,), (1,), (np.int64(seconds * 1e3 * khz),))
+
+
+def cupy_fill(base, delay):
+    """``base`` on the device, ready only after a kernel that spins ``delay`` (seconds)."""
+    import cupy
+
+    out = cupy.asarray(base)  # before the spin: a pageable copy waits for the stream
+    cupy_spin(delay)
+    return out.copy()
 
 
 def cupy_slow(a, delay):
+    cupy_spin(delay)
     return inc(a)
+
+
+def cupy_fft(a):
+    """``(2a + 1) % P`` through an FFT round trip of ``a`` embedded in a ``FFT_TILE`` tile."""
+    import cupy
+
+    if a.size == 0 or a.ndim not in (1, 2):
+        return (a * 2 + 1) % P
+    x = a.reshape(1, -1) if a.ndim == 1 else a
+    rows, cols = x.shape
+    tile = cupy.zeros((max(FFT_TILE[0], rows), max(FFT_TILE[1], cols)))
+    tile[:rows, :cols] = x
+    back = cupy.fft.ifft2(cupy.fft.fft2(tile)).real[:rows, :cols]
+    return ((cupy.rint(back) * 2 + 1) % P).reshape(a.shape)
+
+
+def cupy_torch(a):
+    """``(3a + 2) % P`` by PyTorch on ``a``'s memory (DLPack), as a CuPy array."""
+    import cupy
+    import torch
+
+    t = torch.from_dlpack(cupy.ascontiguousarray(a))
+    return cupy.from_dlpack(torch.fmod(t * 3 + 2, P))
+
+
+def cupy_random(seed: int, shape: tuple[int, int], chunks: tuple[int, ...]) -> da.Array:
+    """Integers below P from ``da.random`` with a CuPy ``RandomState`` (a generator per chunk)."""
+    import cupy
+
+    rs = da.random.RandomState(seed, RandomState=cupy.random.RandomState)
+    return da.floor(rs.random_sample(shape, chunks=chunks) * P)
+
+
+def random_reference(seed: int, shape: tuple[int, int], chunks: tuple[int, ...]) -> np.ndarray:
+    """``cupy_random`` computed by plain Dask: one thread, no stream runtime."""
+    import cupy
+
+    with dask.config.set({"gpustreams.enabled": False}):
+        return cupy.asnumpy(cupy_random(seed, shape, chunks).compute(scheduler="sync"))
+
+
+@functools.cache
+def torch_ready() -> bool:
+    """Whether PyTorch is importable with CUDA; its CUDA is then started, so that every
+    task sees its pool stream as PyTorch's current stream."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.init()
+    return True
 
 
 @dataclass(frozen=True)
@@ -196,6 +283,8 @@ class Kernels:
     slow: Callable
     fail: Callable | None
     meta: Any
+    fft: Callable | None = None  # cupy only: library state shared across streams
+    torch: Callable | None = None
 
 
 def make_kernels(backend: str) -> Kernels:
@@ -204,7 +293,16 @@ def make_kernels(backend: str) -> Kernels:
         return Kernels(sim.asarray, sim.asnumpy, sim_fill, sim_slow, sim_fail, np.empty((0, 0)))
     import cupy
 
-    return Kernels(cupy.asarray, cupy.asnumpy, cupy_fill, cupy_slow, None, cupy.empty((0, 0)))
+    return Kernels(
+        cupy.asarray,
+        cupy.asnumpy,
+        cupy_fill,
+        cupy_slow,
+        None,
+        cupy.empty((0, 0)),
+        fft=cupy_fft,
+        torch=cupy_torch if torch_ready() else None,
+    )
 
 
 def _same(x, *consts):
@@ -221,6 +319,8 @@ DELAYED_REFS: dict[str, Callable | None] = {
     "host-sleep": _same,
     "slow": lambda a, delay: inc(a),
     "fail": None,
+    "fft": lambda a: (a * 2 + 1) % P,
+    "torch": lambda a: (a * 3 + 2) % P,
 }
 GENERIC = {
     "add": add,
@@ -260,6 +360,12 @@ class ArrayGraph:
     def slow(self, x, delay):
         return x.map_blocks(self.kernels.slow, delay, meta=self.kernels.meta)
 
+    def fft(self, x):
+        return x.map_blocks(self.kernels.fft, meta=self.kernels.meta)
+
+    def torch(self, x):
+        return x.map_blocks(self.kernels.torch, meta=self.kernels.meta)
+
 
 class ArrayReference:
     """The same on NumPy arrays."""
@@ -273,6 +379,12 @@ class ArrayReference:
 
     def slow(self, x, delay):
         return inc(x)
+
+    def fft(self, x):
+        return (x * 2 + 1) % P
+
+    def torch(self, x):
+        return (x * 3 + 2) % P
 
 
 def _common(x, y):
@@ -331,9 +443,18 @@ def a_slow(m, x, delay):
     return m.slow(x, delay)
 
 
+def a_fft(m, x):
+    return m.fft(x)
+
+
+def a_torch(m, x):
+    return m.torch(x)
+
+
 ARRAY_UNARY = (a_affine, a_transpose, a_slice, a_rechunk, a_sum, a_cumsum, a_where, a_slow)
 ARRAY_BINARY = (a_add, a_maximum, a_matmul, a_concat)
-ARRAY_OPS = {f.__name__[2:]: f for f in ARRAY_UNARY + ARRAY_BINARY}
+ARRAY_LIBRARY = (a_fft, a_torch)  # cupy DAGs only
+ARRAY_OPS = {f.__name__[2:]: f for f in ARRAY_UNARY + ARRAY_BINARY + ARRAY_LIBRARY}
 
 
 # --- DAGs -------------------------------------------------------------------------------------
@@ -416,10 +537,28 @@ DELAYED_OPS = (
     ("to-host", 1, "device", "host", 1),
 )
 _WEIGHTS = np.array([op[4] for op in DELAYED_OPS], dtype=float) / sum(op[4] for op in DELAYED_OPS)
+#: Ops of cupy DAGs only: same-shape FFTs, PyTorch (where it has CUDA).
+LIBRARY_OPS = {
+    "fft": ("fft", 1, "device", "device", 2),
+    "torch": ("torch", 1, "device", "device", 2),
+}
 
 
-def delayed_dag(rng: np.random.Generator, base: dict, fail: bool) -> Dag:
+def library_ops(backend: str) -> tuple[str, ...]:
+    """The library ops of ``backend``'s DAGs (none on the sim)."""
+    if backend != "cupy":
+        return ()
+    return ("fft", "torch") if torch_ready() else ("fft",)
+
+
+def delayed_dag(
+    rng: np.random.Generator, base: dict, fail: bool, libraries: tuple[str, ...] = ()
+) -> Dag:
     """A random ``dask.delayed`` graph of 2-24 tasks on arrays of 1-64 elements."""
+    ops, weights = DELAYED_OPS, _WEIGHTS
+    if libraries:
+        ops = DELAYED_OPS + tuple(LIBRARY_OPS[name] for name in libraries)
+        weights = np.array([op[4] for op in ops], dtype=float) / sum(op[4] for op in ops)
     n = int(rng.integers(1, 65))
     size = int(rng.integers(2, 25))
     nodes: list[Node] = []
@@ -450,7 +589,7 @@ def delayed_dag(rng: np.random.Generator, base: dict, fail: bool) -> Dag:
         if failing is None and fail_at is not None and len(nodes) >= fail_at:
             failing = add_node(Node("fail", (on_device(_earlier(rng, len(nodes))),)), "device")
             continue
-        name, arity, takes, gives, _ = DELAYED_OPS[rng.choice(len(DELAYED_OPS), p=_WEIGHTS)]
+        name, arity, takes, gives, _ = ops[rng.choice(len(ops), p=weights)]
         inputs = [_earlier(rng, len(nodes)) for _ in range(arity)]
         if takes == "device":
             inputs = [on_device(j) for j in inputs]
@@ -471,8 +610,13 @@ def delayed_dag(rng: np.random.Generator, base: dict, fail: bool) -> Dag:
     return dag
 
 
-def array_dag(rng: np.random.Generator, base: dict) -> Dag:
-    """A random ``dask.array`` expression of 1-6 ops over 1-3 arrays of device chunks."""
+def array_dag(rng: np.random.Generator, base: dict, libraries: tuple[str, ...] = ()) -> Dag:
+    """A random ``dask.array`` expression of 1-6 ops over 1-3 arrays of device chunks.
+
+    With ``libraries`` (cupy), some leaves are ``da.random`` arrays and the unary ops
+    include the library ops.
+    """
+    unary = ARRAY_UNARY + tuple(f for f in ARRAY_LIBRARY if f.__name__[2:] in libraries)
     nodes: list[Node] = []
     shapes: list[tuple[int, int]] = []
 
@@ -482,14 +626,17 @@ def array_dag(rng: np.random.Generator, base: dict) -> Dag:
     for _ in range(int(rng.integers(1, 4))):
         shape = (int(rng.integers(1, 13)), int(rng.integers(1, 13)))
         data = rng.integers(0, P, shape).astype(np.float64)
-        nodes.append(Node("array", (), (data, chunks(shape))))
+        if libraries and rng.random() < 0.3:
+            nodes.append(Node("random", (), (int(rng.integers(2**31)), shape, chunks(shape))))
+        else:
+            nodes.append(Node("array", (), (data, chunks(shape))))
         shapes.append(shape)
     for _ in range(int(rng.integers(1, 7))):
         if rng.random() < 0.4:
             f = ARRAY_BINARY[int(rng.integers(len(ARRAY_BINARY)))]
             inputs = (_earlier(rng, len(nodes)), _earlier(rng, len(nodes)))
         else:
-            f = ARRAY_UNARY[int(rng.integers(len(ARRAY_UNARY)))]
+            f = unary[int(rng.integers(len(unary)))]
             inputs = (_earlier(rng, len(nodes)),)
         shape = shapes[inputs[0]]
         consts: tuple = ()
@@ -528,11 +675,12 @@ def make_dag(seed: int, route: str, index: int, backend: str, failures: bool = T
         "chunksize": int(rng.choice([1, 1, 4, 8])),
         "optimize": bool(rng.random() < 0.7),
     }
+    libraries = library_ops(backend)
     if rng.random() < 0.25:
-        dag = array_dag(rng, base)
+        dag = array_dag(rng, base, libraries)
     else:
         fail = rng.random() < 0.2 and failures and backend == "sim"
-        dag = delayed_dag(rng, base, fail)
+        dag = delayed_dag(rng, base, fail, libraries)
     if len(dag.nodes) > 2 and rng.random() < 0.2:
         dag.split = int(rng.integers(1, len(dag.nodes)))
         later = {j for node in dag.nodes[dag.split :] for j in node.inputs}
@@ -548,11 +696,12 @@ def reference(dag: Dag) -> list[np.ndarray | None]:
         if any(a is None for a in args):
             values.append(None)
         elif dag.kind == "array":
-            values.append(
-                node.consts[0]
-                if node.op == "array"
-                else ARRAY_OPS[node.op](ArrayReference(), *args, *node.consts)
-            )
+            if node.op == "array":
+                values.append(node.consts[0])
+            elif node.op == "random":
+                values.append(random_reference(*node.consts))
+            else:
+                values.append(ARRAY_OPS[node.op](ArrayReference(), *args, *node.consts))
         else:
             ref = DELAYED_REFS[node.op] if node.op in DELAYED_REFS else GENERIC[node.op]
             values.append(None if ref is None else ref(*args, *node.consts))
@@ -575,6 +724,8 @@ def build(dag: Dag, kernels: Kernels, persist: Callable[[list], list]) -> list:
                 data, chunks = node.consts
                 x = da.from_array(data, chunks=chunks)
                 values.append(x.map_blocks(kernels.upload, meta=kernels.meta))
+            elif node.op == "random":
+                values.append(cupy_random(*node.consts))
             else:
                 values.append(ARRAY_OPS[node.op](graph, *args, *node.consts))
         else:
