@@ -98,15 +98,19 @@ class CupyBackend:
         Until then (or with :attr:`torch_interop` off) this is ``stream`` itself,
         after a ``sys.modules`` lookup (and ``torch.cuda.is_initialized()`` once
         PyTorch is imported); PyTorch is never imported here, and each stream's
-        ``torch.cuda.ExternalStream`` is made once. A task that starts PyTorch's
+        ``torch.cuda.ExternalStream`` is made once, on first use. A task that starts PyTorch's
         CUDA itself runs its first PyTorch work on PyTorch's default stream, the
         legacy one, which CUDA orders with the blocking pool streams: correct,
         only not concurrent.
         """
-        if not self.torch_interop:
-            return stream
-        cuda = self._torch_cuda or self._find_torch_cuda()
+        cuda = self._torch_cuda
         if cuda is None:
+            if "torch" not in sys.modules or not self.torch_interop:
+                return stream
+            cuda = self._find_torch_cuda()
+            if cuda is None:
+                return stream
+        elif not self.torch_interop:
             return stream
         torch_stream = self._torch_streams.get(stream)
         if torch_stream is None:
