@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Collection, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from distributed.metrics import context_meter
+
+from dask_gpustreams.diagnostics.fine_metrics import server_digest, wait_meter
 from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.distributed.provenance import Provenance, as_kernel_error
 from dask_gpustreams.runtime import TaskRecord
@@ -40,6 +44,11 @@ class Egress:
         #: The fast (LRU) mappings of the worker's zict buffers, whose evictions are hooked.
         self.evicting: list = []
         self._worker_get_data: Any = None  # the handler that get_data wraps
+        #: Requests (get_data, spills) that waited for events, and their seconds in all.
+        self.waits = 0
+        self.wait_seconds = 0.0
+        # Routes the context_meter waits of get_data as the worker's own get_data does.
+        self._get_data_digest = server_digest(worker, "get-data")
 
     def install(self) -> None:
         """Wrap the worker's ``get_data`` handler and hook its spilling (event loop)."""
@@ -67,7 +76,8 @@ class Egress:
         """``Worker.get_data`` once the events of ``keys`` have completed; failed keys left out."""
         provenance = self.provenance
         if len(provenance.registry):
-            failed = await self.wait_for(keys)
+            with context_meter.add_callback(self._get_data_digest, allow_offload=True):
+                failed = await self.wait_for(keys)
             if failed:
                 provenance.drop_corrupt(failed)
                 keys = [k for k in keys if k not in failed]
@@ -78,6 +88,7 @@ class Egress:
         """Wait, off the event loop, for the work of ``keys``; return the keys whose work failed."""
         provenance = self.provenance
         loop = asyncio.get_running_loop()
+        waited = None
         while True:
             sources = {
                 r.key: provenance.sources((r.key,)) for r in provenance.registry.records(keys)
@@ -85,7 +96,12 @@ class Egress:
             pending = [r for rs in sources.values() for r in rs if not provenance.state(r)[0]]
             if not pending:
                 break
-            await loop.run_in_executor(self.threads, self._wait_events, pending)
+            waited = waited or time.perf_counter()
+            with wait_meter():
+                await loop.run_in_executor(self.threads, self._wait_events, pending)
+        if waited is not None:
+            self.waits += 1
+            self.wait_seconds += time.perf_counter() - waited
         failed = {}
         for key, records in sources.items():
             error = next(filter(None, (provenance.state(r)[1] for r in records)), None)
@@ -106,9 +122,19 @@ class Egress:
         provenance = self.provenance
         if provenance.runtime is None:
             return
-        for record in provenance.sources((key,)):
+        records = provenance.sources((key,))
+        backend = provenance.runtime.backend
+        if any(not backend.done(r.event) for r in records):
+            started = time.perf_counter()
+            with wait_meter():
+                for r in records:
+                    with contextlib.suppress(Exception):  # errors read below
+                        backend.event_error(r.event)  # blocks the loop
+            self.waits += 1
+            self.wait_seconds += time.perf_counter() - started
+        for record in records:
             try:
-                error = provenance.runtime.backend.event_error(record.event)  # blocks the loop
+                error = backend.event_error(record.event)  # complete: returns at once
             except Exception as e:
                 error = e
             if error is not None:

@@ -9,13 +9,14 @@ keep their run_spec.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from dask._task_spec import GraphNode, Task, TaskRef
 
+from dask_gpustreams.diagnostics.fine_metrics import launch_meter
 from dask_gpustreams.integrations.distributed.provenance import Provenance
-from dask_gpustreams.integrations.tasks import wrap_task
+from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
 
 
 class _Raise:
@@ -54,6 +55,31 @@ class _AfterInputs:
 
     def __repr__(self) -> str:
         return f"_AfterInputs({self.node!r})"
+
+
+class MeteredStreamTask(StreamTask):
+    """A :class:`StreamTask` whose run is metered as ``gpustreams-launch`` (fine metrics).
+
+    :meth:`Execution.prepare` turns the task that ``wrap_task`` made into one by
+    assigning its class (no slots added), which costs the event loop no call.
+    """
+
+    __slots__ = ()
+
+    def __call__(self, values: Mapping[Hashable, Any]) -> Any:
+        with launch_meter():
+            return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
+
+    def copy(self) -> MeteredStreamTask:
+        return MeteredStreamTask(self.node, self.runtime, self.registry, self.critical)
+
+    __copy__ = copy
+
+    def substitute(self, subs: dict, key: Hashable | None = None) -> GraphNode:
+        node = super().substitute(subs, key)
+        if type(node) is StreamTask:
+            node.__class__ = MeteredStreamTask
+        return node
 
 
 def _replace(node: GraphNode, func: Any, dep_keys: tuple[Hashable, ...]) -> Task:
@@ -109,7 +135,10 @@ class Execution:
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)
                 ts.run_spec = _replace(node, host, dep_keys)
             return
-        ts.run_spec = wrap_task(node, runtime, provenance.registry)
+        task = wrap_task(node, runtime, provenance.registry)
+        if type(task) is StreamTask:
+            task.__class__ = MeteredStreamTask  # same slots; no new object, no call
+        ts.run_spec = task
         self.wrapped.add(key)
 
     def fail(self, key: Hashable, exc: BaseException) -> None:
