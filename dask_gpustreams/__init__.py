@@ -11,6 +11,7 @@ from dask_gpustreams import config as config  # registers the gpustreams.* defau
 from dask_gpustreams import sim as sim
 from dask_gpustreams.config import StreamsConfig as StreamsConfig
 from dask_gpustreams.diagnostics import timeline as timeline
+from dask_gpustreams.diagnostics.status import status as status
 from dask_gpustreams.errors import KernelError as KernelError
 from dask_gpustreams.integrations.distributed import StreamsPlugin as StreamsPlugin
 from dask_gpustreams.integrations.launcher import SCHEDULER_NAME as _SCHEDULER_NAME

@@ -21,7 +21,17 @@ class StreamSlot:
     back to a memory pool while a kernel on this stream may still read it.
     """
 
-    __slots__ = ("index", "stream", "priority", "inflight", "_assigned", "lock", "seq", "waited")
+    __slots__ = (
+        "index",
+        "stream",
+        "priority",
+        "inflight",
+        "_assigned",
+        "lock",
+        "seq",
+        "waited",
+        "waits",
+    )
 
     def __init__(self, index: int, stream: Any, priority: int):
         self.index = index
@@ -36,6 +46,9 @@ class StreamSlot:
         # highest such number this stream already waits for.
         self.seq = 0
         self.waited: dict[int, int] = {}
+        #: Event waits enqueued on this stream for other streams' work (a plain counter:
+        #: concurrent tasks on one stream may rarely lose an increment).
+        self.waits = 0
 
     @property
     def pending(self) -> int:
@@ -146,6 +159,7 @@ class StreamPool:
         if waited.get(index, 0) >= seq:
             return
         self.backend.wait_event(slot.stream, event)
+        slot.waits += 1
         if seq > waited.get(index, 0):
             waited[index] = seq
 

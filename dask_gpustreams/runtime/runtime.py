@@ -265,6 +265,12 @@ def get_runtime(config: StreamsConfig | None = None) -> StreamRuntime:
     return runtime
 
 
+def live_runtimes() -> list[StreamRuntime]:
+    """The runtimes this process has created, a snapshot; creates none (for diagnostics)."""
+    pid = os.getpid()
+    return [rt for key, rt in list(_runtimes.items()) if key[0] == pid]
+
+
 def _trim_other_settings(device: tuple) -> None:
     """Free the idle pinned staging buffers of ``device``'s runtimes of other settings.
 

@@ -137,6 +137,7 @@ from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_gpustreams.config import StreamsConfig
+from dask_gpustreams.diagnostics import prometheus
 from dask_gpustreams.integrations.distributed.egress import Egress
 from dask_gpustreams.integrations.distributed.erred_inputs import ErredInputs
 from dask_gpustreams.integrations.distributed.execution import Execution
@@ -247,6 +248,7 @@ class StreamsPlugin(WorkerPlugin):
         self._collector = PeriodicCallback(self._collect, self.collect_interval * 1000)
         self._collector.start()
         self._active = True
+        prometheus.register(worker, self)  # the dask_worker_gpustreams_* series of /metrics
         try:
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(ErredInputs()), name=ErredInputs.name, idempotent=True
@@ -269,6 +271,7 @@ class StreamsPlugin(WorkerPlugin):
             if failed:
                 self.provenance.drop_corrupt(failed)
         self._collector.stop()
+        prometheus.unregister(worker)
         self.egress.uninstall()
         self._egress_threads.shutdown(wait=False)
         self.provenance.clear()

@@ -63,6 +63,8 @@ class Provenance:
         #: to have succeeded (its inputs, their inputs, ...).
         self.taint: dict[Hashable, tuple[TaskRecord, ...]] = {}
         self._clearing = False  # a clear of stream errors is queued
+        #: Corrupt results found so far (kernel failures), for diagnostics.
+        self.corrupt_found = 0
 
     def task_runtime(self) -> StreamRuntime:
         """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
@@ -139,6 +141,7 @@ class Provenance:
         """
         for key, error in failed.items():
             if key not in self.failures:
+                self.corrupt_found += 1
                 logger.error("gpustreams: result of %r is corrupt (%s); recomputing it", key, error)
             self.failures[key] = (error, time.monotonic())
             self.failures.move_to_end(key)

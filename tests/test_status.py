@@ -1,0 +1,165 @@
+"""``dask_gpustreams.status()``: this process and a cluster's workers, with no side effect."""
+
+from __future__ import annotations
+
+import time
+
+import dask
+import dask.threaded
+import numpy as np
+import pytest
+from dask import delayed
+from distributed import Client, LocalCluster
+
+import dask_gpustreams
+from dask_gpustreams import StreamsPlugin, sim
+from dask_gpustreams.diagnostics.status import STATUS_FIELDS, StreamsStatus
+from dask_gpustreams.runtime import EventRegistry, get_runtime
+from dask_gpustreams.runtime.runtime import live_runtimes
+
+CLUSTER_CONFIG = {
+    "gpustreams.backend": "sim",
+    "gpustreams.streams": 2,
+    "distributed.worker.memory.spill": False,
+    "distributed.worker.memory.pause": False,
+    "distributed.worker.memory.terminate": False,
+}
+
+
+def _slow(out, a, seconds):
+    time.sleep(seconds)
+    out[...] = a + 1
+
+
+def slow_inc(a, seconds=0.3):
+    out = sim.empty(a.shape)
+    sim.launch(_slow, out, a, seconds)
+    return out
+
+
+def ones(n):
+    return sim.asarray(np.ones(n))
+
+
+def test_without_a_runtime_it_reports_the_settings_and_creates_none(gpustreams):
+    with gpustreams(streams=3, policy="least-loaded"):
+        report = dask_gpustreams.status()
+    assert live_runtimes() == []
+    (row,) = report.rows
+    assert set(row) == set(STATUS_FIELDS)
+    assert row["enabled"] is True and row["started"] is False
+    assert (row["backend"], row["streams"], row["policy"]) == ("sim", 3, "least-loaded")
+    assert row["settings"]["copy-streams"] == 1
+    assert row["tasks_run"] is None and row["egress_waits"] is None
+    text = str(report)
+    assert "sim (not started)" in text and "least-loaded" in text
+    assert "settings: timeline=False" in text
+
+
+def test_counts_of_a_local_graph(gpustreams, by_key):
+    # a on stream 0, b on stream 1, c on stream 0 reads both: one cross-stream wait.
+    by_key.update({"a": 0, "b": 1, "c": 0})
+    dsk = {"a": (ones, 8), "b": (ones, 8), "c": (np.add, "a", "b")}
+    with gpustreams(streams=2, policy="test-placement"):
+        result = dask.threaded.get(dsk, "c")
+        (row,) = dask_gpustreams.status().rows
+    assert sim.asnumpy(result).tolist() == [2.0] * 8
+    assert row["started"] and row["enabled"]
+    assert (row["backend"], row["streams"], row["policy"]) == ("sim", 2, "test-placement")
+    assert row["tasks_run"] == 3
+    assert row["stream_waits"] == 1
+    assert row["tasks_in_flight"] == 0 and row["held_bytes"] == 0
+    assert row["pinned_limit_bytes"] > 0
+
+
+def test_in_flight_and_held_bytes_of_a_running_task():
+    runtime = get_runtime(dask_gpustreams.StreamsConfig(backend="sim", streams=2))
+    registry = EventRegistry()
+    x = runtime.run("x", lambda _: ones(1000), {}, registry)
+    runtime.synchronize(["x"], registry)
+    runtime.run("y", lambda v: slow_inc(v["x"], 0.5), {"x": x}, registry)
+    (row,) = dask_gpustreams.status().rows
+    assert row["tasks_run"] == 2
+    assert row["tasks_in_flight"] == 1
+    assert row["held_bytes"] == x.nbytes == 8000
+    runtime.synchronize(["y"], registry)
+    runtime.collect()
+    (row,) = dask_gpustreams.status().rows
+    assert (row["tasks_in_flight"], row["held_bytes"]) == (0, 0)
+
+
+def test_an_invalid_setting_is_reported_not_raised():
+    with dask.config.set({"gpustreams.streams": 0}):
+        report = dask_gpustreams.status()
+    (row,) = report.rows
+    assert "gpustreams.streams=0 is invalid" in row["error"]
+    assert "error (pid" in str(report)
+
+
+def test_table_and_data_agree():
+    report = StreamsStatus(
+        (
+            dict.fromkeys(STATUS_FIELDS)
+            | {"worker": "tcp://a:1", "pid": 1, "enabled": True, "started": False},
+        )
+    )
+    assert len(report) == 1 and list(report)[0]["worker"] == "tcp://a:1"
+    assert str(report).splitlines()[0].split()[:3] == ["worker", "on", "backend"]
+    assert repr(report) == str(report)
+
+
+@pytest.fixture(scope="module")
+def cluster_client():
+    with (
+        dask.config.set(CLUSTER_CONFIG),
+        LocalCluster(
+            n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0"
+        ) as lc,
+        Client(lc) as client,
+    ):
+        yield client
+
+
+def test_status_of_every_worker(cluster_client):
+    client = cluster_client
+    client.register_plugin(StreamsPlugin())
+    a, b = sorted(client.scheduler_info()["workers"])
+    before = dask_gpustreams.status(client)
+    assert [r["worker"] for r in before] == [a, b]
+    assert all(r["enabled"] and not r["started"] for r in before)
+    x = client.submit(ones, 100, workers=[a], pure=False)
+    y = client.submit(slow_inc, x, 0.3, workers=[a], pure=False)
+    assert sim.asnumpy(y.result()).tolist() == [2.0] * 100  # gather waited for y's event
+    rows = {r["worker"]: r for r in dask_gpustreams.status(client)}
+    assert rows[a]["started"] and rows[a]["tasks_run"] >= 2
+    assert rows[a]["egress_waits"] >= 1 and rows[a]["egress_wait_seconds"] > 0.05
+    assert rows[a]["failures"] == 0
+    assert rows[a]["backend"] == "sim" and rows[a]["streams"] == 2
+    text = str(dask_gpustreams.status(client))
+    assert a in text and b in text
+
+
+def test_workers_without_the_plugin_say_so(cluster_client):
+    client = cluster_client
+    client.unregister_worker_plugin("gpustreams")
+    try:
+        rows = dask_gpustreams.status(client).rows
+        assert len(rows) == 2
+        assert not any(r["enabled"] for r in rows)
+    finally:
+        client.register_plugin(StreamsPlugin())
+
+
+def test_status_of_a_process_worker():
+    with (
+        dask.config.set(CLUSTER_CONFIG),
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as lc,
+        Client(lc) as client,
+    ):
+        client.register_plugin(StreamsPlugin())
+        assert delayed(ones)(10).compute().shape == (10,)
+        (row,) = dask_gpustreams.status(client).rows
+        assert row["enabled"] and row["started"] and row["tasks_run"] == 1
+        assert row["pid"] != dask_gpustreams.status().rows[0]["pid"]
