@@ -155,8 +155,12 @@ def rewrite_transfers(node: GraphNode, table: dict[int, Any]) -> GraphNode:
         args = (new_inner, *args[1:])
     else:
         replacement = table.get(id(func))
-        if replacement is None and not any(isinstance(a, Task) for a in args):
-            return node
+        if replacement is None:
+            for a in args:  # a loop, not any(): this runs once per task on the event loop
+                if isinstance(a, Task):
+                    break
+            else:
+                return node
         new_args = tuple(rewrite_transfers(a, table) for a in args)
         # Only the plain one-argument call: other arguments (dtype, order, stream, out)
         # keep their meaning with the original function.

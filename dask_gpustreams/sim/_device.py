@@ -159,7 +159,9 @@ class Event:
         marker = self._marker
         if marker is None:
             return None
-        marker.done.wait()
+        done = marker.done
+        if not done.is_set():  # a set threading.Event's wait() still takes its lock
+            done.wait()
         return marker.error
 
     def synchronize(self) -> None:
