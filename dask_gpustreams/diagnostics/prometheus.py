@@ -27,7 +27,8 @@ Series (``dask_worker_`` prefix by default):
   completed on each stream, only with ``gpustreams.timeline`` on (it needs the
   timing events; tasks dropped from the timeline before a scrape are not counted).
 
-Workers of one process share its runtime: the runtime's series are the process's.
+The runtime's series are those of the worker's plugin's runtime; workers of one
+process that share a runtime report the same values.
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ class StreamsStatus:
     - ``error``: why settings could not be read (an invalid ``gpustreams.*``),
       or a worker's exception; else None.
 
-    Workers of one process (``LocalCluster(processes=False)``) share its runtime,
-    so their runtime counts are the process's.
+    A worker's runtime counts are those of its plugin's runtime; workers of one
+    process that share a runtime report the same counts. Without a client, the
+    rows are every runtime of this process (in-process workers' included).
     """
 
     rows: tuple[dict, ...]
