@@ -71,8 +71,7 @@ import dask_gpustreams
 from dask_gpustreams import KernelError, host_task, sim
 from dask_gpustreams.integrations.distributed.egress import Egress
 from dask_gpustreams.integrations.distributed.provenance import Provenance
-from dask_gpustreams.runtime import StreamPool
-from dask_gpustreams.runtime import runtime as runtime_module
+from dask_gpustreams.runtime import StreamPool, runtimes
 from dask_gpustreams.runtime.policies import make_policy, policy_names
 
 #: Every value is an integer in [0, P): sums of products of them stay exact in float64.
@@ -862,7 +861,7 @@ class LocalRoute:
             # The hung compute keeps its thread and runtime; the next DAG gets fresh ones.
             self.thread.close()
             self.thread = ComputeThread()
-            runtime_module._runtimes.clear()
+            runtimes.forget()
             return "hang", f"no result after {self.timeout} s"
         return check_local(dag, box.get("result"), box.get("error"))
 
@@ -1077,7 +1076,7 @@ def quiet(verbose: bool) -> Iterator[None]:
             yield
         finally:
             logger.removeFilter(_not_corrupt_report)
-            runtime_module._runtimes.clear()
+            runtimes.forget()
 
 
 def fuzz(args: argparse.Namespace) -> int:
@@ -1177,7 +1176,7 @@ def self_check(args: argparse.Namespace) -> int:
                     tally = run_route(
                         route, args, args.dags, None, mechanism.failures, mechanism.found
                     )
-                runtime_module._runtimes.clear()  # made while broken
+                runtimes.forget()  # made while broken
                 print(
                     f"  {name} on {route_name}: {tally.wrong} wrong, {tally.hangs} hangs,"
                     f" {tally.errors} unexpected errors in {tally.dags} DAGs",

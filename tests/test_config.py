@@ -13,8 +13,7 @@ from dask_gpustreams import StreamsConfig
 from dask_gpustreams.backends import gpu_visible, resolve_backend
 from dask_gpustreams.config import enabled
 from dask_gpustreams.integrations.local import hook
-from dask_gpustreams.runtime import get_runtime
-from dask_gpustreams.runtime import runtime as runtime_module
+from dask_gpustreams.runtime import get_runtime, live_runtimes
 
 
 def test_defaults_are_registered_with_dask():
@@ -101,7 +100,7 @@ def test_invalid_value_fails_compute_before_any_task_runs(gpustreams, name, valu
         with pytest.raises(ValueError, match=f"^{message}"):
             delayed(ran.append)(1).compute()
     assert ran == []
-    assert runtime_module._runtimes == {}
+    assert live_runtimes() == []
     assert hook._runs == {}
 
 
@@ -119,7 +118,7 @@ def test_cupy_backend_without_a_gpu_fails_compute_with_the_reason(gpustreams):
         with pytest.raises(ValueError, match=message):
             delayed(ran.append)(1).compute()
     assert ran == []
-    assert runtime_module._runtimes == {}
+    assert live_runtimes() == []
 
 
 @needs_no_gpu
@@ -150,7 +149,7 @@ PROBE = textwrap.dedent(
 
     on_pool = delayed(probe, pure=False)().compute()
     print(dask.config.get("gpustreams.enabled"), dask.config.get("gpustreams.streams"),
-          on_pool, [r.pool.n_streams for r in runtime._runtimes.values()])
+          on_pool, [r.pool.n_streams for r in runtime.live_runtimes()])
     """
 )
 

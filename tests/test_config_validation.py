@@ -17,7 +17,7 @@ from distributed import Client, LocalCluster
 
 from dask_gpustreams import StreamsConfig, StreamsPlugin, sim
 from dask_gpustreams.config import KEYS, MAX_COPY_STREAMS, MAX_STREAMS, enabled, parse_bool
-from dask_gpustreams.runtime import runtime as runtime_module
+from dask_gpustreams.runtime import live_runtimes
 
 BOOL = "True | False (or 'true'/'false', 'yes'/'no', 'on'/'off', 1/0)"
 TRUE = [True, 1, "true", "TRUE", " yes ", "On", "1"]
@@ -66,7 +66,7 @@ def test_invalid_enabled_fails_compute(gpustreams):
         with pytest.raises(ValueError, match=bool_error("enabled", "maybe")):
             delayed(ran.append)(1).compute()
     assert ran == []
-    assert runtime_module._runtimes == {}
+    assert live_runtimes() == []
 
 
 COMPUTE = textwrap.dedent(
@@ -114,7 +114,7 @@ def test_the_plugin_refuses_too_many_streams_on_the_client(overrides, message):
 def test_too_many_streams_fail_compute_naming_the_key(gpustreams):
     with gpustreams(streams=10**6), pytest.raises(ValueError, match=r"^gpustreams\.streams="):
         delayed(len)([1]).compute()
-    assert runtime_module._runtimes == {}
+    assert live_runtimes() == []
 
 
 # --- byte sizes that overflow -----------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_an_unknown_key_fails_compute_before_any_task_runs(gpustreams):
         with pytest.raises(ValueError, match=r"^unknown configuration key gpustreams\.stream=4"):
             delayed(ran.append)(1).compute()
     assert ran == []
-    assert runtime_module._runtimes == {}
+    assert live_runtimes() == []
 
 
 def test_an_unknown_key_in_the_environment_fails_compute(run_python):

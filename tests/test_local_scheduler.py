@@ -25,8 +25,7 @@ from dask.callbacks import Callback
 from dask_gpustreams import KernelError, sim
 from dask_gpustreams.integrations.local import hook
 from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
-from dask_gpustreams.runtime import EventRegistry, StreamPool, get_runtime
-from dask_gpustreams.runtime import runtime as runtime_module
+from dask_gpustreams.runtime import EventRegistry, StreamPool, get_runtime, live_runtimes
 from dask_gpustreams.runtime.policies import make_policy, policy_names
 
 META = np.array((), dtype="float64")
@@ -388,7 +387,7 @@ def where_am_i():
     stream = device.current_stream()
     if stream is device.default_stream:
         return None
-    (rt,) = runtime_module._runtimes.values()
+    (rt,) = live_runtimes()
     return [s.stream for s in rt.pool.slots].index(stream)
 
 
@@ -419,14 +418,14 @@ def test_disabled_wraps_nothing(rng):
     np.testing.assert_array_equal(result, -A)
     assert isinstance(x, sim.SimArray)
     assert seen.funcs and not any(isinstance(f, StreamTask) for f in seen.funcs)
-    assert runtime_module._runtimes == {}
+    assert live_runtimes() == []
     assert hook._runs == {}
 
 
 def test_enabled_false_inside_enabled_block(gpustreams):
     with gpustreams(streams=2), dask.config.set({"gpustreams.enabled": False}):
         assert delayed(where_am_i, pure=False)().compute() is None
-    assert runtime_module._runtimes == {}
+    assert live_runtimes() == []
 
 
 # --- concurrency -----------------------------------------------------------------------------

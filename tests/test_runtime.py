@@ -22,7 +22,7 @@ from dask_gpustreams.runtime import (
     TaskRecord,
     get_runtime,
 )
-from dask_gpustreams.runtime import runtime as runtime_module
+from dask_gpustreams.runtime import lifetime as runtimes_module
 
 N = 100
 GATE_TIMEOUT = 5.0
@@ -283,10 +283,10 @@ def test_copy_streams_sharing_the_hardware_queues_are_logged_not_capped(monkeypa
 
 def test_runtime_asks_for_queues_before_cuda_starts(monkeypatch):
     events = []
-    monkeypatch.setattr(runtime_module, "reserve_hardware_queues", lambda n: events.append(n))
-    real_resolve = runtime_module.resolve_backend
+    monkeypatch.setattr(runtimes_module, "reserve_hardware_queues", lambda n: events.append(n))
+    real_resolve = runtimes_module.resolve_backend
     monkeypatch.setattr(
-        runtime_module, "resolve_backend", lambda name: events.append(name) or real_resolve(name)
+        runtimes_module, "resolve_backend", lambda name: events.append(name) or real_resolve(name)
     )
     get_runtime(StreamsConfig(backend="auto", streams=12, copy_streams=2))
     get_runtime(StreamsConfig(backend="sim", streams=12))

@@ -28,7 +28,6 @@ import os
 import socket
 import time
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,10 +35,6 @@ from dask.utils import key_split
 
 #: The fields of each record returned by :func:`timeline`.
 RECORD_FIELDS = ("key", "name", "worker", "device", "pool", "stream", "start_ms", "end_ms")
-
-# One stream per runtime on which timeline() records its clock anchor, so that
-# reading the clock never waits behind the work queued on the pool's streams.
-_anchor_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def timeline(client: Any = None, *, timeout: float = 10.0) -> list[dict]:
@@ -110,19 +105,19 @@ def clear_timeline(client: Any = None) -> None:
 
 
 def _clear_process() -> None:
-    from dask_gpustreams.runtime.runtime import _runtimes
+    from dask_gpustreams.runtime import live_runtimes
 
-    for runtime in list(_runtimes.values()):
+    for runtime in live_runtimes():
         if runtime.timeline is not None:
             runtime.timeline.clear()
 
 
 def _collect_process(timeout: float = 10.0) -> dict:
     """This process's completed records, with start/end as host clock seconds (``time.time``)."""
-    from dask_gpustreams.runtime.runtime import _runtimes
+    from dask_gpustreams.runtime import live_runtimes
 
     records: list[dict] = []
-    for runtime in list(_runtimes.values()):
+    for runtime in live_runtimes():
         if runtime.timeline is not None and runtime.pool.started():
             records.extend(_runtime_records(runtime, list(runtime.timeline), timeout))
     return {"host": socket.gethostname(), "pid": os.getpid(), "worker": None, "records": records}
@@ -137,9 +132,9 @@ def _runtime_records(runtime: Any, snapshot: list, timeout: float) -> list[dict]
     # Anchor the device clock to the host's: an event recorded now, on an idle
     # stream, completes when the host sees it done (to a few microseconds).
     with _on_device(backend):
-        stream = _anchor_streams.get(runtime)
-        if stream is None:
-            stream = _anchor_streams[runtime] = backend.create_stream()
+        # A stream of its own (dropped after), so reading the clock never waits
+        # behind the work queued on the pool's streams.
+        stream = backend.create_stream()
         anchor = backend.create_event(timing=True)
         backend.record(anchor, stream)
     deadline = time.monotonic() + timeout

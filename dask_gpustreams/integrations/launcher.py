@@ -24,7 +24,7 @@ from dask.utils import key_split
 
 from dask_gpustreams.integrations.tasks import rewrite_transfers, transfer_rewrites
 from dask_gpustreams.markers import host_task, is_host_task
-from dask_gpustreams.runtime import get_runtime
+from dask_gpustreams.runtime import StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.launcher import GraphLauncher
 from dask_gpustreams.transfers import to_host
@@ -120,7 +120,20 @@ def get(
     if not isinstance(dsk, Mapping):
         dsk = dsk.__dask_graph__()
     dsk = convert_legacy_graph(dsk)
-    runtime = get_runtime()
+    runtime = acquire_runtime()  # held until the graph ends, so it is not closed meanwhile
+    try:
+        return _launch(runtime, dsk, keys, cache, callbacks)
+    finally:
+        runtime.release()
+
+
+def _launch(
+    runtime: StreamRuntime,
+    dsk: Mapping,
+    keys: Sequence[Hashable] | Hashable,
+    cache: Mapping | None,
+    callbacks: Sequence[Any] | None,
+):
     hooks = None
     if callbacks is None and not getattr(task_state, "launching", False):
         callbacks = list(Callback.active)

@@ -51,7 +51,7 @@ import dask.local
 
 from dask_gpustreams.config import enabled
 from dask_gpustreams.integrations.tasks import wrap_task
-from dask_gpustreams.runtime import EventRegistry, StreamRuntime, get_runtime
+from dask_gpustreams.runtime import EventRegistry, StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.policies import critical_keys
 
 logger = logging.getLogger("dask_gpustreams")
@@ -78,7 +78,10 @@ class LocalSchedulerHook:
         ]
 
     def _start(self, dsk: dict) -> None:
-        runtime = get_runtime()
+        runtime = acquire_runtime()  # held until _finish, so it is not closed meanwhile
+        registry = EventRegistry()
+        with self._lock:
+            self._runs[id(dsk)] = (runtime, registry)
         if not self._advised:
             self._advised = True
             logger.info(
@@ -86,7 +89,6 @@ class LocalSchedulerHook:
                 "Dask's scheduler threads; compute(scheduler='gpustreams') launches the whole "
                 "graph from one thread and is faster on GPU graphs"
             )
-        registry = EventRegistry()
         critical: set | None = None
         if runtime.policy.needs_critical_path:
             critical = critical_keys({k: v.dependencies for k, v in dsk.items()})
@@ -94,8 +96,6 @@ class LocalSchedulerHook:
             dsk[key] = wrap_task(
                 node, runtime, registry, None if critical is None else key in critical
             )
-        with self._lock:
-            self._runs[id(dsk)] = (runtime, registry)
 
     def _finish(self, dsk: dict, state: dict[str, Any], errored: bool) -> None:
         with self._lock:
@@ -103,14 +103,17 @@ class LocalSchedulerHook:
         if run is None:
             return
         runtime, registry = run
-        if errored:
-            # The exception being raised wins; wait for this graph's work so that a
-            # kernel failure it left behind is reported here, not by the next compute.
-            runtime.drain(registry)
-        else:
-            runtime.synchronize(state.get("cache", ()), registry)
-        runtime.collect()
-        runtime.release_events(registry)
+        try:
+            if errored:
+                # The exception being raised wins; wait for this graph's work so that a
+                # kernel failure it left behind is reported here, not by the next compute.
+                runtime.drain(registry)
+            else:
+                runtime.synchronize(state.get("cache", ()), registry)
+            runtime.collect()
+            runtime.release_events(registry)
+        finally:
+            runtime.release()
 
 
 hook = LocalSchedulerHook()

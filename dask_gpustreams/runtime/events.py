@@ -43,5 +43,10 @@ class EventPool:
             while len(free) > self.capacity:
                 free.popleft()
 
+    def clear(self) -> None:
+        """Drop every released event."""
+        with self._lock:
+            self._free.clear()
+
     def __len__(self) -> int:
         return len(self._free)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -73,6 +74,7 @@ class StreamPool:
         self.n_high_priority = min(n_high_priority, n_streams)
         self._slots: list[StreamSlot] | None = None
         self._lock = threading.Lock()
+        self._closed = False
         #: Tasks queued on one stream before recording another waits for the oldest.
         self.max_inflight = MAX_INFLIGHT
         #: Held while a task's stream is chosen, so concurrent choices see each other.
@@ -84,6 +86,8 @@ class StreamPool:
         if slots is None:
             with self._lock:
                 if self._slots is None:
+                    if self._closed:
+                        raise RuntimeError("this stream pool is closed (its runtime was closed)")
                     high = self.backend.high_priority() if self.n_high_priority else 0
                     self._slots = [
                         StreamSlot(
@@ -162,6 +166,20 @@ class StreamPool:
         slot.waits += 1
         if seq > waited.get(index, 0):
             waited[index] = seq
+
+    def close(self) -> None:
+        """Wait for the work enqueued on the streams, then drop them and all they held.
+
+        Errors of that work are not raised. Later uses of :attr:`slots` raise
+        ``RuntimeError``; a thread still holding a slot keeps its stream alive.
+        """
+        with self._lock:
+            self._closed = True
+            slots, self._slots = self._slots, None
+        for slot in slots or ():
+            with contextlib.suppress(Exception):  # the work's errors belong to its events
+                self.backend.synchronize_stream(slot.stream)
+            slot.inflight.clear()
 
     def synchronize(self) -> None:
         """Block until every stream of the pool is idle; release everything held."""

@@ -2,14 +2,14 @@
 
 It knows nothing of any scheduler: integrations call :meth:`StreamRuntime.run`
 for each task with the task's inputs and an :class:`EventRegistry`, and
-:meth:`StreamRuntime.synchronize` before data leaves the process.
+:meth:`StreamRuntime.synchronize` before data leaves the process. Which
+runtimes exist, and when they close, is :mod:`.lifetime`'s business.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import warnings
 from collections import deque
@@ -19,18 +19,12 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from dask_gpustreams.backends import (
-    Backend,
-    create_backend,
-    current_device,
-    host_device_count,
-    reserve_hardware_queues,
-    resolve_backend,
-)
+from dask_gpustreams.backends import Backend, host_device_count
 from dask_gpustreams.config import StreamsConfig, auto_pinned_pool_size
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.events import EventPool
 from dask_gpustreams.runtime.hosttasks import HostTasks
+from dask_gpustreams.runtime.lifetime import Runtimes
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
 from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
@@ -44,6 +38,11 @@ class StreamRuntime:
 
     With ``config.timeline`` the records of the last :attr:`timeline_maxlen`
     tasks are kept in :attr:`timeline` (read by :mod:`dask_gpustreams.diagnostics`).
+
+    Lifetime: a compute holds the runtime with :meth:`acquire` until
+    :meth:`release`; :meth:`close` waits for those, then frees the streams,
+    threads and memory. Made by :func:`get_runtime` (shared, closed when no
+    longer used) or :meth:`Runtimes.create` (closed by its owner).
     """
 
     #: How many task records the timeline keeps (oldest dropped first).
@@ -76,6 +75,11 @@ class StreamRuntime:
         self._isolation = ("isolated", backend.name, backend.device_id)
         self._host_executor: ThreadPoolExecutor | None = None
         self._host_lock = threading.Lock()
+        self._host_closed = False
+        # Lifetime: "open", "closing" (waiting for its users), "closed"; users counted.
+        self._life = threading.Condition()
+        self._state = "open"
+        self._users = 0
         logger.info(
             "gpustreams: %s backend, device %s, %d streams, policy %r, pinned pool %s",
             backend.name,
@@ -156,6 +160,8 @@ class StreamRuntime:
         if executor is None:
             with self._host_lock:
                 if self._host_executor is None:
+                    if self._host_closed:
+                        raise RuntimeError(f"{self!r} is closed")
                     self._host_executor = ThreadPoolExecutor(
                         self.host_threads, thread_name_prefix="gpustreams-host"
                     )
@@ -197,6 +203,79 @@ class StreamRuntime:
         """Release what completed tasks and copies held; return the work still in flight."""
         return self.pool.collect_all() + self.transfers.collect()
 
+    # ------------------------------------------------------------------ lifetime
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has started: the runtime takes no new computes."""
+        return self._state != "open"
+
+    def acquire(self) -> StreamRuntime:
+        """Count a compute as using the runtime until :meth:`release`; returns the runtime.
+
+        Once per compute, not per task. Raises ``RuntimeError`` once closed.
+        """
+        with self._life:
+            if self._state != "open":
+                raise RuntimeError(f"{self!r} is closed; get_runtime() gives an open one")
+            self._users += 1
+        return self
+
+    def release(self) -> None:
+        """End an :meth:`acquire`; a :meth:`close` waiting for the last one then proceeds."""
+        with self._life:
+            self._users -= 1
+            if not self._users:
+                self._life.notify_all()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Free the streams, host threads, pinned staging and events; idempotent.
+
+        New computes are refused at once (:meth:`acquire` raises). The computes
+        that acquired the runtime are waited for, up to ``timeout`` seconds:
+        if some still run then, the runtime stays open and ``TimeoutError`` is
+        raised. Then the work already enqueued on the streams runs to its end
+        (its errors are not raised here: the computes that wanted its results
+        have seen them) and everything is released. Simulated streams' threads
+        end once nothing else refers to the streams. Do not call it from a task
+        of a compute that holds the runtime (it would wait for itself).
+        """
+        with self._life:
+            while self._state == "closing":  # another thread is closing it
+                self._life.wait()
+            if self._state == "closed":
+                return
+            self._state = "closing"
+            if not self._life.wait_for(lambda: not self._users, timeout):
+                self._state = "open"
+                self._life.notify_all()
+                raise TimeoutError(
+                    f"{self._users} computes still use {self!r} after timeout={timeout} s; "
+                    "it stays open"
+                )
+        try:
+            self._free()
+        finally:
+            with self._life:
+                self._state = "closed"
+                self._life.notify_all()
+
+    def _free(self) -> None:
+        with self._host_lock:
+            self._host_closed = True
+            executor, self._host_executor = self._host_executor, None
+        if executor is not None:
+            # Idle: its computes have ended (unless close() runs on one of its threads).
+            executor.shutdown(
+                wait=not threading.current_thread().name.startswith("gpustreams-host")
+            )
+        self.pool.close()
+        self.transfers.close()
+        self.events.clear()
+        if self.timeline is not None:
+            self.timeline.clear()  # its records refer to the streams
+        logger.info("gpustreams: closed %r", self)
+
 
 def fit_hardware_queues(backend: Backend, n_streams: int, copies: int) -> int:
     """How many of ``n_streams`` compute streams to create, beside ``copies`` copy streams.
@@ -235,54 +314,27 @@ def fit_hardware_queues(backend: Backend, n_streams: int, copies: int) -> int:
     return n_streams
 
 
-_runtimes: dict[tuple, StreamRuntime] = {}
-_resolved: dict[tuple, str] = {}
-_lock = threading.Lock()
+#: The process's runtimes: shared ones per device and setting, and owned ones.
+runtimes = Runtimes(StreamRuntime)
 
 
 def get_runtime(config: StreamsConfig | None = None) -> StreamRuntime:
-    """The runtime of this process and the calling thread's device for ``config``.
+    """The shared runtime of this process and the calling thread's device for ``config``.
 
     Created on first call (``config`` defaults to dask's ``gpustreams.*``), so
-    configuration errors surface here, when a computation starts.
+    configuration errors surface here, when a computation starts. A compute
+    that runs on it should hold it with :func:`acquire_runtime` instead: the
+    least recently used runtimes that no compute holds are closed once more
+    than :attr:`Runtimes.max_idle` are kept.
     """
-    config = config if config is not None else StreamsConfig.from_dask_config()
-    pid = os.getpid()
-    resolved = _resolved.get((pid, config.backend))
-    if resolved is None:
-        if config.backend != "sim":  # before anything here starts CUDA, which reads it once
-            reserve_hardware_queues(config.streams + 2 * config.copy_streams)
-        with _lock:
-            resolved = _resolved[(pid, config.backend)] = resolve_backend(config.backend)
-    key = (pid, resolved, current_device(resolved), config)
-    runtime = _runtimes.get(key)
-    if runtime is None:
-        with _lock:
-            runtime = _runtimes.get(key)
-            if runtime is None:
-                _trim_other_settings(key[:3])
-                runtime = _runtimes[key] = StreamRuntime(create_backend(resolved), config)
-    return runtime
+    return runtimes.get(config)
+
+
+def acquire_runtime(config: StreamsConfig | None = None) -> StreamRuntime:
+    """:func:`get_runtime`, held (:meth:`StreamRuntime.acquire`) until ``release()``."""
+    return runtimes.acquire(config)
 
 
 def live_runtimes() -> list[StreamRuntime]:
-    """The runtimes this process has created, a snapshot; creates none (for diagnostics)."""
-    pid = os.getpid()
-    return [rt for key, rt in list(_runtimes.items()) if key[0] == pid]
-
-
-def _trim_other_settings(device: tuple) -> None:
-    """Free the idle pinned staging buffers of ``device``'s runtimes of other settings.
-
-    Each setting keeps its runtime (computations may still use it), but a
-    change of settings should not leave a second staging pool pinned.
-    """
-    for key, other in _runtimes.items():
-        if key[:3] == device:
-            dropped = other.transfers.pinned.trim()
-            if dropped:
-                logger.info(
-                    "gpustreams: settings changed; freed %s of idle pinned staging of %r",
-                    format_bytes(dropped),
-                    other,
-                )
+    """The open runtimes of this process, shared and owned, a snapshot (for diagnostics)."""
+    return runtimes.live()

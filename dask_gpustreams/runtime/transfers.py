@@ -115,6 +115,12 @@ class Transfers:
         """Release what finished copies held; return the copies still in flight."""
         return self.h2d.collect_all() + self.d2h.collect_all()
 
+    def close(self) -> None:
+        """Wait for the copies in flight, drop the copy streams and the idle staging buffers."""
+        self.h2d.close()
+        self.d2h.close()
+        self.pinned.trim()
+
     def synchronize(self) -> None:
         """Block until every copy stream is idle."""
         self.h2d.synchronize()

@@ -93,7 +93,9 @@ Lifetime
     keys are released, forgotten or erred (taints also once their work is
     known to have succeeded); failure records when they are used (at most
     :attr:`StreamsPlugin.max_failures` are kept, each for at most
-    :attr:`StreamsPlugin.failure_ttl` seconds).
+    :attr:`StreamsPlugin.failure_ttl` seconds). Each worker's plugin owns its
+    runtime (in-process workers do not share one) and closes it at teardown,
+    when it is removed or the worker closes: its streams and threads end.
 
 Known limits
     - A recomputation that lands on a worker that did not see the failure
@@ -193,6 +195,8 @@ class StreamsPlugin(WorkerPlugin):
     failure_ttl = 60.0
     #: Seconds between releases of the inputs held for completed tasks.
     collect_interval = 0.5
+    #: Seconds teardown waits for the runtime's close (the work left on the device).
+    close_timeout = 30.0
     _active = False  # True between setup and teardown
 
     def __init__(self, **overrides: Any):
@@ -262,7 +266,11 @@ class StreamsPlugin(WorkerPlugin):
             )
 
     async def teardown(self, worker: Any) -> None:
-        """Stop wrapping; wait for the work already wrapped; restore the worker."""
+        """Stop wrapping; wait for the work already wrapped; restore the worker; close the runtime.
+
+        The runtime is this plugin's own: closing it (in an egress thread, as it
+        waits for the work left on the device) ends its streams and threads.
+        """
         self._active = False
         if worker.status not in (Status.closing, Status.closed, Status.failed):
             while self.execution.wrapped & set(worker.active_keys):
@@ -273,8 +281,17 @@ class StreamsPlugin(WorkerPlugin):
         self._collector.stop()
         prometheus.unregister(worker)
         self.egress.uninstall()
+        self.provenance.clear()  # before the close: the records refer to the streams
+        runtime = self.provenance.runtime
+        if runtime is not None:
+            closing = asyncio.wrap_future(self._egress_threads.submit(runtime.close))
+            try:
+                await asyncio.wait_for(closing, self.close_timeout)
+            except TimeoutError:  # a kernel that never ends: the close goes on in its thread
+                logger.warning(
+                    "gpustreams: %r did not close within %s s", runtime, self.close_timeout
+                )
         self._egress_threads.shutdown(wait=False)
-        self.provenance.clear()
 
     def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:
         """Wrap a task that starts executing; drop the entries of keys that go away."""

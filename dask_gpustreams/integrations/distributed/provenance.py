@@ -23,7 +23,7 @@ from distributed.worker_state_machine import RemoveReplicasEvent
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFIX
-from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, get_runtime
+from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, runtimes
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -54,7 +54,8 @@ class Provenance:
         self.config = config
         self.threads = threads
         self.limits = limits
-        #: The worker's runtime, created by its first task (:meth:`task_runtime`).
+        #: The worker's runtime, created by its first task (:meth:`task_runtime`), its own
+        #: (not shared with other workers of the process); the plugin closes it at teardown.
         self.runtime: StreamRuntime | None = None
         self.registry = EventRegistry()
         #: key -> (KernelError of a result found corrupt, when); raised when the key runs again.
@@ -69,7 +70,7 @@ class Provenance:
     def task_runtime(self) -> StreamRuntime:
         """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
         if self.runtime is None:
-            self.runtime = get_runtime(self.config)
+            self.runtime = runtimes.create(self.config)
         return self.runtime
 
     def sources(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
