@@ -94,44 +94,55 @@ def _is_host_task(node: GraphNode, host_modules: tuple[str, ...]) -> bool:
 
 
 class Execution:
-    """Replaces the run_spec of each task that starts executing on one worker (event loop)."""
+    """Replaces the run_spec of each task that starts executing on one worker (event loop).
+
+    :meth:`prepare` runs once per task on the worker's event loop, so it reads
+    only what the task needs and caches what is per executor, not per task.
+    """
 
     def __init__(self, worker: Any, provenance: Provenance):
         self.worker = worker
         self.provenance = provenance
-        #: Keys of the tasks wrapped to run on the streams, until they leave ``executing``.
-        self.wrapped: set[Hashable] = set()
+        self._tasks = worker.state.tasks
+        self._actors = worker.state.actors
+        #: executor name -> whether it is a thread pool (tasks on it run wrapped).
+        self._thread_pools: dict[str, bool] = {}
+        # The worker's executors exist before its plugins are set up.
+        self._default_on_threads = self._on_threads("default")
 
     def prepare(self, key: Hashable, host_modules: tuple[str, ...]) -> None:
         """Give ``key``'s task, which starts executing, the run_spec to run it with.
 
         ``host_modules``: the modules of the functions of host-side tasks.
         """
-        ts = self.worker.state.tasks.get(key)
+        ts = self._tasks.get(key)
         if ts is None or ts.run_spec is None:
             return
         node = ts.run_spec
-        dep_keys = tuple(node.dependencies)
         provenance = self.provenance
-        error, _ = provenance.failures.pop(key, (None, None))
+        error = provenance.take_failure(key) if provenance.failures else None
+        pending = ()
         if error is None:
-            error, pending = provenance.input_states(dep_keys)
+            error, pending = provenance.input_states(node.dependencies)
             if error is not None:
                 provenance.clear_stream_errors_soon()
             elif pending:
                 provenance.taint[key] = pending
         if error is not None:
-            ts.run_spec = _replace(node, _Raise(error), dep_keys)
+            ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
             return
-        if key in self.worker.state.actors or not self._thread_pool(ts):
+        if self._actors and key in self._actors:
+            return
+        if not (self._thread_pool(ts) if ts.annotations else self._default_on_threads):
             return
         try:
-            runtime = provenance.task_runtime()
+            runtime = provenance.runtime or provenance.task_runtime()
         except Exception as e:  # a bad backend: fail the task, not the worker
-            ts.run_spec = _replace(node, _Raise(e), dep_keys)
+            ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
             return
         if _is_host_task(node, host_modules):
             if pending:
+                dep_keys = tuple(node.dependencies)
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)
                 ts.run_spec = _replace(node, host, dep_keys)
             return
@@ -139,17 +150,32 @@ class Execution:
         if type(task) is StreamTask:
             task.__class__ = MeteredStreamTask  # same slots; no new object, no call
         ts.run_spec = task
-        self.wrapped.add(key)
 
     def fail(self, key: Hashable, exc: BaseException) -> None:
         """Make ``key``'s task raise ``exc`` instead of running (preparing it failed)."""
-        ts = self.worker.state.tasks.get(key)
+        ts = self._tasks.get(key)
         if ts is not None and ts.run_spec is not None:
             node = ts.run_spec
             ts.run_spec = _replace(node, _Raise(exc), tuple(node.dependencies))
 
+    def running_wrapped(self) -> bool:
+        """Whether a task that runs on the streams is still executing."""
+        tasks = self._tasks
+        return any(
+            isinstance(getattr(tasks.get(k), "run_spec", None), StreamTask)
+            for k in self.worker.active_keys
+        )
+
     def _thread_pool(self, ts: Any) -> bool:
-        """Whether ``ts`` runs in a worker thread (as ``Worker.execute`` decides)."""
-        name = (ts.annotations or {}).get("executor", "default")
+        """Whether ``ts`` (with annotations) runs in a worker thread, as ``Worker.execute`` says."""
+        name = ts.annotations.get("executor", "default")
+        known = self._thread_pools.get(name)
+        return self._on_threads(name) if known is None else known
+
+    def _on_threads(self, name: str) -> bool:
+        """Whether the worker's executor ``name`` is a thread pool (cached once it exists)."""
         executor = self.worker.executors.get(name)
-        return executor is not None and "ThreadPoolExecutor" in str(type(executor))
+        known = executor is not None and "ThreadPoolExecutor" in str(type(executor))
+        if executor is not None:
+            self._thread_pools[name] = known
+        return known

@@ -148,10 +148,6 @@ from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 
 logger = logging.getLogger("dask_gpustreams")
 
-# Transitions after which a key's result is no longer this worker's to serve.
-_GONE = frozenset({"released", "forgotten", "error"})
-_RUNNING = frozenset({"executing", "long-running"})
-
 
 class StreamsPlugin(WorkerPlugin):
     """Run the tasks of every worker on a pool of GPU streams, ordered by device events.
@@ -273,7 +269,7 @@ class StreamsPlugin(WorkerPlugin):
         """
         self._active = False
         if worker.status not in (Status.closing, Status.closed, Status.failed):
-            while self.execution.wrapped & set(worker.active_keys):
+            while self.execution.running_wrapped():
                 await asyncio.sleep(0.01)
             failed = await self.egress.wait_for(list(worker.data))
             if failed:
@@ -294,21 +290,22 @@ class StreamsPlugin(WorkerPlugin):
         self._egress_threads.shutdown(wait=False)
 
     def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:
-        """Wrap a task that starts executing; drop the entries of keys that go away."""
-        if not self._active:
-            return
+        """Wrap a task that starts executing; drop the entries of keys that go away.
+
+        Called for every transition of every key on the event loop: the others
+        (about four per task) return after two comparisons.
+        """
         if finish == "executing":
-            try:
-                self.execution.prepare(key, self.host_modules)
-            except Exception as e:  # distributed only logs this: fail the task instead
-                self.execution.fail(key, e)
-            return
-        if start in _RUNNING or finish in _GONE:
-            self.execution.wrapped.discard(key)
+            if self._active:
+                try:
+                    self.execution.prepare(key, self.host_modules)
+                except Exception as e:  # distributed only logs this: fail the task instead
+                    self.execution.fail(key, e)
+        elif (finish == "released" or finish == "error") and self._active:
+            # ("forgotten" always comes after "released")
+            self.provenance.forget(key)
             if finish == "error":  # maybe a KernelError seen by a sync inside the task
                 self.provenance.clear_stream_errors_soon()
-        if finish in _GONE:
-            self.provenance.forget(key)
 
     def _collect(self) -> None:
         """Periodically: release the inputs of completed tasks, expire old failure records."""

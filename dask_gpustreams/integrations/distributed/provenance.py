@@ -99,15 +99,34 @@ class Provenance:
     def input_states(
         self, dep_keys: Iterable[Hashable]
     ) -> tuple[KernelError | None, tuple[TaskRecord, ...]]:
-        """The error of failed work the inputs derive from, and the work still pending."""
-        pending = []
-        for record in self.sources(dep_keys):
+        """The error of failed work the inputs derive from, and the work still pending.
+
+        Once per task on the event loop: the inputs' own records, and their taints
+        only where they have one (a set then drops the records shared by several).
+        """
+        get = self.registry.get
+        taint = self.taint
+        pending: list[TaskRecord] = []
+        tainted = False
+        for key in dep_keys:
+            record = get(key)
+            if record is None:
+                continue
             done, error = self.state(record)
             if error is not None:
                 return error, ()
             if not done:
                 pending.append(record)
-        return None, tuple(pending)
+            more = taint.get(key)
+            if more:
+                tainted = True
+                for other in more:
+                    done, error = self.state(other)
+                    if error is not None:
+                        return error, ()
+                    if not done:
+                        pending.append(other)
+        return None, tuple(dict.fromkeys(pending) if tainted else pending)
 
     def wait_inputs(self, dep_keys: tuple[Hashable, ...]) -> None:
         """Worker thread: block until the work the inputs derive from is done; raise its error."""
@@ -118,8 +137,16 @@ class Provenance:
 
     def forget(self, key: Hashable) -> None:
         """Drop the entries of ``key``, which is no longer this worker's to serve."""
-        self.registry.forget((key,))
-        self.taint.pop(key, None)
+        self.registry.discard(key)
+        if self.taint:
+            self.taint.pop(key, None)
+
+    def take_failure(self, key: Hashable) -> BaseException | None:
+        """The recorded failure of ``key``'s earlier result, removed; None if there is none."""
+        if not self.failures:
+            return None
+        error, _ = self.failures.pop(key, (None, None))
+        return error
 
     def expire_failures(self) -> None:
         """Drop the failure records older than ``limits.failure_ttl``."""
