@@ -8,6 +8,7 @@ frame (C); a client logs no preload line (E).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pickle
 import textwrap
@@ -16,6 +17,7 @@ import time
 import traceback
 
 import dask
+import distributed.core
 import numpy as np
 import pytest
 from dask import delayed
@@ -24,11 +26,12 @@ from dask.callbacks import Callback
 from dask.diagnostics import Profiler
 from dask.sizeof import sizeof
 from dask.tokenize import tokenize
-from distributed import Client
+from distributed import Client, LocalCluster
 from distributed.utils_test import captured_logger
 
 from dask_gpustreams import sim
 from dask_gpustreams.integrations import local, preload, tasks
+from dask_gpustreams.integrations.distributed import tracebacks
 from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
 from dask_gpustreams.runtime import EventRegistry, get_runtime
 
@@ -308,6 +311,48 @@ def test_task_error_traceback_on_distributed_has_no_plugin_frames():
         assert [f for f in frames if "dask_gpustreams" in f[0]] == []
         assert [name for _, name in frames] == [name for _, name in plain_frames]
         assert [name for _, name in frames][-3:] == ["f3", "f2", "f1"]
+
+
+async def async_error_frames(enabled, processes):
+    config = {"gpustreams.enabled": enabled, "gpustreams.backend": "sim"}
+    with dask.config.set(config):
+        async with (
+            LocalCluster(
+                n_workers=1, processes=processes, asynchronous=True, dashboard_address=":0"
+            ) as lc,
+            Client(lc, asynchronous=True) as c,
+        ):
+            frames = []
+            for method in ("await", "result", "gather"):
+                future = c.submit(f3, pure=False)
+                with pytest.raises(ZeroDivisionError) as e:
+                    if method == "await":
+                        await future
+                    elif method == "result":
+                        await future.result()
+                    else:
+                        await c.gather(future)
+                frames.append([f.f_code.co_name for f, _ in traceback.walk_tb(e.tb)])
+            return frames
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_task_error_traceback_of_an_asynchronous_client_has_no_plugin_frames(processes):
+    """An asynchronous client shows the frames the worker sent, without admin.traceback.shorten."""
+    plain = asyncio.run(async_error_frames(False, processes))
+    got = asyncio.run(async_error_frames(True, processes))
+    assert got == plain
+    assert all(frames[-3:] == ["f3", "f2", "f1"] for frames in got)
+
+
+def test_worker_traceback_strip_leaves_other_tracebacks():
+    try:
+        f3()
+    except ZeroDivisionError as e:
+        tb = e.__traceback__
+    assert tracebacks.strip_wrappers(tb) is tb
+    assert tracebacks.strip_wrappers(None) is None
+    assert distributed.core.get_traceback is tracebacks.get_traceback
 
 
 def test_traceback_default_keeps_dasks_and_is_added_once():

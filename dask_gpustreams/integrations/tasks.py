@@ -9,7 +9,8 @@ without the plugin. Dask's and distributed's patterns stay. As with
 environment or ``dask.config.set`` replaces the default (add these patterns
 to it), and ``dask.config.refresh()`` drops them. On distributed the client
 shortens with its own config: a client process that never imports the
-package shows the wrappers' frames.
+package shows the wrappers' frames. An asynchronous client shortens nothing;
+the workers drop these frames (:mod:`.distributed.tracebacks`).
 """
 
 from __future__ import annotations
