@@ -13,11 +13,14 @@ Inputs are persisted on the worker once per workload, plugin off. Modes, in one 
 - ``off``: plain distributed (no plugin);
 - ``on``: ``client.register_plugin(StreamsPlugin(backend=...))``, removed after the mode.
 
-Each sample is timed from ``client.compute`` to its results being back on the client, and
-checked against the plugin-off result (``bench_workloads``' checks). Peak device memory
-per worker and sample: the CuPy pool's ``total_bytes()`` after the sample (``peak_held``)
-and the largest ``used_bytes()`` seen by a tracking allocator (``peak_used``); the
-worker's pool blocks are freed before each mode's first run only.
+Each sample is timed from ``client.compute`` until its results are in the worker's memory
+(``wait``) and the worker's device is idle (``client.run`` of a device sync: with the
+plugin, a result is in memory once its work is enqueued), in both modes alike; then
+gathered, untimed, and checked against the plugin-off result (``bench_workloads``'
+checks). Peak device memory per worker and sample: the CuPy pool's ``total_bytes()``
+after the sample (``peak_held``) and the largest ``used_bytes()`` seen by a tracking
+allocator (``peak_used``); the worker's pool blocks are freed before each mode's first
+run only.
 
 Outputs in ``--out`` (default ``benchmarks/results/cluster-<backend>-<timestamp>/``):
 ``results.json``, ``results.csv``, ``table.txt`` and ``rows.jsonl``.
@@ -74,6 +77,13 @@ class ClusterInputs:
         wait(x)
         self.persisted.append(x)
         return x
+
+
+def _synchronize(backend: str) -> None:
+    """On a worker: wait until its device is idle."""
+    from benchmarks import kernels
+
+    kernels.device_synchronize("cupy" if backend == "cupy" else "sim")
 
 
 def _pool_reset(free: bool) -> None:
@@ -154,8 +164,12 @@ class ClusterRunner(bench_workloads.Runner):
                 if self.track_memory:
                     client.run(_pool_reset, i == 0)
                 t0 = time.perf_counter()
-                results = client.compute(list(collections), sync=True)
+                futures = client.compute(list(collections))
+                wait(futures)
+                client.run(_synchronize, self.arrays.arrays.name)
                 wall = (time.perf_counter() - t0) * 1e3
+                results = client.gather(futures)  # checked, not timed
+                del futures
                 if self.track_memory:
                     memory.append(next(iter(client.run(_pool_read).values())))
                 bad = [

@@ -50,6 +50,12 @@ class Backend(Protocol):
         or not, and never raises it; None if the work succeeded.
         """
 
+    def event_state(self, event: Any) -> tuple[bool, BaseException | None]:
+        """``(completed, error of failed work before it)`` of ``event``; never blocks.
+
+        The error is as :meth:`event_error` gives it, and None while not completed.
+        """
+
     def synchronize_stream(self, stream: Any) -> None:
         """Block the host until all work enqueued on ``stream`` completes."""
 

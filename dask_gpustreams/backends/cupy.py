@@ -78,6 +78,14 @@ class CupyBackend:
             return e
         return None
 
+    def event_state(self, event: cupy.cuda.Event) -> tuple[bool, BaseException | None]:
+        # One query: cudaEventQuery returns a failed kernel's error (sticky: on every call
+        # after it), which CuPy raises; a query that says done saw no error.
+        try:
+            return event.done, None
+        except Exception as e:  # cupy_backends.cuda.api.runtime.CUDARuntimeError
+            return True, e
+
     def synchronize_stream(self, stream: cupy.cuda.Stream) -> None:
         stream.synchronize()
 

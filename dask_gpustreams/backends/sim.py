@@ -46,6 +46,9 @@ class SimBackend:
     def event_error(self, event: sim.Event) -> BaseException | None:
         return event.wait()
 
+    def event_state(self, event: sim.Event) -> tuple[bool, BaseException | None]:
+        return (True, event.wait()) if event.done else (False, None)
+
     def synchronize_stream(self, stream: sim.Stream) -> None:
         stream.synchronize()
 

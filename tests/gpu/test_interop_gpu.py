@@ -186,6 +186,11 @@ def numba_cuda():
     cuda = pytest.importorskip("numba.cuda")
     if not cuda.is_available():
         pytest.skip("Numba sees no CUDA device")
+    try:  # numba-cuda 0.x fails to compile any kernel against NumPy 2.5 (np.row_stack is gone)
+        numba_affine(cupy.zeros(4), 1.0)
+    except AttributeError as e:
+        pytest.skip(f"Numba cannot compile a kernel here: {e}")
+    cupy.cuda.Device().synchronize()
     return cuda
 
 
@@ -225,8 +230,7 @@ def numba_affine(x, k):
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_numba_kernels_on_the_task_stream_are_exact(numba_cuda, route):
-    numba_affine(cupy.zeros(4), 1.0)  # compile outside the graph
-    cupy.cuda.Device().synchronize()
+    # The fixture compiled the kernel outside the graph.
     rng = np.random.default_rng(29)
     for _ in range(4):
         values = rng.integers(0, 50, 16).astype(float)

@@ -87,14 +87,11 @@ class Provenance:
 
     def state(self, record: TaskRecord) -> tuple[bool, KernelError | None]:
         """Whether ``record``'s event has completed, and its error if so (never blocks)."""
-        backend = self.runtime.backend
         try:
-            if not backend.done(record.event):
-                return False, None
-            error = backend.event_error(record.event)  # completed: returns at once
+            done, error = self.runtime.backend.event_state(record.event)
         except Exception as e:  # a CUDA error from the query itself
-            error = e
-        return True, None if error is None else as_kernel_error(record.key, error)
+            done, error = True, e
+        return done, None if error is None else as_kernel_error(record.key, error)
 
     def input_states(
         self, dep_keys: Iterable[Hashable]
