@@ -21,6 +21,8 @@ from typing import Any
 
 from distributed import SchedulerPlugin
 
+from dask_gpustreams.diagnostics.dashboard import add_dashboard_page
+
 #: States in which a key whose input has erred waits forever.
 _STUCK = frozenset({"released", "waiting"})
 
@@ -36,6 +38,7 @@ class ErredInputs(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        add_dashboard_page(scheduler)  # the plugin's page on the dashboard (no-op without bokeh)
 
     def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kw: Any) -> None:
         # Whatever released it (the worker's drop of a corrupt result, or a fetch of that
