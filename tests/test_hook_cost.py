@@ -21,11 +21,11 @@ from dask_gpustreams import StreamsPlugin, sim
 from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin as PluginClass
 
 CONFIG = {"gpustreams.backend": "sim", "gpustreams.streams": 4}
-#: Python calls of the hook per task, all its transitions together: 29-32 when this was set,
+#: Python calls of the hook per task, all its transitions together: 22 when this was set,
 #: 8 of them ``Task.is_coro``, which ``Worker.execute`` would make otherwise (it is cached on
-#: the task), 10 the checks of the input's event (5 for each input on the sim), and 1 per
-#: transition for the hook itself. The hook made 41 before it was made cheap.
-MAX_CALLS_PER_TASK = 34
+#: the task), and 1 per transition for the hook itself; the checks of the inputs' events run
+#: in the worker thread. The hook made 41 before it was made cheap.
+MAX_CALLS_PER_TASK = 25
 
 
 def _inc(x):
@@ -97,7 +97,7 @@ def test_hook_makes_few_python_calls_per_task(counted):
     del results
     client.run(lambda: None)  # the releases of the dropped results have reached the worker
     tasks = counter.transitions["executing"]
-    assert tasks == 4 * 50 + 1
+    assert tasks >= 4 * 50 + 1, dict(counter.transitions)
     per_task = sum(counter.calls.values()) / tasks
     assert per_task <= MAX_CALLS_PER_TASK, dict(counter.calls)
     # Transitions that need nothing make no call beyond the hook's own.

@@ -7,7 +7,7 @@ Performance Metrics" page):
 - :data:`LAUNCH`: the time a task spends launching its work onto its stream
   in the worker thread (stream choice, event waits enqueued, the task's
   function, recording its event, back-pressure), metered by the plugin's
-  :class:`~dask_gpustreams.integrations.distributed.execution.MeteredStreamTask`. Digested as
+  :class:`~dask_gpustreams.integrations.distributed.execution.WorkerStreamTask`. Digested as
   ``("execute", <span>, <prefix>, "gpustreams-launch", "seconds")``; like any
   metered time it is taken out of the task's ``thread-cpu`` and
   ``thread-noncpu``. The device time of the task is not in it: see

@@ -57,28 +57,43 @@ class _AfterInputs:
         return f"_AfterInputs({self.node!r})"
 
 
-class MeteredStreamTask(StreamTask):
-    """A :class:`StreamTask` whose run is metered as ``gpustreams-launch`` (fine metrics).
+class WorkerStreamTask(StreamTask):
+    """A :class:`StreamTask` of a worker: checks its inputs, then launches, metered.
 
-    :meth:`Execution.prepare` turns the task that ``wrap_task`` made into one by
-    assigning its class (no slots added), which costs the event loop no call.
+    Runs in the worker thread: the checks of the inputs' events (each a driver
+    call, which releases the GIL and so makes the event loop wait to get it back)
+    stay off the event loop. An input whose work failed makes the task raise that
+    :class:`~dask_gpustreams.KernelError` before it launches anything; the inputs'
+    pending work becomes the key's taint. The launch is metered as
+    ``gpustreams-launch`` (fine metrics). :class:`Execution` makes one subclass
+    per worker, whose class attribute :attr:`provenance` is that worker's, and
+    turns the task that ``wrap_task`` made into one by assigning its class (no
+    slots added), which costs the event loop no call.
     """
 
     __slots__ = ()
+    provenance: Provenance
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
+        provenance = self.provenance
+        error, pending = provenance.input_states(self._dependencies)
+        if error is not None:
+            provenance.clear_stream_errors_soon()
+            raise error.with_traceback(None)  # not the frames of the sync that found it
+        if pending:
+            provenance.taint[self.key] = pending
         with launch_meter():
             return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
 
-    def copy(self) -> MeteredStreamTask:
-        return MeteredStreamTask(self.node, self.runtime, self.registry, self.critical)
+    def copy(self) -> WorkerStreamTask:
+        return type(self)(self.node, self.runtime, self.registry, self.critical)
 
     __copy__ = copy
 
     def substitute(self, subs: dict, key: Hashable | None = None) -> GraphNode:
         node = super().substitute(subs, key)
         if type(node) is StreamTask:
-            node.__class__ = MeteredStreamTask
+            node.__class__ = type(self)
         return node
 
 
@@ -109,11 +124,16 @@ class Execution:
         self._thread_pools: dict[str, bool] = {}
         # The worker's executors exist before its plugins are set up.
         self._default_on_threads = self._on_threads("default")
+        self._task_class = type(
+            "WorkerStreamTask", (WorkerStreamTask,), {"__slots__": (), "provenance": provenance}
+        )
 
     def prepare(self, key: Hashable, host_modules: tuple[str, ...]) -> None:
         """Give ``key``'s task, which starts executing, the run_spec to run it with.
 
-        ``host_modules``: the modules of the functions of host-side tasks.
+        ``host_modules``: the modules of the functions of host-side tasks. A task
+        that runs on the streams checks its inputs in its worker thread
+        (:class:`WorkerStreamTask`); the others are checked here.
         """
         ts = self._tasks.get(key)
         if ts is None or ts.run_spec is None:
@@ -121,35 +141,35 @@ class Execution:
         node = ts.run_spec
         provenance = self.provenance
         error = provenance.take_failure(key) if provenance.failures else None
-        pending = ()
-        if error is None:
-            error, pending = provenance.input_states(node.dependencies)
-            if error is not None:
-                provenance.clear_stream_errors_soon()
-            elif pending:
-                provenance.taint[key] = pending
         if error is not None:
             ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
             return
-        if self._actors and key in self._actors:
+        on_threads = not (self._actors and key in self._actors) and (
+            self._thread_pool(ts) if ts.annotations else self._default_on_threads
+        )
+        host_side = on_threads and _is_host_task(node, host_modules)
+        if on_threads and not host_side:
+            try:
+                runtime = provenance.runtime or provenance.task_runtime()
+            except Exception as e:  # a bad backend: fail the task, not the worker
+                ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
+                return
+            task = wrap_task(node, runtime, provenance.registry)
+            if type(task) is StreamTask:
+                task.__class__ = self._task_class  # same slots; no new object, no call
+                ts.run_spec = task
+                return
+        error, pending = provenance.input_states(node.dependencies)
+        if error is not None:
+            provenance.clear_stream_errors_soon()
+            ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
             return
-        if not (self._thread_pool(ts) if ts.annotations else self._default_on_threads):
-            return
-        try:
-            runtime = provenance.runtime or provenance.task_runtime()
-        except Exception as e:  # a bad backend: fail the task, not the worker
-            ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
-            return
-        if _is_host_task(node, host_modules):
-            if pending:
+        if pending:
+            provenance.taint[key] = pending
+            if host_side:  # it waits for its inputs' work first, in its thread
                 dep_keys = tuple(node.dependencies)
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)
                 ts.run_spec = _replace(node, host, dep_keys)
-            return
-        task = wrap_task(node, runtime, provenance.registry)
-        if type(task) is StreamTask:
-            task.__class__ = MeteredStreamTask  # same slots; no new object, no call
-        ts.run_spec = task
 
     def fail(self, key: Hashable, exc: BaseException) -> None:
         """Make ``key``'s task raise ``exc`` instead of running (preparing it failed)."""

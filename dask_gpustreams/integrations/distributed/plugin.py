@@ -64,7 +64,8 @@ Failures
 
     - A task whose inputs derive from work that has completed with an error
       fails with that :class:`~dask_gpustreams.KernelError` before it runs
-      (a non-blocking check of completed events when it starts executing).
+      (a non-blocking check of completed events when it starts, in its worker
+      thread for tasks on the streams: the driver calls stay off the event loop).
     - When an egress wait (``get_data``, spilling) finds a corrupt key, the
       key is not served; the worker records the error, drops the key and
       tells the scheduler (``release-worker-data``, as if the data were lost),
