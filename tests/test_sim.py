@@ -399,6 +399,26 @@ def test_pool_keeps_a_free_list_per_stream():
     assert (pool.used_bytes(), pool.total_bytes()) == (8192, 8192)
 
 
+def test_pool_free_inside_its_own_lock_does_not_deadlock():
+    """An array's ``__del__`` may run inside the pool's lock: a garbage collection
+    started by an allocation under it (the fuzzer's threaded route hung on this)."""
+    pool = sim.MemoryPool()
+    block, _ = pool.malloc(8000, "s1")
+    done = threading.Event()
+
+    def free_under_the_lock():
+        with pool._lock:  # as a finalizer run by malloc's own allocation would
+            pool.free(block, "s1")
+        done.set()
+
+    worker = threading.Thread(target=free_under_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(10), "free() blocked on the pool's lock held by its own thread"
+    assert (pool.used_bytes(), pool.total_bytes()) == (0, 8192)  # filed by the next holder
+    again, reused = pool.malloc(8000, "s1")
+    assert again is block and reused
+
+
 def test_arrays_return_their_block_to_the_default_pool():
     pool = sim.get_default_memory_pool()
     x = sim.empty(1000)

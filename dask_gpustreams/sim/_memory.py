@@ -39,9 +39,12 @@ class MemoryPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[Hashable, defaultdict[int, list[np.ndarray]]] = {}
-        # Streams that ended. Their finalizers run in any thread, even inside this pool's
-        # lock: they only append, the lock's holders drain.
+        # Streams that ended, and blocks freed. Their finalizers (a stream's, an array's
+        # ``__del__``) run in any thread, even inside this pool's lock (a garbage
+        # collection started by an allocation under it): they only append, the lock's
+        # holders drain.
         self._ended: deque[Hashable] = deque()
+        self._freed: deque[tuple[np.ndarray, Hashable]] = deque()
         self._used = 0
         self._total = 0
 
@@ -63,22 +66,31 @@ class MemoryPool:
     def free(self, block: np.ndarray, stream: Hashable) -> None:
         """Return ``block`` to ``stream``'s free list now, whatever is still queued on it.
 
-        If ``stream`` has ended (:meth:`stream_ended`), the block is dropped.
+        If ``stream`` has ended (:meth:`stream_ended`), the block is dropped. Never
+        blocks: called inside the lock (by a finalizer), the holder files it.
         """
-        with self._lock:
-            self._drop_ended()
-            self._used -= block.nbytes
-            lists = self._free.get(stream)
-            if lists is None:
-                self._total -= block.nbytes
-            else:
-                lists[block.nbytes].append(block)
+        self._freed.append((block, stream))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop_ended()
+            finally:
+                self._lock.release()
 
     def stream_ended(self, stream: Hashable) -> None:
         """``stream`` is gone: drop its free list (safe from any thread, takes no lock)."""
         self._ended.append(stream)
 
     def _drop_ended(self) -> None:
+        """File the blocks freed and drop the lists of streams that ended. Locked."""
+        freed = self._freed
+        while freed:
+            block, stream = freed.popleft()
+            self._used -= block.nbytes
+            lists = self._free.get(stream)
+            if lists is None:
+                self._total -= block.nbytes
+            else:
+                lists[block.nbytes].append(block)
         ended = self._ended
         while ended:
             lists = self._free.pop(ended.popleft(), None)
@@ -87,11 +99,15 @@ class MemoryPool:
 
     def used_bytes(self) -> int:
         """Bytes held by live arrays."""
-        return self._used
+        with self._lock:
+            self._drop_ended()
+            return self._used
 
     def total_bytes(self) -> int:
         """Bytes held by live arrays and free lists."""
-        return self._total
+        with self._lock:
+            self._drop_ended()
+            return self._total
 
     def free_all_blocks(self) -> None:
         """Drop every cached free block."""
