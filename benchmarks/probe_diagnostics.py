@@ -39,13 +39,13 @@ def nvtx_cost(backend: str, tasks: int, repeats: int) -> None:
     for nvtx in (False, True, False, True):
         walls = []
         for r in range(repeats):
-            x = dask.delayed(kernels.to_device, name=f"nv-src-{nvtx}-{r}")(
-                backend, kernels.source(r, 16)
-            )
-            outs = [dask.delayed(_noop, name=f"nv-{nvtx}-{r}-{i}")(x) for i in range(tasks)]
+            src = ("nv-src", nvtx, r)
+            dsk = {src: (kernels.to_device, backend, kernels.source(r, 16))}
+            dsk.update({("nv", nvtx, r, i): (_noop, src) for i in range(tasks)})
+            keys = [k for k in dsk if k != src]
             with dask.config.set({"gpustreams.backend": backend, "gpustreams.nvtx": nvtx}):
                 t0 = time.perf_counter()
-                dask.compute(*outs, scheduler="gpustreams")
+                dask_gpustreams.get(dsk, keys)
                 walls.append(time.perf_counter() - t0)
         print(f"nvtx={nvtx!s:5} {statistics.median(walls) / tasks * 1e6:7.1f} us/task", flush=True)
 

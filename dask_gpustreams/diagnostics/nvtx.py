@@ -58,7 +58,9 @@ def range_functions() -> tuple[Callable[[str, int, str], None], Callable[[], Non
         ) from None
 
     def push_cupy(message: str, color: int, category: str) -> None:
-        cupy_nvtx.RangePush(f"{message} [{category}]", argb_color=color)
+        # RangePushC takes an ARGB color; RangePush only an index into CuPy's palette
+        # (CuPy 14's cupy_backends.cuda.libs.nvtx: a keyword argb_color raises TypeError).
+        cupy_nvtx.RangePushC(f"{message} [{category}]", color)
 
     return push_cupy, cupy_nvtx.RangePop
 
