@@ -366,3 +366,54 @@ def test_downloaded_device_array_is_not_kept_after_the_compute(gpustreams):
     np.testing.assert_array_equal(got, np.arange(1000.0))
     np.testing.assert_array_equal(got_launcher, np.arange(1000.0))
     assert [r() for r in refs] == [None, None]
+
+
+def _boom(out):
+    raise ValueError("boom")
+
+
+@pytest.mark.parametrize("pinned_results", [True, False])
+def test_download_skipped_after_a_failure_reported_elsewhere_raises(monkeypatch, pinned_results):
+    """A copy stream that a failure reached skips its copies until a sync reports the error.
+
+    When another sync reports it first (the fuzzer's distributed route: the plugin clears
+    stream errors after a failure), the download's own sync must still raise, not return
+    the staging or result buffer's stale contents as data.
+    """
+    from dask_gpustreams.errors import KernelError
+    from dask_gpustreams.runtime.transfers import Transfers
+
+    backend = SimBackend()
+    transfers = Transfers(backend, 1, 2**20)
+    if not pinned_results:
+        monkeypatch.setattr(transfers.pinned, "take", lambda nbytes: None)
+    compute = backend.create_stream()
+    with compute:
+        x = sim.asarray(np.arange(8.0))
+        compute.synchronize()
+        sim.launch(_boom, sim.empty((1,)))  # the compute stream is in error from here
+    reached, report = threading.Event(), threading.Event()
+    copy_to_host = backend.copy_to_host
+
+    def gated_copy(dst, src, stream):
+        copy_to_host(dst, src, stream)  # skipped: the copy stream waited on the failure
+        stream.enqueue(lambda _s: (reached.set(), report.wait(10)))
+
+    monkeypatch.setattr(backend, "copy_to_host", gated_copy)
+    outcome = {}
+
+    def download():
+        try:
+            outcome["value"] = transfers.to_host(x, compute)
+        except KernelError as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=download)
+    thread.start()
+    assert reached.wait(10)
+    with pytest.raises(KernelError):
+        compute.synchronize()  # reported here, before the download's own sync
+    report.set()
+    thread.join(10)
+    assert "value" not in outcome, f"a skipped copy returned {outcome.get('value')}"
+    assert "boom" in str(outcome["error"])

@@ -95,7 +95,7 @@ class Transfers:
             copied = backend.create_event()
             backend.copy_to_host(out, device, slot.stream)
             self.d2h.record(slot, copied, device)
-            backend.synchronize_event(copied)
+            _raise_if_failed(backend, copied)
             self.d2h.collect(slot)  # the copy is done: let the device array go
             return out
         buffer = self.pinned.acquire(device.nbytes)
@@ -105,7 +105,7 @@ class Transfers:
             copied = backend.create_event()
             backend.copy_to_host(staged, device, slot.stream)
             self.d2h.record(slot, copied, device)
-            backend.synchronize_event(copied)
+            _raise_if_failed(backend, copied)
             self.d2h.collect(slot)
             return staged.copy()
         finally:
@@ -125,3 +125,16 @@ class Transfers:
         """Block until every copy stream is idle."""
         self.h2d.synchronize()
         self.d2h.synchronize()
+
+
+def _raise_if_failed(backend: Backend, copied: Any) -> None:
+    """Block until the download ``copied`` is done; raise the error of failed work before it.
+
+    ``event_error``, not a sync: a sync raises an error only once, and a copy stream
+    is shared by every download. After a failure reached it (its ``ready`` wait),
+    copies on it are skipped until a sync reports that error; one reported
+    elsewhere first would let a skipped copy return stale memory as data.
+    """
+    error = backend.event_error(copied)
+    if error is not None:
+        raise error
