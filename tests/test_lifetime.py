@@ -1,7 +1,8 @@
 """Runtime lifetime: close(), the bounded cache of shared runtimes, and the plugin's own runtime.
 
-Threads are waited for with ``join(timeout)``, never with sleeps: a closed
-runtime's simulated streams end once nothing refers to them.
+Threads are waited for with ``join(timeout)``, never with sleeps. A closed
+runtime's simulated streams have ended when ``close()`` returns, whoever still
+refers to them.
 """
 
 from __future__ import annotations
@@ -102,6 +103,34 @@ def test_close_ends_the_streams_and_threads_and_is_idempotent(gpustreams):
     with gpustreams(streams=3):  # the next compute gets a new runtime
         assert chain_graph().compute(scheduler="gpustreams") == 7000.0
         assert get_runtime() is not rt
+
+
+def test_close_ends_the_stream_threads_before_it_returns_though_streams_are_referenced(
+    gpustreams,
+):
+    # A closed worker's task states keep the records of its last tasks, which refer to the
+    # slots and their streams (distributed's thread-leak check failed on those threads).
+    with gpustreams(streams=2):
+        assert chain_graph().compute(scheduler="gpustreams") == 7000.0
+        rt = get_runtime()
+    kept = [s.stream for p in (rt.pool, rt.transfers.h2d, rt.transfers.d2h) for s in p.slots]
+    threads = runtime_threads(rt)
+    rt.close()
+    assert [t for t in threads if t.is_alive()] == []  # joined by close(), no waiting here
+    assert all(s.closed for s in kept)
+    with pytest.raises(RuntimeError, match="is closed"):
+        kept[0].launch(_fill, (np.empty(1), 1.0), {}, "late")
+
+
+def test_a_closed_sim_stream_runs_its_queued_work_then_its_thread_ends():
+    stream = sim.get_device().create_stream()
+    out = np.zeros(1)
+    stream.launch(lambda: (threading.Event().wait(0.05), out.fill(1.0)), (), {}, "k")
+    stream.close(TIMEOUT)
+    assert out[0] == 1.0 and not stream._thread.is_alive()
+    stream.close()  # idempotent
+    with pytest.raises(RuntimeError, match="is closed"):
+        stream.record()
 
 
 @pytest.mark.parametrize("scheduler", ["gpustreams", "threads"])

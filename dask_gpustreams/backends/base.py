@@ -59,6 +59,13 @@ class Backend(Protocol):
     def synchronize_stream(self, stream: Any) -> None:
         """Block the host until all work enqueued on ``stream`` completes."""
 
+    def destroy_stream(self, stream: Any, timeout: float | None = None) -> None:
+        """Release ``stream`` now, once the work enqueued on it is done; it is not used again.
+
+        Whatever the stream holds of the host (the simulated device's thread)
+        is gone when this returns, or after ``timeout`` seconds of its work.
+        """
+
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Device time between two completed timing events, in milliseconds."""
 

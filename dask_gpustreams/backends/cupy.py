@@ -89,6 +89,9 @@ class CupyBackend:
     def synchronize_stream(self, stream: cupy.cuda.Stream) -> None:
         stream.synchronize()
 
+    def destroy_stream(self, stream: cupy.cuda.Stream, timeout: float | None = None) -> None:
+        """Nothing held on the host: CuPy destroys the stream once it is garbage."""
+
     def elapsed_ms(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
         return cupy.cuda.get_elapsed_time(start, end)
 

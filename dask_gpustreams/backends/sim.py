@@ -52,6 +52,9 @@ class SimBackend:
     def synchronize_stream(self, stream: sim.Stream) -> None:
         stream.synchronize()
 
+    def destroy_stream(self, stream: sim.Stream, timeout: float | None = None) -> None:
+        stream.close(timeout)
+
     def elapsed_ms(self, start: sim.Event, end: sim.Event) -> float:
         return (end.time - start.time) * 1e3
 

@@ -12,6 +12,8 @@ from dask_gpustreams.backends.base import Backend
 
 #: Default of :attr:`StreamPool.max_inflight`: bounds the inputs held per stream.
 MAX_INFLIGHT = 256
+#: Seconds :meth:`StreamPool.close` waits for each stream's end after its work is done.
+STREAM_END_TIMEOUT = 10.0
 
 
 class StreamSlot:
@@ -170,8 +172,10 @@ class StreamPool:
     def close(self) -> None:
         """Wait for the work enqueued on the streams, then drop them and all they held.
 
-        Errors of that work are not raised. Later uses of :attr:`slots` raise
-        ``RuntimeError``; a thread still holding a slot keeps its stream alive.
+        Errors of that work are not raised. The streams are destroyed (a
+        simulated stream's thread is joined, up to :data:`STREAM_END_TIMEOUT`
+        seconds). Later uses of :attr:`slots` raise ``RuntimeError``, and so
+        does, on the simulated device, work enqueued by a thread still holding a slot.
         """
         with self._lock:
             self._closed = True
@@ -180,6 +184,11 @@ class StreamPool:
             with contextlib.suppress(Exception):  # the work's errors belong to its events
                 self.backend.synchronize_stream(slot.stream)
             slot.inflight.clear()
+        for slot in slots or ():
+            # Now, not when the last reference goes: records and tasks kept elsewhere (a
+            # closed worker's task states) refer to the slots; a simulated stream's
+            # thread has ended when this returns.
+            self.backend.destroy_stream(slot.stream, STREAM_END_TIMEOUT)
 
     def synchronize(self) -> None:
         """Block until every stream of the pool is idle; release everything held."""

@@ -236,9 +236,11 @@ class StreamRuntime:
         if some still run then, the runtime stays open and ``TimeoutError`` is
         raised. Then the work already enqueued on the streams runs to its end
         (its errors are not raised here: the computes that wanted its results
-        have seen them) and everything is released. Simulated streams' threads
-        end once nothing else refers to the streams. Do not call it from a task
-        of a compute that holds the runtime (it would wait for itself).
+        have seen them) and everything is released. The streams are destroyed:
+        simulated streams' threads have ended when it returns (each joined up to
+        ``pool.STREAM_END_TIMEOUT`` s), whoever still refers to the streams. Do
+        not call it from a task of a compute that holds the runtime (it would
+        wait for itself).
         """
         with self._life:
             while self._state == "closing":  # another thread is closing it

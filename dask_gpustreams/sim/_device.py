@@ -1,7 +1,7 @@
 """Streams and events of the simulated device.
 
 Each stream is a FIFO of operations run in order by its own thread, which ends
-once the stream is garbage and its work is done. Launching
+once the stream is garbage or closed and its work is done. Launching
 only enqueues. An event is a marker in a stream: recording enqueues a marker,
 waiting enqueues a wait for the marker as recorded at that moment. A launched
 function that raises puts its stream in error: later launches on that stream
@@ -60,17 +60,38 @@ class Stream:
         self._thread = threading.Thread(
             target=_serve, args=(self._queue,), name=f"sim-stream-{self.id}", daemon=True
         )
+        self._closed = False
         self._thread.start()
-        # Work queued holds the stream; once none is and the stream is garbage, the thread ends.
-        finalizer = weakref.finalize(self, _stream_ended, self._queue, device, self.id)
-        finalizer.atexit = False  # atexit code may sync
+        # Work queued holds the stream; once none is and the stream is garbage (or closed),
+        # the thread ends.
+        self._end = weakref.finalize(self, _stream_ended, self._queue, device, self.id)
+        self._end.atexit = False  # atexit code may sync
 
     def __repr__(self) -> str:
         return f"<sim.Stream {self.id} priority={self.priority}>"
 
     def enqueue(self, op: Callable[[Stream], None]) -> None:
         """Append ``op`` to the stream; it runs after everything enqueued before it."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
         self._queue.put((self, op))
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: the stream takes no more work."""
+        return self._closed
+
+    def close(self, timeout: float | None = None) -> None:
+        """End the stream now, as if it were garbage (``cudaStreamDestroy``); idempotent.
+
+        The work already enqueued still runs, then the thread ends; this waits
+        for that, up to ``timeout`` seconds (not when called on the stream's
+        own thread). Later work on the stream raises ``RuntimeError``.
+        """
+        self._closed = True
+        self._end()  # once: later calls do nothing
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def launch(self, fn: Callable, args: tuple, kwargs: dict, key: Any) -> None:
         """Enqueue a kernel: ``fn(*args, **kwargs)`` run on the stream's thread.
@@ -281,7 +302,7 @@ class Device:
         """
         self._reported_errors.add(error)
         for stream in list(self._streams):
-            if stream._error is error:
+            if stream._error is error and not stream._closed:
                 # In stream order: work enqueued before the report still sees the error.
                 stream.enqueue(functools.partial(_clear_error, error))
         return error
