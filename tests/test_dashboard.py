@@ -9,37 +9,14 @@ from collections import deque
 from types import SimpleNamespace
 
 import dask
-import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
-from dask_gpustreams import sim
 from dask_gpustreams.diagnostics.dashboard import ROUTE, busy_fraction, timeline_feed
 from dask_gpustreams.diagnostics.dashboard.feed import RecordCursor, timing_summary
+from tests.sim_tasks import SIM_CLUSTER, ones, slow_inc
 
-CONFIG = {
-    "gpustreams.enabled": True,  # the client preload registers the plugin
-    "gpustreams.backend": "sim",
-    "gpustreams.streams": 2,
-    "distributed.worker.memory.spill": False,
-    "distributed.worker.memory.pause": False,
-    "distributed.worker.memory.terminate": False,
-}
-
-
-def _slow(out, a, seconds):
-    time.sleep(seconds)
-    out[...] = a + 1
-
-
-def slow_inc(a, seconds=0.0):
-    out = sim.empty(a.shape)
-    sim.launch(_slow, out, a, seconds)
-    return out
-
-
-def ones(n):
-    return sim.asarray(np.ones(n))
+CONFIG = {**SIM_CLUSTER, "gpustreams.enabled": True}  # the client preload registers it
 
 
 async def _poll(dask_scheduler, timing=True):

@@ -5,34 +5,13 @@ from __future__ import annotations
 import time
 
 import dask
-import numpy as np
 from distributed import Client, LocalCluster
 
 from dask_gpustreams import StreamsPlugin, sim
 from dask_gpustreams.diagnostics.fine_metrics import LAUNCH, WAIT
+from tests.sim_tasks import SIM_CLUSTER, ones, slow_inc
 
-CONFIG = {
-    "gpustreams.backend": "sim",
-    "gpustreams.streams": 2,
-    "distributed.worker.memory.spill": False,
-    "distributed.worker.memory.pause": False,
-    "distributed.worker.memory.terminate": False,
-}
-
-
-def _slow(out, a, seconds):
-    time.sleep(seconds)
-    out[...] = a + 1
-
-
-def slow_inc(a, seconds=0.0):
-    out = sim.empty(a.shape)
-    sim.launch(_slow, out, a, seconds)
-    return out
-
-
-def ones(n):
-    return sim.asarray(np.ones(n))
+CONFIG = SIM_CLUSTER
 
 
 def _digests(dask_worker):

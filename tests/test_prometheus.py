@@ -2,42 +2,20 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import dask
-import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
 
-from dask_gpustreams import StreamsPlugin, sim
+from dask_gpustreams import StreamsPlugin
 from dask_gpustreams.diagnostics import prometheus
+from tests.sim_tasks import SIM_CLUSTER, ones, slow_inc
 
 parser = pytest.importorskip("prometheus_client.parser")
 
-CONFIG = {
-    "gpustreams.backend": "sim",
-    "gpustreams.streams": 2,
-    "distributed.worker.memory.spill": False,
-    "distributed.worker.memory.pause": False,
-    "distributed.worker.memory.terminate": False,
-}
+CONFIG = SIM_CLUSTER
 PREFIX = "dask_worker_gpustreams_"
-
-
-def _slow(out, a, seconds):
-    time.sleep(seconds)
-    out[...] = a + 1
-
-
-def slow_inc(a, seconds=0.0):
-    out = sim.empty(a.shape)
-    sim.launch(_slow, out, a, seconds)
-    return out
-
-
-def ones(n):
-    return sim.asarray(np.ones(n))
 
 
 def scrape(port: int) -> dict[str, dict[tuple, float]]:

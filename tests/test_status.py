@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import dask
 import dask.threaded
 import numpy as np
@@ -16,29 +14,9 @@ from dask_gpustreams import StreamsPlugin, sim
 from dask_gpustreams.diagnostics.status import STATUS_FIELDS, StreamsStatus
 from dask_gpustreams.runtime import EventRegistry, get_runtime
 from dask_gpustreams.runtime.runtime import live_runtimes
+from tests.sim_tasks import SIM_CLUSTER, ones, slow_inc
 
-CLUSTER_CONFIG = {
-    "gpustreams.backend": "sim",
-    "gpustreams.streams": 2,
-    "distributed.worker.memory.spill": False,
-    "distributed.worker.memory.pause": False,
-    "distributed.worker.memory.terminate": False,
-}
-
-
-def _slow(out, a, seconds):
-    time.sleep(seconds)
-    out[...] = a + 1
-
-
-def slow_inc(a, seconds=0.3):
-    out = sim.empty(a.shape)
-    sim.launch(_slow, out, a, seconds)
-    return out
-
-
-def ones(n):
-    return sim.asarray(np.ones(n))
+CLUSTER_CONFIG = SIM_CLUSTER
 
 
 def test_without_a_runtime_it_reports_the_settings_and_creates_none(gpustreams):
