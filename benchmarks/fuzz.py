@@ -23,8 +23,12 @@ Routes (``--routes``): ``threaded`` (``gpustreams.enabled``, the threaded
 scheduler, random ``num_workers`` and ``chunksize``), ``launcher``
 (``scheduler="gpustreams"``), ``distributed`` (an in-process ``LocalCluster`` of
 2 workers x 2 threads, the plugin by ``gpustreams.enabled``; a new cluster with
-new settings every 100 DAGs) and ``distributed-spill`` (the same with a memory
-target so small that every result is spilled). Outcomes: a wrong value; a hang
+new settings every 100 DAGs), ``distributed-spill`` (the same with a memory
+target so small that every result is spilled) and ``dask-cuda`` (the same on
+``dask_cuda.LocalCUDACluster(n_workers=1)`` with dask-cuda's defaults: one
+worker process, one thread, its ``DeviceHostFile``; only with ``--backend cupy``
+on a machine with a GPU and dask-cuda, and only when named: the default is the
+other four). Outcomes: a wrong value; a hang
 (a compute past ``--timeout``; the run goes on with fresh runtimes or a fresh
 cluster); an unexpected error (any exception, or a ``KernelError`` naming
 another key). With a failing kernel, a local compute must raise the
@@ -69,6 +73,7 @@ from dask import delayed
 
 import dask_gpustreams
 from dask_gpustreams import KernelError, host_task, sim
+from dask_gpustreams.backends import gpu_visible
 from dask_gpustreams.integrations.distributed.egress import Egress
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.runtime import StreamPool, runtimes
@@ -76,8 +81,11 @@ from dask_gpustreams.runtime.policies import make_policy, policy_names
 
 #: Every value is an integer in [0, P): sums of products of them stay exact in float64.
 P = 4093
-ROUTES = ("threaded", "launcher", "distributed", "distributed-spill")
-DISTRIBUTED = ("distributed", "distributed-spill")
+#: Every route; a route's index seeds its DAGs, so new routes go at the end.
+ROUTES = ("threaded", "launcher", "distributed", "distributed-spill", "dask-cuda")
+#: The routes that run anywhere, the sim included: the default of ``--routes``.
+SIM_ROUTES = ROUTES[:4]
+DISTRIBUTED = ("distributed", "distributed-spill", "dask-cuda")
 #: DAGs per distributed cluster (its stream count and policy are drawn per cluster).
 CLUSTER_DAGS = 100
 POLICIES = tuple(
@@ -866,8 +874,14 @@ class LocalRoute:
         return check_local(dag, box.get("result"), box.get("error"))
 
 
+def has_plugin(dask_worker: Any) -> bool:
+    """Whether ``dask_worker`` has the gpustreams plugin (run on each worker)."""
+    return dask_gpustreams.StreamsPlugin.name in dask_worker.plugins
+
+
 class DistributedRoute:
-    """``distributed`` (or ``distributed-spill``): a LocalCluster, new every CLUSTER_DAGS DAGs."""
+    """``distributed``, ``distributed-spill`` or ``dask-cuda``: a cluster, new every
+    CLUSTER_DAGS DAGs (an in-process LocalCluster, or a LocalCUDACluster)."""
 
     def __init__(self, name: str, backend: str, timeout: float, seed: int):
         self.name = name
@@ -903,16 +917,28 @@ class DistributedRoute:
         }
         self._config = dask.config.set(config)
         self._config.__enter__()
-        self.cluster = LocalCluster(
-            processes=False,
-            n_workers=2,
-            threads_per_worker=2,
-            dashboard_address=":0",
-            silence_logs=logging.CRITICAL,
-            **({"memory_limit": "32 MiB"} if spill else {}),
-        )
+        if self.name == "dask-cuda":
+            from dask_cuda import LocalCUDACluster
+
+            self.cluster = LocalCUDACluster(
+                n_workers=1, dashboard_address=":0", silence_logs=logging.CRITICAL
+            )
+        else:
+            self.cluster = LocalCluster(
+                processes=False,
+                n_workers=2,
+                threads_per_worker=2,
+                dashboard_address=":0",
+                silence_logs=logging.CRITICAL,
+                **({"memory_limit": "32 MiB"} if spill else {}),
+            )
         self.client = Client(self.cluster)
         self.batch = batch
+        missing = [w for w, on in self.client.run(has_plugin).items() if not on]
+        if missing:
+            raise RuntimeError(f"{self.name}: no gpustreams plugin on the workers {missing}")
+        if self.kernels.torch is not None:
+            self.client.run(torch_ready)  # as in this process: PyTorch's CUDA started
 
     def close(self) -> None:
         """Close the cluster, giving up after the timeout (a hung worker may never close)."""
@@ -1084,6 +1110,8 @@ def fuzz(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tallies = {}
     n = len(args.routes)
+    if args.backend == "cupy":  # PyTorch ops only where it has CUDA: say which ran
+        print(f"cupy DAGs: da.random leaves and the ops {', '.join(library_ops('cupy'))}")
     with quiet(args.verbose):
         for k, name in enumerate(args.routes):
             quota = None if args.seconds else args.dags // n + (k < args.dags % n)
@@ -1140,7 +1168,7 @@ MECHANISMS = {
     "wait": Mechanism(lambda: mock.patch.object(StreamPool, "wait", _no_wait), ROUTES[:3]),
     # the hold of a task's inputs until its event completes
     "hold": Mechanism(
-        lambda: mock.patch.object(StreamPool, "record", _record_without_refs), ROUTES
+        lambda: mock.patch.object(StreamPool, "record", _record_without_refs), SIM_ROUTES
     ),
     # get_data (peer fetch, gather) waits for the key's work
     "egress": Mechanism(
@@ -1205,6 +1233,21 @@ def _names(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
+def dask_cuda_problem(backend: str) -> str | None:
+    """Why the ``dask-cuda`` route cannot run with ``backend`` here, or None if it can."""
+    if backend != "cupy":
+        return (
+            f"it needs --backend cupy, not {backend!r} (a dask-cuda worker is a process on a"
+            " GPU; the sim runs the other routes)"
+        )
+    try:
+        import dask_cuda  # noqa: F401
+    except ImportError as e:
+        return f"dask-cuda is not installed ({e})"
+    ok, reason = gpu_visible()
+    return None if ok else f"it needs a GPU: {reason}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.fuzz", description=__doc__.split("\n\n")[0]
@@ -1216,7 +1259,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, help="run this long instead of --dags")
     parser.add_argument("--start", type=int, default=0, help="index of the first DAG")
     parser.add_argument(
-        "--routes", type=_names(ROUTES), default=list(ROUTES), help=f"of {', '.join(ROUTES)}"
+        "--routes",
+        type=_names(ROUTES),
+        default=list(SIM_ROUTES),
+        help=f"of {', '.join(ROUTES)} (default: {','.join(SIM_ROUTES)})",
     )
     parser.add_argument("--backend", choices=("sim", "cupy"), default="sim")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds a compute may take")
@@ -1232,6 +1278,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.self_check and args.backend != "sim":
         parser.error("--self-check needs --backend sim (the poison that shows wrong values)")
+    if "dask-cuda" in args.routes:
+        problem = dask_cuda_problem(args.backend)
+        if problem:
+            parser.error(f"--routes dask-cuda cannot run: {problem}")
     if args.dags is None:
         args.dags = 1000 if args.self_check else 200
     return args
@@ -1244,4 +1294,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run the importable module, not this __main__ copy: process workers (dask-cuda)
+    # unpickle the task functions by reference to benchmarks.fuzz.
+    from benchmarks.fuzz import main as fuzz_main
+
+    raise SystemExit(fuzz_main())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -58,3 +60,36 @@ def test_dags_are_reproducible_and_their_values_stay_below_p():
         for value in fuzz.reference(fuzz.make_dag(5, "threaded", i, "sim")):
             if value is not None:
                 assert value.dtype == np.float64 and ((value >= 0) & (value < fuzz.P)).all()
+
+
+def test_dask_cuda_route_is_refused_on_the_sim():
+    """Named on the sim, the route fails at argument parsing, saying why (not skipped)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fuzz", "--routes", "launcher,dask-cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run
+    assert run.stdout == ""
+    assert run.stderr.splitlines()[-1] == (
+        "python -m benchmarks.fuzz: error: --routes dask-cuda cannot run: it needs --backend"
+        " cupy, not 'sim' (a dask-cuda worker is a process on a GPU; the sim runs the other"
+        " routes)"
+    )
+
+
+def test_dask_cuda_route_needs_dask_cuda(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "dask_cuda", None)  # import dask_cuda raises ImportError
+    with pytest.raises(SystemExit) as exit_:
+        fuzz.parse_args(["--routes", "dask-cuda", "--backend", "cupy"])
+    assert exit_.value.code == 2
+    assert "error: --routes dask-cuda cannot run: dask-cuda is not installed (" in (
+        capsys.readouterr().err
+    )
+
+
+def test_default_routes_run_on_the_sim():
+    sim_routes = ["threaded", "launcher", "distributed", "distributed-spill"]
+    assert fuzz.parse_args([]).routes == sim_routes
+    assert fuzz.parse_args(["--backend", "cupy"]).routes == list(fuzz.SIM_ROUTES)
