@@ -21,6 +21,8 @@ import yaml
 from dask.utils import parse_bytes
 
 BACKENDS = ("auto", "cupy", "sim")
+#: Values of ``gpustreams.blocks``: stream blocks on distributed (:mod:`.integrations.blocks`).
+BLOCKS = ("auto", "off")
 
 #: Share of the host's memory (or of its cgroup limit, if lower) that
 #: ``pinned-pool-size: auto`` gives the host's devices, split evenly.
@@ -140,6 +142,9 @@ class StreamsConfig:
     launch_ahead: int | str = 256 << 20
     #: One NVTX range per task (Nsight Systems); see :mod:`dask_gpustreams.diagnostics.nvtx`.
     nvtx: bool = False
+    #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``
+    #: not (YAML reads a bare ``off`` as False, which means ``off`` too).
+    blocks: str = "off"
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names
@@ -148,6 +153,10 @@ class StreamsConfig:
             raise invalid_value("backend", self.backend, " | ".join(BACKENDS))
         if self.policy not in policy_names():
             raise invalid_value("policy", self.policy, " | ".join(policy_names()))
+        if self.blocks is False:
+            object.__setattr__(self, "blocks", "off")
+        if self.blocks not in BLOCKS:
+            raise invalid_value("blocks", self.blocks, " | ".join(BLOCKS))
         size = self.pinned_pool_size
         auto = size is None or (isinstance(size, str) and size.strip().lower() == "auto")
         normalized = {
