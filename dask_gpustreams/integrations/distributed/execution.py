@@ -15,6 +15,7 @@ from typing import Any
 from dask._task_spec import GraphNode, Task, TaskRef
 
 from dask_gpustreams.diagnostics.fine_metrics import launch_meter
+from dask_gpustreams.integrations.blocks import StreamBlock
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
 
@@ -64,7 +65,10 @@ class WorkerStreamTask(StreamTask):
     call, which releases the GIL and so makes the event loop wait to get it back)
     stay off the event loop. An input whose work failed makes the task raise that
     :class:`~dask_gpustreams.KernelError` before it launches anything; the inputs'
-    pending work becomes the key's taint. The launch is metered as
+    pending work becomes the key's taint. A stream block
+    (:class:`~dask_gpustreams.integrations.blocks.StreamBlock`) waits for its
+    inputs' work, then launches its tasks onto the pool and returns once they
+    are complete (its key has no event). The launch is metered as
     ``gpustreams-launch`` (fine metrics). :class:`Execution` makes one subclass
     per worker, whose class attribute :attr:`provenance` is that worker's, and
     turns the task that ``wrap_task`` made into one by assigning its class (no
@@ -80,6 +84,12 @@ class WorkerStreamTask(StreamTask):
         if error is not None:
             provenance.clear_stream_errors_soon()
             raise error.with_traceback(None)  # not the frames of the sync that found it
+        node = self.node
+        if type(node) is Task and type(node.func) is StreamBlock:
+            if pending:  # its tasks launch on other streams: the inputs' work must be done
+                provenance.wait_inputs(tuple(self._dependencies))
+            with launch_meter():
+                return node.func.launch(self.runtime, values)
         if pending:
             provenance.taint[self.key] = pending
         with launch_meter():

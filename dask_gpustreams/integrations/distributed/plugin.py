@@ -128,6 +128,7 @@ Known limits
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -141,6 +142,7 @@ from tornado.ioloop import PeriodicCallback
 
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.diagnostics import prometheus
+from dask_gpustreams.integrations.distributed.blocks import StreamBlocks
 from dask_gpustreams.integrations.distributed.egress import Egress
 from dask_gpustreams.integrations.distributed.erred_inputs import ErredInputs
 from dask_gpustreams.integrations.distributed.execution import Execution
@@ -237,7 +239,8 @@ class StreamsPlugin(WorkerPlugin):
         """Read the worker's config, wrap ``get_data``, hook spilling; guard the scheduler.
 
         The scheduler gets :class:`.ErredInputs` (once: it is idempotent), so a
-        corrupt result whose input has erred errs instead of waiting forever.
+        corrupt result whose input has erred errs instead of waiting forever, and
+        :class:`.StreamBlocks`, told this worker's ``gpustreams.blocks``.
         """
         self.config = StreamsConfig.from_dask_config(**self.overrides)
         # Threads of the egress waits and of the clears of stream errors after failures.
@@ -261,6 +264,17 @@ class StreamsPlugin(WorkerPlugin):
                 ErredInputs.name,
                 e,
             )
+        try:
+            await worker.scheduler.register_scheduler_plugin(
+                plugin=dumps(StreamBlocks()), name=StreamBlocks.name, idempotent=True
+            )
+            await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=self.config.blocks)
+        except Exception as e:
+            logger.warning(
+                "gpustreams: could not install %s on the scheduler (%r); no stream blocks",
+                StreamBlocks.name,
+                e,
+            )
 
     async def teardown(self, worker: Any) -> None:
         """Stop wrapping; wait for the work already wrapped; restore the worker; close the runtime.
@@ -270,6 +284,8 @@ class StreamsPlugin(WorkerPlugin):
         """
         self._active = False
         if worker.status not in (Status.closing, Status.closed, Status.failed):
+            with contextlib.suppress(Exception):  # no scheduler plugin: nothing to undo
+                await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
             while self.execution.running_wrapped():
                 await asyncio.sleep(0.01)
             failed = await self.egress.wait_for(list(worker.data))

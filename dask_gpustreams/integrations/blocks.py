@@ -1,0 +1,209 @@
+"""Stream blocks: a sub-graph run as one task, through the stream launcher.
+
+On distributed, every dependency step of a chain costs a scheduler round trip
+(8-10 ms, most of it batching), longer than a GPU kernel. A
+:class:`StreamBlock` is the function of one task that stands for several: the
+worker that runs it launches its sub-graph onto its stream pool with the
+:class:`~dask_gpustreams.runtime.launcher.GraphLauncher`, so the steps inside
+wait for each other on the device, not for the scheduler. The scheduler side
+that forms blocks is :mod:`.distributed.blocks`; :func:`partition` (here,
+without distributed) chooses the groups.
+
+A block returns its outputs (one value, or a tuple in :attr:`StreamBlock.outputs`
+order) once their work has completed, as ``compute`` does: a kernel failure
+inside it raises the :class:`~dask_gpustreams.KernelError` naming the inner key
+whose kernel failed. Intermediates are dropped once their consumers inside the
+block are launched, as the launcher does. Without a stream runtime (a worker
+without the plugin, a process pool) it runs its tasks in priority order on the
+host, as Dask would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+from dask._task_spec import GraphNode, Task
+from dask.utils import key_split
+
+from dask_gpustreams.integrations.launcher import blocks_host
+from dask_gpustreams.integrations.tasks import rewrite_transfers, transfer_rewrites
+from dask_gpustreams.runtime import StreamRuntime
+from dask_gpustreams.runtime.launcher import GraphLauncher
+
+
+class StreamBlock:
+    """The function of a block task: ``nodes`` (in priority order) from ``inputs``' values.
+
+    Called as a task function with the values of ``inputs``, in order; returns
+    the value of its one output, or the tuple of ``outputs``' values.
+    """
+
+    __slots__ = ("nodes", "inputs", "outputs")
+
+    def __init__(
+        self, nodes: Sequence[GraphNode], inputs: Sequence[Hashable], outputs: Sequence[Hashable]
+    ):
+        self.nodes = tuple(nodes)
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+
+    def __reduce__(self):
+        return StreamBlock, (self.nodes, self.inputs, self.outputs)
+
+    def __repr__(self) -> str:
+        return f"StreamBlock({len(self.nodes)} tasks, outputs={list(self.outputs)!r})"
+
+    def _result(self, values: Mapping[Hashable, Any]) -> Any:
+        if len(self.outputs) == 1:
+            return values[self.outputs[0]]
+        return tuple(values[k] for k in self.outputs)
+
+    def __call__(self, *args: Any) -> Any:
+        """On the host, in priority order (no stream runtime): as Dask runs the tasks."""
+        values = dict(zip(self.inputs, args, strict=True))
+        readers: dict[Hashable, int] = {}
+        for node in self.nodes:
+            for d in node.dependencies:
+                readers[d] = readers.get(d, 0) + 1
+        keep = set(self.outputs)
+        for node in self.nodes:
+            values[node.key] = node(values)
+            for d in node.dependencies:
+                readers[d] -= 1
+                if not readers[d] and d not in keep:
+                    del values[d]
+        return self._result(values)
+
+    def launch(self, runtime: StreamRuntime, values: Mapping[Hashable, Any]) -> Any:
+        """Launch the block onto ``runtime``'s streams; return once its outputs are complete.
+
+        ``values`` holds the inputs, whose work must be complete (the worker
+        waits for it first). Raises the first task exception, or the
+        ``KernelError`` of the inner key whose kernel failed.
+        """
+        table = transfer_rewrites(type(runtime.backend))
+        tasks: dict = {}
+        dependencies: dict = {}
+        priority: dict = {}
+        host: set = set()
+        for i, node in enumerate(self.nodes):
+            key = node.key
+            if isinstance(node, Task):
+                node = rewrite_transfers(node, table)
+                if blocks_host(node):
+                    host.add(key)
+            tasks[key] = node
+            dependencies[key] = node.dependencies
+            priority[key] = i
+        cache = {k: values[k] for k in self.inputs}
+        launcher = GraphLauncher(
+            runtime, tasks, dependencies, priority, self.outputs, cache, host, key_split
+        )
+        return self._result(launcher.run())
+
+
+def partition(
+    candidates: Collection[Hashable],
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    dependents: Callable[[Hashable], Iterable[Hashable]],
+    level: Mapping[Hashable, int],
+    n_workers: int,
+) -> list[list[Hashable]]:
+    """The groups of ``candidates`` worth a block each (two tasks or more); the estimate.
+
+    ``dependencies``/``dependents`` give a key's neighbours in the whole graph
+    (candidates or not), ``level`` each new key's longest path from the graph's
+    inputs. A block saves the round trip of every dependency step inside it,
+    and costs the parallelism of its tasks across workers and the wait for all
+    its inputs before it starts. So:
+
+    - when the candidates fall into at least ``n_workers`` independent parts
+      (weakly connected components), every part is a block: the workers still
+      have a part each, and nothing is serialized that was not on one worker;
+    - otherwise only *chains* are: runs of tasks where each one's only
+      dependent is the next, and the next's only candidate dependency is it;
+      a chain runs one task at a time anyway.
+
+    A part that a path leaves and re-enters (through a task that is not a
+    candidate) would depend on itself: it falls back to its chains. Chains
+    never do (only their last task has dependents outside).
+    """
+    members = set(candidates)
+    parent = {k: k for k in members}
+
+    def find(k: Hashable) -> Hashable:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for k in members:
+        for d in dependencies(k):
+            if d in members:
+                a, b = find(k), find(d)
+                if a != b:
+                    parent[a] = b
+    parts: dict[Hashable, list[Hashable]] = {}
+    for k in members:
+        parts.setdefault(find(k), []).append(k)
+    groups: list[list[Hashable]] = []
+    if len(parts) >= max(1, n_workers):
+        for part in parts.values():
+            if len(part) < 2:
+                continue
+            if _convex(part, dependents, level):
+                groups.append(part)
+            else:
+                groups.extend(_chains(part, members, dependencies, dependents))
+    else:
+        for part in parts.values():
+            groups.extend(_chains(part, members, dependencies, dependents))
+    return groups
+
+
+def _convex(
+    part: list[Hashable], dependents: Callable[[Hashable], Iterable[Hashable]], level: Mapping
+) -> bool:
+    """Whether no path leaves ``part`` and comes back (it would make the block its own input)."""
+    inside = set(part)
+    top = max(level[k] for k in part)
+    stack = [d for k in part for d in dependents(k) if d not in inside]
+    seen = set(stack)
+    while stack:
+        k = stack.pop()
+        if level.get(k, top) >= top:
+            continue  # a path from here can only reach higher levels
+        for d in dependents(k):
+            if d in inside:
+                return False
+            if d not in seen:
+                seen.add(d)
+                stack.append(d)
+    return True
+
+
+def _chains(
+    part: list[Hashable],
+    members: set,
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    dependents: Callable[[Hashable], Iterable[Hashable]],
+) -> list[list[Hashable]]:
+    """The chains of two tasks or more in ``part``, each from its first task to its last."""
+    nxt: dict[Hashable, Hashable] = {}
+    for k in part:
+        after = list(dependents(k))
+        if len(after) != 1 or after[0] not in members:
+            continue
+        d = after[0]
+        if [x for x in dependencies(d) if x in members] == [k]:
+            nxt[k] = d
+    heads = set(nxt) - set(nxt.values())
+    chains = []
+    for k in heads:
+        chain = [k]
+        while k in nxt:
+            k = nxt[k]
+            chain.append(k)
+        chains.append(chain)
+    return chains

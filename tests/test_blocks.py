@@ -1,0 +1,330 @@
+"""Stream blocks on ``LocalCluster`` with the simulated device (``gpustreams.blocks``).
+
+Kernels sleep a random time before they write and fresh memory is NaN, so a
+block whose tasks did not wait for each other (or for its inputs) gives a
+visibly wrong value. Every result is compared exactly with NumPy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sys
+import time
+
+import cloudpickle
+import dask
+import numpy as np
+import pytest
+from dask import delayed
+from distributed import Client, LocalCluster
+
+from dask_gpustreams import KernelError, StreamsPlugin, sim
+from dask_gpustreams.integrations.blocks import StreamBlock, partition
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CONFIG = {
+    "gpustreams.backend": "sim",
+    "gpustreams.streams": 4,
+    "gpustreams.blocks": "auto",
+    "distributed.scheduler.validate": True,
+    "distributed.worker.memory.spill": False,
+    "distributed.worker.memory.pause": False,
+    "distributed.worker.memory.terminate": False,
+}
+N = 16
+
+
+def _write(out, value, delay):
+    time.sleep(delay)
+    out[...] = value
+
+
+def _mix(out, salt, delay, *arrays):
+    time.sleep(delay)
+    acc = np.full(out.shape, float(salt))
+    for a in arrays:
+        acc = acc * 0.5 + a
+    out[...] = acc
+
+
+def source(seed, delay):
+    out = sim.empty(N)
+    sim.launch(_write, out, np.arange(N) + seed, delay)
+    return out
+
+
+def mix(salt, *arrays, delay=0.0):
+    """``salt`` mixed with ``arrays`` by a kernel that sleeps ``delay`` first."""
+    out = sim.empty(N)
+    sim.launch(_mix, out, salt, delay, *arrays)
+    return out
+
+
+def _boom(out, a):
+    time.sleep(0.01)
+    raise ValueError("boom in a block")
+
+
+def bad(a):
+    out = sim.empty(a.shape)
+    sim.launch(_boom, out, a)
+    return out
+
+
+def host_mix(salt, *arrays):
+    acc = np.full(N, float(salt))
+    for a in arrays:
+        acc = acc * 0.5 + a
+    return acc
+
+
+@contextlib.contextmanager
+def cluster(n_workers=1, config=None, **kwargs):
+    kwargs.setdefault("threads_per_worker", 2)
+    kwargs.setdefault("processes", False)
+    with (
+        dask.config.set({**CONFIG, **(config or {})}),
+        LocalCluster(n_workers=n_workers, dashboard_address=":0", **kwargs) as lc,
+        Client(lc) as client,
+    ):
+        client.register_plugin(StreamsPlugin())
+        yield client
+
+
+def formed(client):
+    """(blocks formed, tasks they stand for) on the scheduler so far."""
+
+    def read(dask_scheduler):
+        plugin = dask_scheduler.plugins["gpustreams-blocks"]
+        return plugin.blocks_formed, plugin.tasks_grouped
+
+    return tuple(client.run_on_scheduler(read))
+
+
+def executed(client):
+    return sum(client.run(lambda dask_worker: dask_worker.state.executed_count).values())
+
+
+def shape(name, rng, width=4, depth=6, delay=0.004):
+    """A wide DAG of ``mix`` tasks (delayed) and its NumPy reference, by output."""
+    srcs = [
+        (delayed(source)(i, rng.random() * delay), np.arange(N) + float(i)) for i in range(width)
+    ]
+    layers = [srcs]
+    salt = 0
+    for d in range(depth):
+        prev = layers[-1]
+        layer = []
+        for i in range(width):
+            if name == "linear":
+                args = [prev[i]]
+            elif name == "chainlink":
+                args = [prev[i], prev[(i + 1) % width]]
+            elif name == "diamond":
+                args = [prev[0]] if d % 2 == 0 else prev  # fan out from one, join all
+            else:  # tangled
+                pool = prev + (layers[-2] if len(layers) > 1 else [])
+                args = [prev[rng.integers(width)]] + [
+                    pool[j] for j in rng.choice(len(pool), rng.integers(0, 3), replace=False)
+                ]
+            salt += 1
+            task = delayed(mix)(salt, *(a for a, _ in args), delay=rng.random() * delay)
+            layer.append((task, host_mix(salt, *(r for _, r in args))))
+        layers.append(layer)
+    return layers[-1]
+
+
+# --- the grouping ---------------------------------------------------------------------------
+
+
+def _partition(edges, n_workers, candidates=None):
+    deps: dict = {}
+    for a, b in edges:
+        deps.setdefault(b, []).append(a)
+        deps.setdefault(a, [])
+    dependents: dict = {k: [] for k in deps}
+    for b, ds in deps.items():
+        for a in ds:
+            dependents[a].append(b)
+    level = dict.fromkeys(deps, 0)
+    for _ in deps:  # longest paths, by relaxation (small graphs)
+        for k in deps:
+            level[k] = 1 + max((level[d] for d in deps[k]), default=-1)
+    groups = partition(
+        deps if candidates is None else candidates,
+        deps.__getitem__,
+        dependents.__getitem__,
+        level,
+        n_workers,
+    )
+    return sorted(sorted(g) for g in groups)
+
+
+def test_parts_are_blocks_when_there_are_as_many_as_workers_else_chains():
+    two_chains = [("a0", "a1"), ("a1", "a2"), ("b0", "b1")]
+    assert _partition(two_chains, 2) == [["a0", "a1", "a2"], ["b0", "b1"]]
+    diamond = [("r", "x"), ("r", "y"), ("x", "j"), ("y", "j"), ("j", "t")]
+    assert _partition(diamond, 1) == [["j", "r", "t", "x", "y"]]
+    # One part on two workers: only the chain j -> t (x and y would run on one worker).
+    assert _partition(diamond, 2) == [["j", "t"]]
+
+
+def test_a_part_that_a_path_leaves_and_reenters_falls_back_to_its_chains():
+    # b is not a candidate (say, restricted): a -> b -> c, and a -> d -> c joins a, c, d, e.
+    # The chain d -> c -> e stays (c reads b from outside, which is fine).
+    edges = [("a", "b"), ("b", "c"), ("a", "d"), ("d", "c"), ("c", "e")]
+    assert _partition(edges, 1, candidates={"a", "c", "d", "e"}) == [["c", "d", "e"]]
+
+
+def test_a_block_runs_on_the_host_without_a_runtime():
+    dsk = {"x": (source, 1, 0.0), "y": (mix, 1, "x"), "z": (mix, 2, "y", "x")}
+    from dask._task_spec import convert_legacy_graph
+
+    nodes = convert_legacy_graph(dsk)
+    block = StreamBlock([nodes["y"], nodes["z"]], ["x"], ["z", "y"])
+    z, y = block(sim.asarray(np.arange(N) + 1.0))
+    np.testing.assert_array_equal(sim.asnumpy(y), host_mix(1, np.arange(N) + 1.0))
+    expected = host_mix(2, host_mix(1, np.arange(N) + 1.0), np.arange(N) + 1.0)
+    np.testing.assert_array_equal(sim.asnumpy(z), expected)
+
+
+# --- on a cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3])
+def test_blocks_give_exact_results_under_random_delays(n_workers):
+    rng = np.random.default_rng(n_workers)
+    with cluster(n_workers) as client:
+        tasks = 0
+        for name in ("linear", "diamond", "chainlink", "tangled"):
+            outs = shape(name, rng)
+            tasks += len({k for t, _ in outs for k in t.dask})
+            got = client.compute([t for t, _ in outs], sync=True)
+            for value, (_, ref) in zip(got, outs, strict=True):
+                np.testing.assert_array_equal(sim.asnumpy(value), ref, err_msg=name)
+        blocks, grouped = formed(client)
+        assert blocks >= 4 and grouped > blocks  # linear: a block per chain at least
+        if n_workers == 1:
+            assert grouped == tasks  # every part is a block: nothing ran task per key
+
+
+def test_client_get_of_a_low_level_graph_forms_blocks():
+    with cluster(1) as client:
+        dsk = {"s": (source, 2, 0.003), "a": (mix, 1, "s"), "b": (mix, 2, "a"), "c": (mix, 3, "b")}
+        got = client.get(dsk, ["c", "a"])  # a is wanted: an output of the block, by key
+        a = host_mix(1, np.arange(N) + 2.0)
+        np.testing.assert_array_equal(sim.asnumpy(got[1]), a)
+        np.testing.assert_array_equal(sim.asnumpy(got[0]), host_mix(3, host_mix(2, a)))
+        assert formed(client) == (1, 4)
+        # One block task and one getter per output; s and b were never separate tasks.
+        assert executed(client) == 3
+
+
+def test_keys_inside_a_block_can_be_gathered_and_an_intermediate_persisted():
+    with cluster(2) as client:
+        s = delayed(source)(0, 0.002)
+        chain = [s]
+        for i in range(6):
+            chain.append(delayed(mix)(i, chain[-1], delay=0.002))
+        ref = [np.arange(N) + 0.0]
+        for i in range(6):
+            ref.append(host_mix(i, ref[-1]))
+        mid, last = client.compute([chain[3], chain[6]], sync=True)
+        np.testing.assert_array_equal(sim.asnumpy(mid), ref[3])
+        np.testing.assert_array_equal(sim.asnumpy(last), ref[6])
+        assert formed(client)[0] >= 1
+        persisted = chain[3].persist()
+        more = delayed(mix)(9, persisted, delay=0.001)
+        np.testing.assert_array_equal(sim.asnumpy(more.compute()), host_mix(9, ref[3]))
+        np.testing.assert_array_equal(sim.asnumpy(persisted.compute()), ref[3])
+
+
+def test_a_kernel_error_inside_a_block_names_the_inner_key():
+    with cluster(1) as client:
+        s = delayed(source)(0, 0.0, dask_key_name="src")
+        a = delayed(mix)(1, s, dask_key_name="before")
+        k = delayed(bad)(a, dask_key_name="inner-failure")
+        b = delayed(mix)(2, k, dask_key_name="after")
+        c = delayed(mix)(3, b, dask_key_name="last")
+        future = client.compute(c)
+        with pytest.raises(KernelError, match="boom in a block") as info:
+            future.result(timeout=30)
+        assert info.value.key == "inner-failure"
+        assert formed(client) == (1, 5)
+        # The worker stays usable.
+        good = delayed(mix)(4, delayed(mix)(5, s))
+        np.testing.assert_array_equal(
+            sim.asnumpy(good.compute()), host_mix(4, host_mix(5, np.arange(N) + 0.0))
+        )
+
+
+def test_blocks_off_runs_a_task_per_key():
+    with cluster(1, config={"gpustreams.blocks": "off"}) as client:
+        outs = shape("chainlink", np.random.default_rng(0), width=3, depth=4)
+        got = client.compute([t for t, _ in outs], sync=True)
+        for value, (_, ref) in zip(got, outs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert formed(client) == (0, 0)
+        assert executed(client) == 3 * 4 + 3
+
+
+def test_a_worker_without_blocks_auto_keeps_the_cluster_on_task_per_key():
+    with cluster(2) as client:
+        a, b = sorted(client.scheduler_info()["workers"])
+        client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["gpustreams-blocks"].set_mode(b, "off")
+        )
+        outs = shape("linear", np.random.default_rng(1), width=2, depth=3)
+        got = client.compute([t for t, _ in outs], sync=True)
+        for value, (_, ref) in zip(got, outs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert formed(client) == (0, 0)
+
+
+def test_a_block_whose_worker_dies_is_recomputed_whole():
+    with cluster(2, processes=True, threads_per_worker=1) as client:
+        chains = []
+        refs = []
+        for j in range(2):
+            t, r = delayed(source)(j, 0.0), np.arange(N) + float(j)
+            for i in range(8):
+                t, r = delayed(mix)(i, t, delay=0.1), host_mix(i, r)
+            chains.append(t)
+            refs.append(r)
+        futures = client.compute(chains)
+        # Wait for a block to run (its tasks take 0.8 s), then kill its worker.
+        deadline = time.monotonic() + 30
+        running = {}
+        while not any(running.values()) and time.monotonic() < deadline:
+            running = client.run(lambda dask_worker: len(dask_worker.state.executing))
+        assert any(running.values()), "no block started"
+        victim = next(w for w, n in sorted(running.items()) if n)
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        os.kill(pid, signal.SIGKILL)
+        got = client.gather(futures)
+        for value, ref in zip(got, refs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert formed(client)[0] == 2
+
+
+def test_randomized_graphs_match_dask_with_blocks_on():
+    """Random DAGs (fan-in, fan-out, several wanted keys) give Dask's values exactly."""
+    rng = random.Random(5)
+    with cluster(2) as client:
+        for _ in range(6):
+            nodes = [
+                (delayed(source)(i, rng.random() * 0.002), np.arange(N) + float(i))
+                for i in range(3)
+            ]
+            for salt in range(12):
+                picks = rng.sample(nodes, rng.randint(1, min(3, len(nodes))))
+                task = delayed(mix)(salt, *(t for t, _ in picks), delay=rng.random() * 0.002)
+                nodes.append((task, host_mix(salt, *(r for _, r in picks))))
+            wanted = rng.sample(nodes[3:], 4)
+            got = client.compute([t for t, _ in wanted], sync=True)
+            for value, (_, ref) in zip(got, wanted, strict=True):
+                np.testing.assert_array_equal(sim.asnumpy(value), ref)
