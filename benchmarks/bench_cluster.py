@@ -11,7 +11,9 @@ dask-cuda's defaults (one thread per worker), or, without dask-cuda, a
 Inputs are persisted on the worker once per workload, plugin off. Modes, in one run:
 
 - ``off``: plain distributed (no plugin);
-- ``on``: ``client.register_plugin(StreamsPlugin(backend=...))``, removed after the mode.
+- ``on``: ``client.register_plugin(StreamsPlugin(backend=..., blocks="auto"))`` (stream
+  blocks, ``docs/cluster.md``), removed after the mode;
+- ``on-noblocks``: the same with ``blocks="off"``: one task per key.
 
 Each sample is timed from ``client.compute`` until its results are in the worker's memory
 (``wait``) and the worker's device is idle (``client.run`` of a device sync: with the
@@ -45,7 +47,7 @@ from benchmarks import bench_shapes, bench_workloads, report
 from benchmarks.bench_workloads import WORKLOADS, Workload, problem, sizes_for
 from dask_gpustreams import StreamsPlugin
 
-MODES = ("off", "on")
+MODES = ("off", "on", "on-noblocks")
 
 
 class ClusterInputs:
@@ -156,10 +158,12 @@ class ClusterRunner(bench_workloads.Runner):
         args, client = self.args, self.client
         walls: list[float] = []
         memory: list[dict] = []
-        on = row["mode"] == "on"
+        on = row["mode"] != "off"
         try:
             if on:
-                client.register_plugin(StreamsPlugin(backend=self.arrays.arrays.plugin))
+                blocks = "off" if row["mode"] == "on-noblocks" else "auto"
+                plugin = StreamsPlugin(backend=self.arrays.arrays.plugin, blocks=blocks)
+                client.register_plugin(plugin)
             for i in range(args.warmup + args.samples):
                 if self.track_memory:
                     client.run(_pool_reset, i == 0)

@@ -58,6 +58,7 @@ from benchmarks.workloads import (
     spin_workload,
 )
 from dask_gpustreams.backends import create_backend, resolve_backend
+from dask_gpustreams.config import BLOCKS
 from dask_gpustreams.diagnostics import (
     clear_timeline,
     plot_gantt,
@@ -96,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=_list(int), default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--dist-streams", type=_list(int), default=[8], help="distributed scheduler")
     p.add_argument("--dist-policies", type=_list(), default=None, help="default: --policies")
+    p.add_argument(
+        "--dist-blocks",
+        type=_list(),
+        default=["auto"],
+        help="distributed gpustreams rows: gpustreams.blocks (auto,off: both, side by side; "
+        "rows with off are labelled <policy>/blocks=off)",
+    )
     p.add_argument(
         "--dagger-streams",
         type=_list(int),
@@ -164,6 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("schedulers", args.schedulers, SCHEDULERS),
         ("policies", args.policies + args.dist_policies + args.gantt_policies, policy_names()),
         ("ideal", args.ideal, IDEAL_ASSIGNMENTS),
+        ("dist-blocks", args.dist_blocks, BLOCKS),
     ):
         bad = [v for v in values if v not in allowed]
         if bad:
@@ -445,8 +454,14 @@ class Distributed:
 
         return prepare
 
-    def use_streams(self, streams: int | None, policy: str = "auto", timeline: bool = False):
-        """Register the plugin for ``streams`` and ``policy``; ``None``: unregister it."""
+    def use_streams(
+        self,
+        streams: int | None,
+        policy: str = "auto",
+        timeline: bool = False,
+        blocks: str = "auto",
+    ):
+        """Register the plugin (``streams``, ``policy``, ``blocks``); ``None``: unregister it."""
         if self.plugin_name is not None:  # the plugin is idempotent: replace it explicitly
             self.client.unregister_worker_plugin(self.plugin_name)
             self.plugin_name = None
@@ -455,7 +470,7 @@ class Distributed:
         from dask_gpustreams.integrations.distributed import StreamsPlugin
 
         plugin = StreamsPlugin(
-            backend=self.backend, streams=streams, policy=policy, timeline=timeline
+            backend=self.backend, streams=streams, policy=policy, timeline=timeline, blocks=blocks
         )
         self.client.register_plugin(plugin)
         self.plugin_name = plugin.name
@@ -523,12 +538,21 @@ def run_group(
                             chunked = {**config, "chunksize": chunksize}
                             runner.measure(tuned, wl, threaded_prepare(wl, chunked, args.threads))
                     else:
-                        try:
-                            dist.use_streams(n, policy)
-                        except Exception as e:
-                            runner.skip(row, f"plugin registration failed: {e!r}")
-                            continue
-                        runner.measure(row, wl, dist.prepare(wl))
+                        for blocks in args.dist_blocks:
+                            if blocks != "auto":
+                                label = f"{policy}/blocks={blocks}"
+                                if blocks == args.dist_blocks[0]:
+                                    row["policy"] = label
+                                else:
+                                    row = runner.row(scheduler, wl, "gpustreams", label, n)
+                            elif blocks != args.dist_blocks[0]:
+                                row = runner.row(scheduler, wl, "gpustreams", policy, n)
+                            try:
+                                dist.use_streams(n, policy, blocks=blocks)
+                            except Exception as e:
+                                runner.skip(row, f"plugin registration failed: {e!r}")
+                                continue
+                            runner.measure(row, wl, dist.prepare(wl))
                     if n == 1:
                         for other in policies[1:]:
                             copy = dict(row, policy=other, note=f"same run as {policies[0]}")
