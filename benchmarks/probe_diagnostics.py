@@ -7,6 +7,9 @@
    with the plugin: while a graph of busy kernels runs, the worker's ``/metrics`` (its
    ``dask_worker_gpustreams_*`` lines) and ``dask_gpustreams.status(client)``; after it,
    the same again, and the task count checked against the graph's.
+3. With bokeh installed, the scheduler's ``/gpustreams`` page: listed in ``/sitemap.json``,
+   opened, then the same graph again, and the bars, rows and busy fractions that its
+   session shows (the page times tasks only while it is open).
 
 ::
 
@@ -17,10 +20,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from typing import Any
 
 import dask
 import numpy as np
@@ -94,6 +101,45 @@ def cluster_view(backend: str, kernel_ms: float, tasks: int) -> None:
         print(dask_gpustreams.status(client))
         total = [ln for ln in lines if ln.startswith("dask_worker_gpustreams_tasks_total")]
         print(f"results exact: {exact}; tasks submitted: {tasks}; {total}")
+        with _page(cluster) as page:  # timing starts with the page: a second graph, timed
+            again = [dask.delayed(spin)(i, src, dask_key_name=f"again-{i}") for i in range(tasks)]
+            wait(client.compute(again))
+            _show(page, tasks)
+
+
+@contextlib.contextmanager
+def _page(cluster: Any) -> Iterator[Any]:
+    """The ``/gpustreams`` page's server-side document while a browser session is open."""
+    try:
+        from bokeh.client import pull_session
+    except ImportError:
+        print("== dashboard page: bokeh is not installed ==")
+        yield None
+        return
+    from dask_gpustreams.diagnostics.dashboard import ROUTE
+
+    port = cluster.scheduler.http_server.port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/sitemap.json", timeout=10) as r:
+        print(f"== dashboard page: {ROUTE} in /sitemap.json: {ROUTE in json.load(r)['paths']} ==")
+    with pull_session(url=f"http://127.0.0.1:{port}{ROUTE}"):
+        apps = cluster.scheduler.http_application.applications
+        (app,) = [a for a in apps if ROUTE in a.app_paths]
+        (session,) = app.get_sessions(ROUTE)
+        (page,) = session.document.components
+        yield page
+
+
+def _show(page: Any, expected: int, timeout: float = 10.0) -> None:
+    """Print what the page shows once it has ``expected`` bars (or after ``timeout``)."""
+    if page is None:
+        return
+    deadline = time.monotonic() + timeout
+    while len(page.tasks.data["key"]) < expected and time.monotonic() < deadline:
+        time.sleep(0.1)  # the page polls the workers on its own period
+    busy = ", ".join(f"{b:.2f}" for b in page.busy.data["busy"])
+    print(f"bars {len(page.tasks.data['key'])} (at least {expected} expected)")
+    print(f"rows {list(page.y_range.factors)}; busy {busy}")
+    print(f"header: {page.header.text}")
 
 
 def main(argv: list[str] | None = None) -> int:
