@@ -1,13 +1,30 @@
-"""Completion events reused across graphs, so a launch creates none in the steady state."""
+"""Completion events: work in flight behind them, and events reused across graphs."""
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from dask_gpustreams.backends.base import Backend
+
+
+class InflightQueue(deque):
+    """``(event, payload)`` pairs in the order their events were recorded on one stream.
+
+    Events of one stream complete in that order, so the completed ones are
+    always at the front. Not locked: its owner serializes the calls that pop.
+    """
+
+    __slots__ = ()
+
+    def pop_done(self, done: Callable[[Any], bool]) -> list[Any]:
+        """Pop the pairs whose event is ``done``, front first; return their payloads."""
+        payloads = []
+        while self and done(self[0][0]):
+            payloads.append(self.popleft()[1])
+        return payloads
 
 
 class EventPool:

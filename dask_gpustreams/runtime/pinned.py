@@ -23,6 +23,7 @@ import numpy as np
 from dask.utils import format_bytes
 
 from dask_gpustreams.backends.base import Backend
+from dask_gpustreams.runtime.events import InflightQueue
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -39,7 +40,7 @@ class PinnedPool:
         self.backend = backend
         self.limit = limit
         self._free: dict[int, list[np.ndarray]] = defaultdict(list)
-        self._inflight: deque[tuple[Any, np.ndarray]] = deque()
+        self._inflight = InflightQueue()  # (copy event, buffer)
         self._total = 0
         self._taken = 0
         # Sizes of taken buffers that died. Their finalizers run in any thread, at any
@@ -144,10 +145,7 @@ class PinnedPool:
             self._taken -= returned.popleft()
 
     def _reclaim(self) -> None:
-        done = self.backend.done
-        inflight = self._inflight
-        while inflight and done(inflight[0][0]):
-            _, buffer = inflight.popleft()
+        for buffer in self._inflight.pop_done(self.backend.done):
             self._free[buffer.nbytes].append(buffer)
 
     def _drop_other_sizes(self, size: int) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dask_gpustreams.backends.base import Backend
+from dask_gpustreams.runtime.events import InflightQueue
 
 #: Default of :attr:`StreamPool.max_inflight`: bounds the inputs held per stream.
 MAX_INFLIGHT = 256
@@ -40,7 +41,7 @@ class StreamSlot:
         self.index = index
         self.stream = stream
         self.priority = priority
-        self.inflight: deque[tuple[Any, Any]] = deque()
+        self.inflight = InflightQueue()
         # One token per task assigned to this stream whose event is not recorded yet
         # (deque appends and pops are atomic, so counting takes no lock).
         self._assigned: deque[None] = deque()
@@ -109,10 +110,8 @@ class StreamPool:
     def collect(self, slot: StreamSlot) -> int:
         """Drop completed work from ``slot``'s in-flight queue; return how much is left."""
         inflight = slot.inflight
-        done = self.backend.done
         with slot.lock:
-            while inflight and done(inflight[0][0]):
-                inflight.popleft()
+            inflight.pop_done(self.backend.done)
             return len(inflight)
 
     def assign(self, slot: StreamSlot) -> None:
@@ -139,10 +138,8 @@ class StreamPool:
         ``assigned``: the event ends a task counted by :meth:`assign`.
         """
         inflight = slot.inflight
-        done = self.backend.done
         with slot.lock:
-            while inflight and done(inflight[0][0]):
-                inflight.popleft()
+            inflight.pop_done(self.backend.done)
             if len(inflight) >= self.max_inflight:
                 # Back-pressure: the host is far ahead of this stream, and every task
                 # queued holds its inputs; wait (never raise) for the oldest one.
