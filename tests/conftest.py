@@ -121,21 +121,23 @@ def cli_env() -> dict[str, str]:
 
 @pytest.fixture
 def dask_cli(tmp_path, cli_env):
-    """``start(*args)`` runs ``dask <args>`` against a scheduler file; all stopped at the end.
+    """``start(*args, env=None)`` runs ``dask <args>`` on a scheduler file; all stopped at the end.
 
     The processes get this one's environment without its ``DASK_*``
     variables, plus ``cli_env`` (whose default ``PYTHONPATH``, ``CHILD_PATH``,
-    includes this process's ``sys.path``). Logs go to ``tmp_path``.
+    includes this process's ``sys.path``), plus ``env`` for that process. Logs go
+    to ``tmp_path``.
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "PYTHONPATH"))}
-    env.update(cli_env)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "PYTHONPATH"))}
+    base_env.update(cli_env)
     scheduler_file = str(tmp_path / "scheduler.json")
     procs: list[subprocess.Popen] = []
 
-    def start(*args: str) -> str:
+    def start(*args: str, env: dict[str, str] | None = None) -> str:
         cmd = [sys.executable, "-m", "dask", *args, "--scheduler-file", scheduler_file]
         log = open(tmp_path / f"{len(procs)}-{args[0]}.log", "w")  # noqa: SIM115
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        proc_env = {**base_env, **(env or {})}
+        procs.append(subprocess.Popen(cmd, env=proc_env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 30
         while not os.path.exists(scheduler_file):
             assert time.monotonic() < deadline, "dask scheduler did not start"

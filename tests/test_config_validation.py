@@ -1,7 +1,10 @@
 """Every bad ``gpustreams.*`` value or key is refused with a clear error (issue 12).
 
 Booleans through one parser, bounds of the stream counts, byte sizes that
-overflow, unknown keys, and registering ``StreamsPlugin`` again.
+overflow, unknown keys, registering ``StreamsPlugin`` again, and the cluster
+routes: where a bad setting cannot raise, a warning at ``Client(...)`` or the
+failure of every task of the workers concerned (``tests/test_distributed_cli.py``
+has the command-line routes).
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import pytest
 from dask import delayed
 from distributed import Client, LocalCluster
 
-from dask_gpustreams import StreamsConfig, StreamsPlugin, sim
+from dask_gpustreams import StreamsConfig, StreamsPlugin, dask_setup, sim, status
 from dask_gpustreams.config import KEYS, MAX_COPY_STREAMS, MAX_STREAMS, enabled, parse_bool
 from dask_gpustreams.runtime import live_runtimes
+from dask_gpustreams.runtime.policies import policy_names
 
 BOOL = "True | False (or 'true'/'false', 'yes'/'no', 'on'/'off', 1/0)"
 TRUE = [True, 1, "true", "TRUE", " yes ", "On", "1"]
@@ -243,3 +247,128 @@ def test_registering_the_plugin_again_applies_the_new_settings():
         with dask.config.set({"gpustreams.enabled": True}), Client(cluster) as other:
             assert other.submit(on_pool_stream, pure=False).result()
         assert list(client.run(plugin_streams).values()) == [(2, 2)]
+
+
+# --- the cluster routes -----------------------------------------------------------------------
+
+SIM = {"gpustreams.backend": "sim", "distributed.worker.memory.spill": False}
+STREAMS_ABC = "gpustreams.streams='abc' is invalid: allowed values are an int >= 1 and <= 128"
+
+
+def has_plugin(dask_worker):
+    return "gpustreams" in dask_worker.plugins
+
+
+def local_cluster(**kwargs):
+    return LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "config, error",
+    [
+        ({"gpustreams.streams": "abc"}, STREAMS_ABC),
+        ({"gpustreams.enabled": "maybe"}, "gpustreams.enabled='maybe' is invalid: allowed "),
+    ],
+    ids=["bad-value", "bad-enabled"],
+)
+def test_a_bad_setting_before_the_client_is_a_warning_at_client(config, error):
+    message = f"gpustreams is not installed by this client: {error}"
+    with dask.config.set(SIM), local_cluster(processes=False) as cluster:  # noqa: SIM117
+        with (
+            dask.config.set({"gpustreams.enabled": True, **config}),
+            pytest.warns(UserWarning, match="^" + re.escape(message)),
+            Client(cluster) as client,
+        ):
+            assert list(client.run(has_plugin).values()) == [False]  # nothing registered
+
+
+def test_a_worker_refusing_the_clients_plugin_is_named_in_a_warning_and_fails_its_tasks():
+    with dask.config.set({**SIM, "gpustreams.stream": 4}):  # the worker process's config
+        cluster = local_cluster(processes=True)
+    with cluster, dask.config.set({"gpustreams.enabled": True}):
+        [worker] = cluster.scheduler_info["workers"]
+        message = (
+            f"gpustreams cannot start on worker {worker}: unknown configuration key "
+            "gpustreams.stream=4; did you mean gpustreams.streams? known keys: "
+        )
+        with pytest.warns(UserWarning, match="^" + re.escape(message)):
+            client = Client(cluster)
+        with client:
+            for _ in range(2):
+                with pytest.raises(ValueError, match="^" + re.escape(message)):
+                    client.submit(on_pool_stream, pure=False).result()
+
+
+def test_a_worker_refusing_a_registered_plugin_fails_every_task_until_replaced():
+    with dask.config.set(SIM), local_cluster(processes=False) as cluster, Client(cluster) as client:
+        plugin = StreamsPlugin(streams=2)  # checked against this process's config
+        [worker] = cluster.scheduler_info["workers"]
+        policies = " | ".join(policy_names())
+        message = (
+            f"gpustreams cannot start on worker {worker}: gpustreams.policy='nope' is invalid: "
+            f"allowed values are {policies}"
+        )
+        with (
+            dask.config.set({"gpustreams.policy": "nope"}),  # the worker's config, later
+            pytest.raises(ValueError, match="^" + re.escape(message) + "$"),
+        ):
+            client.register_plugin(plugin)
+        [row] = status(client).rows
+        assert row["error"] == message
+        for _ in range(2):
+            with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+                client.submit(on_pool_stream, pure=False).result()
+        client.register_plugin(StreamsPlugin(streams=2))  # the config is fixed: it replaces it
+        assert client.submit(on_pool_stream, pure=False).result()
+        assert list(client.run(plugin_streams).values()) == [(2, 2)]
+
+
+def test_worker_preload_arguments_set_the_plugin_and_bad_ones_fail_the_tasks():
+    argv = ["--streams", "2", "--no-timeline", "--create-cuda-context"]  # dask-cuda's: ignored
+    with (
+        dask.config.set(SIM),
+        local_cluster(processes=False, preload=["dask_gpustreams"], preload_argv=argv) as c,
+        Client(c) as client,
+    ):
+        assert client.submit(on_pool_stream, pure=False).result()
+        assert list(client.run(plugin_streams).values()) == [(2, 2)]
+    with (
+        dask.config.set(SIM),
+        local_cluster(
+            processes=False, preload=["dask_gpustreams"], preload_argv=["--streams", "0"]
+        ) as c,
+        Client(c) as client,
+    ):
+        [worker] = c.scheduler_info["workers"]
+        message = (
+            f"gpustreams cannot start on worker {worker}: preload argument: Invalid value for "
+            "'--streams': gpustreams.streams=0 is invalid: allowed values are an int >= 1 and "
+            "<= 128"
+        )
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            client.submit(on_pool_stream, pure=False).result()
+
+
+def test_a_bad_scheduler_preload_argument_fails_the_tasks_of_every_worker():
+    scheduler = {"preload": ["dask_gpustreams"], "preload_argv": ["--policy", "nope"]}
+    with (
+        dask.config.set(SIM),
+        LocalCluster(n_workers=2, processes=False, dashboard_address=":0",
+                     scheduler_kwargs=scheduler) as c,
+        Client(c) as client,
+    ):  # fmt: skip
+        for worker in c.scheduler_info["workers"]:
+            message = (
+                f"gpustreams cannot start on worker {worker}: the scheduler's preload argument: "
+                "Invalid value for '--policy': gpustreams.policy='nope' is invalid: allowed "
+            )
+            future = client.submit(on_pool_stream, workers=[worker], pure=False)
+            with pytest.raises(ValueError, match="^" + re.escape(message)):
+                future.result()
+
+
+def test_the_preload_options_are_the_config_keys():
+    shown = [p for p in dask_setup.params if not p.hidden]
+    assert [p.opts for p in shown] == [[f"--{k}"] for k in KEYS if k != "enabled"]
+    flags = {p.opts[0]: p.secondary_opts for p in shown if p.secondary_opts}
+    assert flags == {"--timeline": ["--no-timeline"], "--nvtx": ["--no-nvtx"]}

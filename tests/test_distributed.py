@@ -550,7 +550,7 @@ def test_dask_setup_ignores_a_nanny():
     class Nanny:
         pass
 
-    assert dask_setup(Nanny()) is None
+    assert dask_setup.callback(Nanny()) is None
 
 
 # --- the plugin object ----------------------------------------------------------------------

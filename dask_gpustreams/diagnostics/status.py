@@ -75,7 +75,8 @@ class StreamsStatus:
       failures found there (corrupt results released for recomputation);
       None outside a worker;
     - ``error``: why settings could not be read (an invalid ``gpustreams.*``),
-      or a worker's exception; else None.
+      a worker plugin's bad settings (its tasks fail with them), or a worker's
+      exception; else None.
 
     A worker's runtime counts are those of its plugin's runtime; workers of one
     process that share a runtime report the same counts. Without a client, the
@@ -171,9 +172,14 @@ def _settings(config: Any) -> dict:
 
 
 def _configured(plugin: Any) -> dict:
-    """The settings a runtime would get here (a worker: its plugin's), without creating one."""
+    """The settings a runtime would get here (a worker: its plugin's), without creating one.
+
+    A worker's plugin whose settings are bad gives its error (its tasks fail with it).
+    """
     from dask_gpustreams.config import StreamsConfig
 
+    if getattr(plugin, "error", None) is not None:
+        return {"error": str(plugin.error)}
     try:
         config = getattr(plugin, "config", None) or StreamsConfig.from_dask_config()
     except ValueError as e:

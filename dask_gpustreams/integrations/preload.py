@@ -1,6 +1,6 @@
 """Preloading ``dask_gpustreams``: ``dask_setup`` for workers, schedulers and clients.
 
-``dask_gpustreams.dask_setup`` is this module's :func:`dask_setup`, so every
+``dask_gpustreams.dask_setup`` is this module's :data:`dask_setup`, so every
 preload route names the package:
 
 - a worker: ``dask worker --preload dask_gpustreams``, ``dask cuda worker
@@ -12,7 +12,8 @@ preload route names the package:
   ``gpustreams.*`` config.
 - a scheduler: ``dask scheduler --preload dask_gpustreams``. The scheduler
   registers the plugin for every worker that connects to it, dask-cuda
-  workers included.
+  workers included; each worker reads its own ``gpustreams.*`` config (the
+  scheduler's is checked, not sent).
 - a client: importing :mod:`dask_gpustreams` adds this module
   (:data:`CLIENT_PRELOAD`) to the *defaults* of ``distributed.client.preload``.
   A client created while
@@ -22,6 +23,55 @@ preload route names the package:
   with ``gpustreams.enabled`` false it does nothing. This covers
   ``Client()`` and ``Client(LocalCluster(...))`` (in-process or with worker
   processes) and clients of remote schedulers, dask-cuda clusters included.
+
+Options
+    :data:`dask_setup` is a click command: preload arguments set the plugin's
+    settings, one option per ``gpustreams.*`` key of
+    :class:`~dask_gpustreams.StreamsConfig` (``--streams``, ``--copy-streams``,
+    ``--policy``, ``--backend``, ``--pinned-pool-size``, ``--launch-ahead``,
+    ``--blocks``, and the flags ``--timeline/--no-timeline``,
+    ``--nvtx/--no-nvtx``). They override the config of the workers, as the
+    keyword arguments of ``StreamsPlugin`` do::
+
+        dask worker tcp://host:8786 --preload dask_gpustreams --streams 4 --policy round-robin
+        dask scheduler --preload dask_gpustreams --streams 4
+        LocalCluster(preload=["dask_gpustreams"], preload_argv=["--streams", "4"])
+
+    ``--create-cuda-context``, which dask-cuda passes to every preload, is
+    accepted and ignored. dask-cuda also passes the arguments of ``dask cuda
+    worker`` to its own preload, which refuses options it does not know: give a
+    dask-cuda worker its settings through the environment
+    (``DASK_GPUSTREAMS__STREAMS=4``). ``dask worker`` and ``dask scheduler`` read the
+    first argument they do not know as the scheduler address, so give the address
+    before the preload's options; with ``--scheduler-file`` use the environment.
+    An option read as the address is refused when the command starts (a usage error
+    naming it), as it would never reach the preload.
+
+Bad settings
+    distributed logs an error that a preload raises and goes on without it
+    (``Failed to start preload``), so that a worker, or with the scheduler's
+    preload a whole cluster, would run every task off the streams. So nothing
+    here raises. An unknown option, a bad option value, or a bad
+    ``gpustreams.*`` value or key in the config of the worker or the scheduler
+    makes the preload install :meth:`StreamsPlugin.failing
+    <dask_gpustreams.StreamsPlugin.failing>` instead: every task on the workers
+    it reaches fails with that ``ValueError``, which names the worker, where the
+    setting came from, the key or option, the value and what is allowed, e.g.
+    ``gpustreams cannot start on worker tcp://10.0.0.5:40331:
+    gpustreams.streams='abc' is invalid: allowed values are an int >= 1 and <=
+    128``. The worker logs it when it starts, and ``status(client)`` shows it.
+    The error thus reaches whoever computes, at their first task, and a client
+    waiting for workers sees them join; a worker that refused to start would
+    leave that client waiting, told nothing (the worker never registers).
+    Since an option error is reported that way too, the command line accepts
+    the options as they come and leaves their errors to the worker.
+
+    A client cannot be failed from its preload either (``Client(...)`` returns
+    whatever its preloads raise): with bad settings in the client's own config
+    (``gpustreams.enabled`` set), ``Client(...)`` warns (``UserWarning``) with the
+    error and registers nothing, so as not to fail the tasks of a cluster that
+    other clients share; a worker that refuses the settings it registers is
+    named in a warning too, and fails its tasks as above.
 
 Why a client preload for ``gpustreams.enabled``: the client is the one object
 created in the process where the user sets the key, whatever the cluster, and
@@ -44,21 +94,23 @@ preload", logged at ERROR) and every line of a preload the user names
 hook that runs once the client is connected (its ``extensions`` are built
 before it connects, and event handlers subscribe at the scheduler).
 
-``dask_setup`` is a plain function: preload arguments (dask-cuda passes
-``--create-cuda-context`` to every preload) are ignored, where a click
-command would fail on them. It creates nothing on the device: the streams are
-created when the first task runs, after dask-cuda's CUDA context and RMM setup.
+``dask_setup`` creates nothing on the device: the streams are created when
+the first task runs, after dask-cuda's CUDA context and RMM setup.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import Field, fields
 from typing import Any
 
+import click
 import dask.config
 import distributed  # noqa: F401  (its defaults must be registered before ours)
 
-from dask_gpustreams.config import enabled
+from dask_gpustreams.config import StreamsConfig, enabled
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -66,31 +118,66 @@ logger = logging.getLogger("dask_gpustreams")
 CLIENT_PRELOAD = "dask_gpustreams.integrations.preload"
 
 
-def dask_setup(server: Any) -> Any:
-    """Install :class:`~dask_gpustreams.StreamsPlugin` from a preload.
+def _setup(server: Any, problem: str | None = None, **options: Any) -> Any:
+    """Install :class:`~dask_gpustreams.StreamsPlugin` from a preload (:data:`dask_setup`).
 
     ``server`` is the preloading object: a ``Worker`` installs the plugin on
     itself, a ``Scheduler`` registers it for all its workers, a ``Client``
     registers it with its scheduler when ``gpustreams.enabled`` is true. A
     ``Nanny`` does nothing (use ``--preload``, which reaches its worker).
-    Returns the awaitable that the preload machinery awaits, or None.
+    ``options`` are the preload arguments (None where not given); ``problem`` is
+    why they could not be read. Never raises (see *Bad settings*). Returns the
+    awaitable that the preload machinery awaits, or None.
     """
     from distributed import Client, Scheduler, Worker
 
     from dask_gpustreams.integrations.distributed import StreamsPlugin
 
+    overrides = {name: value for name, value in options.items() if value is not None}
     if isinstance(server, Worker):
-        return server.plugin_add(StreamsPlugin(), name=StreamsPlugin.name, catch_errors=False)
+        plugin = _plugin(problem, overrides, source="")
+        return server.plugin_add(plugin, name=StreamsPlugin.name)  # logs a failed setup
     if isinstance(server, Scheduler):
-        return _register(server.register_worker_plugin(None, **_plugin_message(StreamsPlugin())))
-    if isinstance(server, Client):
-        if not enabled():
-            return None
+        plugin = _plugin(problem, overrides, source="the scheduler's ")
+        if plugin.error is not None:
+            logger.error("gpustreams: every task will fail: %s", plugin.error)
         return _register(
-            server.scheduler.register_worker_plugin(**_plugin_message(StreamsPlugin()))
+            server.register_worker_plugin(None, **_plugin_message(plugin)), logger.error
         )
+    if isinstance(server, Client):
+        try:
+            if not enabled():
+                return None
+            if problem is not None:
+                raise ValueError(f"preload argument: {problem}")
+            plugin = StreamsPlugin(**overrides)
+        except ValueError as e:
+            _warn(f"gpustreams is not installed by this client: {e}")
+            return None
+        return _register(server.scheduler.register_worker_plugin(**_plugin_message(plugin)), _warn)
     logger.info("gpustreams: preload ignored by %s; preload the worker instead", type(server))
     return None
+
+
+def _plugin(problem: str | None, overrides: dict, source: str) -> Any:
+    """The plugin of a worker's or the scheduler's preload: failing, if its settings are bad.
+
+    ``source`` (``""``, or ``"the scheduler's "``) says whose settings they are.
+    """
+    from dask_gpustreams.integrations.distributed import StreamsPlugin
+
+    if problem is not None:
+        return StreamsPlugin.failing(ValueError(f"{source}preload argument: {problem}"))
+    try:
+        return StreamsPlugin(**overrides)
+    except ValueError as e:
+        where = f"{source}config: " if source else ""
+        return StreamsPlugin.failing(ValueError(f"{where}{e}"))
+
+
+def _warn(message: str) -> None:
+    """Warn the user of a client (its preload runs in the client's event loop thread)."""
+    warnings.warn(message, UserWarning, stacklevel=2)
 
 
 def _plugin_message(plugin: Any) -> dict:
@@ -106,15 +193,97 @@ def _plugin_message(plugin: Any) -> dict:
     return {"plugin": dumps(plugin), "name": plugin.name, "idempotent": True}
 
 
-async def _register(request: Any) -> None:
-    """Await a ``register_worker_plugin`` call; raise the first worker's setup error."""
-    responses = await request
-    for address, response in (responses or {}).items():
-        if response.get("status") == "error":
-            from distributed.core import clean_exception
+async def _register(request: Any, report: Callable[[str], Any]) -> None:
+    """Await a ``register_worker_plugin`` call; ``report`` each worker's setup error."""
+    from distributed.core import clean_exception
 
-            _, exc, tb = clean_exception(response["exception"], response["traceback"])
-            raise RuntimeError(f"gpustreams plugin failed to start on {address}") from exc
+    responses = await request
+    for address, response in sorted((responses or {}).items()):
+        if response.get("status") == "error":
+            _, exc, _ = clean_exception(response["exception"], response["traceback"])
+            if isinstance(exc, ValueError):  # bad settings: the error names the worker
+                report(str(exc))
+            else:
+                report(f"gpustreams cannot start on worker {address}: {exc!r}")
+
+
+def _check_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """A preload option's value, checked as :class:`StreamsConfig` checks its key."""
+    if value is not None:
+        try:
+            StreamsConfig(**{param.name: value})
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+def _option(field: Field) -> click.Option:
+    """The preload option of one :class:`StreamsConfig` field: ``--copy-streams``, ``--nvtx``."""
+    flag = "--" + field.name.replace("_", "-")
+    if field.type == "bool":
+        return click.Option([f"{flag}/--no-{flag[2:]}"], default=None, callback=_check_option)
+    kind = click.INT if field.type == "int" else click.STRING
+    return click.Option([flag], type=kind, default=None, callback=_check_option)
+
+
+class SetupCommand(click.Command):
+    """:data:`dask_setup`: a click command whose argument errors go to the plugin.
+
+    :meth:`parse_args` runs in the process that starts the server (the command
+    line, which only checks preload arguments) and again in the server when its
+    preload starts. A usage error becomes the ``problem`` the command's callback
+    reports (see *Bad settings*): raised there, distributed would log it and run
+    without the plugin.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        _refuse_an_option_read_as_the_scheduler()
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            ctx.params = {"problem": e.format_message()}
+            ctx.args = []
+            return []
+
+
+def _refuse_an_option_read_as_the_scheduler() -> None:
+    """Raise a usage error where ``dask worker`` took a preload option for the scheduler.
+
+    While ``dask worker`` or ``dask scheduler`` parses its command line, it is
+    the current click context, and it checks the preload arguments with a context
+    of its own. Its first positional argument, the scheduler address, also takes
+    the first argument it does not know (``dask worker --scheduler-file f
+    --preload dask_gpustreams --streams=4``): that option never reaches the
+    preload, so it cannot be reported later.
+    """
+    outer = click.get_current_context(silent=True)
+    address = outer.params.get("scheduler") if outer is not None else None
+    if isinstance(address, str) and address.startswith("-"):
+        raise click.UsageError(
+            f"{address!r} was read as the scheduler address, not as an option of "
+            "--preload dask_gpustreams: give the scheduler address before the preload's "
+            "options (dask worker tcp://host:8786 --preload dask_gpustreams --streams 4), "
+            "or set the setting in the environment (DASK_GPUSTREAMS__STREAMS=4)",
+            ctx=outer,
+        )
+
+
+#: ``dask_setup`` of the preloads, a click command: one option per field of
+#: :class:`StreamsConfig`, and dask-cuda's ``--create-cuda-context`` (ignored).
+dask_setup = SetupCommand(
+    "dask_setup",
+    callback=_setup,
+    params=[
+        *(_option(field) for field in fields(StreamsConfig)),
+        click.Option(
+            ["--create-cuda-context/--no-create-cuda-context"],
+            default=None,
+            hidden=True,
+            expose_value=False,
+        ),
+    ],
+    help="Install dask_gpustreams' StreamsPlugin (options: gpustreams.* settings).",
+)
 
 
 class QuietClientPreload(logging.Filter):

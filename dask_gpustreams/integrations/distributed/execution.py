@@ -118,6 +118,14 @@ def _is_host_task(node: GraphNode, host_modules: tuple[str, ...]) -> bool:
     return module.startswith(host_modules)
 
 
+def fail_task(tasks: Mapping[Hashable, Any], key: Hashable, exc: BaseException) -> None:
+    """Make ``key``'s task in ``tasks`` (a worker's ``state.tasks``) raise ``exc``, not run."""
+    ts = tasks.get(key)
+    if ts is not None and ts.run_spec is not None:
+        node = ts.run_spec
+        ts.run_spec = _replace(node, _Raise(exc), tuple(node.dependencies))
+
+
 class Execution:
     """Replaces the run_spec of each task that starts executing on one worker (event loop).
 
@@ -183,10 +191,7 @@ class Execution:
 
     def fail(self, key: Hashable, exc: BaseException) -> None:
         """Make ``key``'s task raise ``exc`` instead of running (preparing it failed)."""
-        ts = self._tasks.get(key)
-        if ts is not None and ts.run_spec is not None:
-            node = ts.run_spec
-            ts.run_spec = _replace(node, _Raise(exc), tuple(node.dependencies))
+        fail_task(self._tasks, key, exc)
 
     def running_wrapped(self) -> bool:
         """Whether a task that runs on the streams is still executing."""

@@ -145,7 +145,7 @@ from dask_gpustreams.diagnostics import prometheus
 from dask_gpustreams.integrations.distributed.blocks import StreamBlocks
 from dask_gpustreams.integrations.distributed.egress import Egress
 from dask_gpustreams.integrations.distributed.erred_inputs import ErredInputs
-from dask_gpustreams.integrations.distributed.execution import Execution
+from dask_gpustreams.integrations.distributed.execution import Execution, fail_task
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 
@@ -172,6 +172,16 @@ class StreamsPlugin(WorkerPlugin):
     does not undo settings registered here. Register
     from the client, not from inside a task: the replacement waits for that task.
 
+    Bad settings: a worker whose settings are bad (a ``gpustreams.*`` value or key
+    of its config, or one the plugin carries) fails every task it runs with that
+    ``ValueError``, prefixed ``gpustreams cannot start on worker <address>:``,
+    rather than running them without the plugin; :meth:`setup` also raises it, so
+    ``client.register_plugin`` raises it on the client. A user who asked for the
+    streams thus gets the error at the first task, whichever route installed the
+    plugin, and not a cluster that silently runs without it. (distributed keeps a
+    plugin whose setup raised in ``worker.plugins``, and calls its hooks.) The
+    preloads install :meth:`failing` plugins for the settings they find bad.
+
     On a worker, the plugin composes three parts: :class:`.Provenance` (the
     runtime, the events, taints and failure records of the worker's keys),
     :class:`.Execution` (the run_spec of each task that starts executing) and
@@ -196,6 +206,8 @@ class StreamsPlugin(WorkerPlugin):
     collect_interval = 0.5
     #: Seconds teardown waits for the runtime's close (the work left on the device).
     close_timeout = 30.0
+    #: The bad settings every task of this worker fails with (None: they are fine).
+    error: ValueError | None = None
     _active = False  # True between setup and teardown
 
     def __init__(self, **overrides: Any):
@@ -209,10 +221,28 @@ class StreamsPlugin(WorkerPlugin):
         StreamsConfig.from_dask_config(**overrides)  # fail here, before pickling
         self.overrides = overrides
 
+    @classmethod
+    def failing(cls, error: ValueError) -> StreamsPlugin:
+        """A plugin that fails every task of the workers it reaches with ``error``.
+
+        What a preload installs when the settings it was given are bad (see
+        *Bad settings* above): distributed would only log an error the preload
+        raised and run the worker, or the whole cluster, without the plugin.
+        """
+        plugin = cls.__new__(cls)
+        plugin.overrides = {}
+        plugin.error = error
+        return plugin
+
     def __getstate__(self) -> dict:
-        return {"overrides": self.overrides}
+        state = {"overrides": self.overrides}
+        if self.error is not None:
+            state["error"] = self.error
+        return state
 
     def __repr__(self) -> str:
+        if self.error is not None:
+            return f"StreamsPlugin.failing({self.error!r})"
         args = ", ".join(f"{k}={v!r}" for k, v in self.overrides.items())
         return f"StreamsPlugin({args})"
 
@@ -240,9 +270,18 @@ class StreamsPlugin(WorkerPlugin):
 
         The scheduler gets :class:`.ErredInputs` (once: it is idempotent), so a
         corrupt result whose input has erred errs instead of waiting forever, and
-        :class:`.StreamBlocks`, told this worker's ``gpustreams.blocks``.
+        :class:`.StreamBlocks`, told this worker's ``gpustreams.blocks``. Bad
+        settings raise their ``ValueError``, and every task of the worker then
+        fails with it (see *Bad settings* above).
         """
-        self.config = StreamsConfig.from_dask_config(**self.overrides)
+        try:
+            if self.error is not None:
+                raise self.error
+            self.config = StreamsConfig.from_dask_config(**self.overrides)
+        except ValueError as e:
+            self.error = ValueError(f"gpustreams cannot start on worker {worker.address}: {e}")
+            self._tasks = worker.state.tasks
+            raise self.error from None
         # Threads of the egress waits and of the clears of stream errors after failures.
         self._egress_threads = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
         self.provenance = Provenance(worker, self.config, self._egress_threads, self)
@@ -281,7 +320,10 @@ class StreamsPlugin(WorkerPlugin):
 
         The runtime is this plugin's own: closing it (in an egress thread, as it
         waits for the work left on the device) ends its streams and threads.
+        A plugin whose settings were bad set nothing up.
         """
+        if self.error is not None:
+            return
         self._active = False
         if worker.status not in (Status.closing, Status.closed, Status.failed):
             with contextlib.suppress(Exception):  # no scheduler plugin: nothing to undo
@@ -310,7 +352,8 @@ class StreamsPlugin(WorkerPlugin):
         """Wrap a task that starts executing; drop the entries of keys that go away.
 
         Called for every transition of every key on the event loop: the others
-        (about four per task) return after two comparisons.
+        (about four per task) return after two comparisons. With bad settings,
+        each task that starts executing raises their error instead.
         """
         if finish == "executing":
             if self._active:
@@ -318,6 +361,8 @@ class StreamsPlugin(WorkerPlugin):
                     self.execution.prepare(key, self.host_modules)
                 except Exception as e:  # distributed only logs this: fail the task instead
                     self.execution.fail(key, e)
+            elif self.error is not None:
+                fail_task(self._tasks, key, self.error)
         elif (finish == "released" or finish == "error") and self._active:
             # ("forgotten" always comes after "released")
             self.provenance.forget(key)
