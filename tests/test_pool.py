@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+import threading
+
 from dask_gpustreams import sim
+from dask_gpustreams.backends.sim import SimBackend
+from dask_gpustreams.runtime import StreamPool
 from dask_gpustreams.runtime.events import InflightQueue
+
+#: Seconds a test waits for a thread that should be done at once (generous: a loaded CI).
+TIMEOUT = 10.0
+
+
+class SignallingBackend(SimBackend):
+    """The sim backend, setting ``waiting`` when a host thread starts to wait for an event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def event_error(self, event: sim.Event) -> BaseException | None:
+        self.waiting.set()
+        return super().event_error(event)
 
 
 def test_inflight_queue_pops_done_pairs_from_the_front_only():
@@ -13,3 +32,37 @@ def test_inflight_queue_pops_done_pairs_from_the_front_only():
     assert queue.pop_done(finished.__contains__) == [0, 1]
     assert [payload for _, payload in queue] == [2, 3]
     assert queue.pop_done(finished.__contains__) == []
+
+
+def test_back_pressure_waits_for_the_device_without_the_slot_lock():
+    """A record blocked behind the oldest task leaves the slot's queries free.
+
+    ``load`` runs under the pool's assign lock, so a query waiting for a
+    back-pressured record would stall every stream's assignment.
+    """
+    backend = SignallingBackend()
+    pool = StreamPool(backend, 1)
+    pool.max_inflight = 1
+    (slot,) = pool.slots
+    gate = threading.Event()
+    try:
+        with backend.use_stream(slot.stream):
+            sim.launch(gate.wait, TIMEOUT)
+        first, second = backend.create_event(), backend.create_event()
+        assert pool.record(slot, first, "first") == 1
+        seqs = []
+        host = threading.Thread(target=lambda: seqs.append(pool.record(slot, second, "second")))
+        host.start()
+        assert backend.waiting.wait(TIMEOUT)  # the second record waits for the first task
+        loads = []
+        query = threading.Thread(target=lambda: loads.append(pool.load(slot)))
+        query.start()
+        query.join(TIMEOUT)
+        assert loads == [1]  # answered while the record still waits
+        assert host.is_alive() and [refs for _, refs in slot.inflight] == ["first"]
+    finally:
+        gate.set()
+    host.join(TIMEOUT)
+    assert seqs == [2]
+    assert [refs for _, refs in slot.inflight] == ["second"]  # "first" went once done
+    pool.synchronize()

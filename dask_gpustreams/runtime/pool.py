@@ -135,21 +135,27 @@ class StreamPool:
     def record(self, slot: StreamSlot, event: Any, refs: Any, assigned: bool = False) -> int:
         """Record ``event`` on ``slot``, holding ``refs`` until it completes; return its number.
 
-        ``assigned``: the event ends a task counted by :meth:`assign`.
+        ``assigned``: the event ends a task counted by :meth:`assign`. With
+        :attr:`max_inflight` tasks in flight on ``slot``, first waits for the
+        oldest (back-pressure), without holding the slot's lock, so the
+        queries of other threads (:meth:`load`, under the assign lock) never
+        wait for the device.
         """
         inflight = slot.inflight
-        with slot.lock:
-            inflight.pop_done(self.backend.done)
-            if len(inflight) >= self.max_inflight:
-                # Back-pressure: the host is far ahead of this stream, and every task
-                # queued holds its inputs; wait (never raise) for the oldest one.
-                self.backend.event_error(inflight.popleft()[0])
-            self.backend.record(event, slot.stream)
-            slot.seq += 1
-            inflight.append((event, refs))
-            if assigned:
-                slot._assigned.pop()
-            return slot.seq
+        while True:
+            with slot.lock:
+                inflight.pop_done(self.backend.done)
+                if len(inflight) < self.max_inflight:
+                    self.backend.record(event, slot.stream)
+                    slot.seq += 1
+                    inflight.append((event, refs))
+                    if assigned:
+                        slot._assigned.pop()
+                    return slot.seq
+                oldest = inflight[0][0]
+            # Back-pressure: the host is far ahead of this stream, and every task
+            # queued holds its inputs; wait (never raise) for the oldest one.
+            self.backend.event_error(oldest)
 
     def wait(self, slot: StreamSlot, producer: StreamSlot, event: Any, seq: int) -> None:
         """Make ``slot`` wait for ``producer``'s event number ``seq`` unless it already does.
