@@ -11,44 +11,30 @@ import threading
 
 import pytest
 
-from dask_gpustreams import sim
-from dask_gpustreams.backends.sim import SimBackend
-from dask_gpustreams.runtime import EventRegistry, StreamPool, TaskRecord
-from dask_gpustreams.runtime.policies import Auto, TaskInfo
+from dask_gpustreams import StreamsConfig, sim
+from dask_gpustreams.runtime import EventRegistry, get_runtime
 
 
 @pytest.fixture
 def blocked():
-    """``run(key, producers, gate=None)``: assign, wait and record a task on 4 sim streams.
+    """``run(key, producers, gate=None)``: a task through the runtime on 4 sim streams.
 
-    Each task's kernel waits for ``gate`` (default: one gate opened when the
-    test ends), so by default nothing completes while the graph is assigned.
+    The task reads its producers' keys (records in the graph's registry), and its
+    kernel waits for ``gate`` (default: one gate opened when the test ends), so by
+    default nothing completes while the graph is assigned. Returns its record.
     """
-    backend = SimBackend()
-    pool = StreamPool(backend, 4)
+    runtime = get_runtime(StreamsConfig(backend="sim", streams=4, policy="auto"))
     held = threading.Event()
-    policy = Auto()
     registry = EventRegistry()
 
     def run(key, producers=(), gate=None):
-        """What the runtime does for one task, with a kernel held by ``gate``."""
-        with pool.assign_lock:
-            slot = policy.select(TaskInfo(key, tuple(producers), registry), pool)
-            pool.assign(slot)
-        for r in producers:
-            if r.slot is not slot:
-                pool.wait(slot, r.slot, r.event, r.seq)
-        with backend.use_stream(slot.stream):
-            sim.launch((gate or held).wait, 10)
-        event = backend.create_event()
-        seq = pool.record(slot, event, None, True)
-        record = TaskRecord(key, slot, event, seq)
-        registry.add(record)
-        return record
+        inputs = {r.key: None for r in producers}
+        runtime.run(key, lambda inputs: sim.launch((gate or held).wait, 10), inputs, registry)
+        return registry.get(key)
 
     yield run
     held.set()
-    pool.synchronize()
+    runtime.drain(registry)
 
 
 def streams(records):
