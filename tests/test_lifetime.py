@@ -18,6 +18,7 @@ from distributed.utils_test import gen_cluster
 
 from dask_gpustreams import StreamsConfig, StreamsPlugin, sim
 from dask_gpustreams.runtime import Runtimes, StreamRuntime, get_runtime, live_runtimes, runtimes
+from dask_gpustreams.runtime.hostthreads import HostThreads
 
 TIMEOUT = 10.0
 
@@ -52,12 +53,12 @@ def ours() -> set[threading.Thread]:
 
 
 def runtime_threads(rt) -> set[threading.Thread]:
-    """The threads of ``rt``'s compute and copy streams and host tasks that exist so far."""
+    """The threads of ``rt``'s compute and copy streams and host tasks that run now."""
     pools = (rt.pool, rt.transfers.h2d, rt.transfers.d2h)
-    threads = {s.stream._thread for p in pools if p.started() for s in p.slots}
+    threads = {s.stream.thread for p in pools if p.started() for s in p.slots}
     if rt._host_executor is not None:
-        threads |= set(rt._host_executor._threads)
-    return threads
+        threads |= rt._host_executor.threads()
+    return {t for t in threads if t is not None and t.is_alive()}
 
 
 def join_all(threads) -> list[threading.Thread]:
@@ -75,10 +76,17 @@ def chain_graph(n=6):
     return delayed(np.sum)(delayed(sim.asnumpy)(x))
 
 
+@pytest.fixture
+def threads_stay(monkeypatch):
+    """Threads that end only when closed, not when idle: a slow test still sees them all."""
+    monkeypatch.setattr(sim.Stream, "idle_timeout", 600.0)
+    monkeypatch.setattr(HostThreads, "idle_timeout", 600.0)
+
+
 # --- close() -------------------------------------------------------------------------------
 
 
-def test_close_ends_the_streams_and_threads_and_is_idempotent(gpustreams):
+def test_close_ends_the_streams_and_threads_and_is_idempotent(gpustreams, threads_stay):
     before = ours()
     with gpustreams(streams=3):
         assert chain_graph().compute(scheduler="gpustreams") == 7000.0
@@ -106,7 +114,7 @@ def test_close_ends_the_streams_and_threads_and_is_idempotent(gpustreams):
 
 
 def test_close_ends_the_stream_threads_before_it_returns_though_streams_are_referenced(
-    gpustreams,
+    gpustreams, threads_stay
 ):
     # A closed worker's task states keep the records of its last tasks, which refer to the
     # slots and their streams (distributed's thread-leak check failed on those threads).
@@ -127,7 +135,7 @@ def test_a_closed_sim_stream_runs_its_queued_work_then_its_thread_ends():
     out = np.zeros(1)
     stream.launch(lambda: (threading.Event().wait(0.05), out.fill(1.0)), (), {}, "k")
     stream.close(TIMEOUT)
-    assert out[0] == 1.0 and not stream._thread.is_alive()
+    assert out[0] == 1.0 and not stream.thread.is_alive()
     stream.close()  # idempotent
     with pytest.raises(RuntimeError, match="is closed"):
         stream.record()
@@ -178,6 +186,22 @@ def test_close_while_a_compute_runs_waits_for_it_and_results_stay_exact(
 # --- the shared runtimes: bounded -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("scheduler", ["gpustreams", "threads"])
+def test_a_computes_threads_end_when_idle_though_its_runtime_stays_open(gpustreams, scheduler):
+    before = ours()
+    with gpustreams(streams=3, policy="least-loaded"):
+        for _ in range(2):  # the second compute starts the threads again
+            assert chain_graph().compute(scheduler=scheduler) == 7000.0
+            rt = get_runtime()
+            started = ours() - before
+            assert started and started <= runtime_threads(rt)
+            # Each ends within the idle timeouts (0.5 s) of its last work; the runtime stays.
+            assert sim.Stream.idle_timeout == HostThreads.idle_timeout == 0.5
+            assert join_all(started) == []
+            assert not rt.closed and rt in live_runtimes() and get_runtime() is rt
+    assert ours() - before == set()
+
+
 def test_many_distinct_settings_keep_runtimes_and_threads_bounded(gpustreams):
     before = set(threading.enumerate())
     made = []
@@ -198,7 +222,7 @@ def test_many_distinct_settings_keep_runtimes_and_threads_bounded(gpustreams):
     assert len(remaining) <= (Runtimes.max_idle + 1) * per_runtime
 
 
-def test_an_evicted_runtimes_threads_end(gpustreams):
+def test_an_evicted_runtimes_threads_end(gpustreams, threads_stay):
     with gpustreams(streams=5):
         assert chain_graph(2).compute(scheduler="gpustreams") == 3000.0
         first = get_runtime()
@@ -249,6 +273,15 @@ async def test_closing_the_worker_closes_its_runtime(c, s, a):
     await c.register_plugin(StreamsPlugin())
     assert await c.submit(total, c.submit(inc, c.submit(produce, 100, 1.0))) == 200.0
     # The workers close with the plugin registered: teardown closes the runtime.
+
+
+@gen_cluster(client=True, config={**CONFIG, "gpustreams.enabled": True, "gpustreams.streams": 5})
+async def test_a_local_compute_in_a_cluster_test_leaves_no_thread(c, s, a, b):
+    # distributed's test_client.py::test_aliases_2 computes with dask.get inside gen_cluster,
+    # whose thread-leak check failed on the idle shared runtime's stream threads.
+    dsk = {"x": (produce, 100, 1.0), "y": (inc, "x"), "z": (total, "y")}
+    assert dask.get(dsk, "z") == 200.0
+    assert await c.submit(total, c.submit(produce, 100, 2.0)) == 200.0
 
 
 def test_no_threads_remain_after_a_local_cluster_with_the_plugin():

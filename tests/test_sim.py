@@ -91,11 +91,11 @@ def test_launch_only_enqueues(streams):
 
 def test_dropped_stream_runs_its_pending_work_then_its_thread_ends():
     stream = device.create_stream()
-    thread = stream._thread
     gate = threading.Event()
     ran = []
     with stream:
         sim.launch(gated(gate, lambda: ran.append("kernel")))
+    thread = stream.thread
     event = stream.record()
     del stream  # garbage at once: nothing else refers to it, queued work aside
     gate.set()
@@ -109,7 +109,6 @@ def test_a_stream_whose_memory_was_reused_still_ends():
     # The pool's per-stream free lists are keyed by stream id: they do not keep it alive.
     pool = sim.get_default_memory_pool()
     stream = device.create_stream()
-    thread = stream._thread
     with stream:
         x = sim.asarray(np.ones(1000))
         del x  # its block goes to the stream's free list
@@ -117,6 +116,7 @@ def test_a_stream_whose_memory_was_reused_still_ends():
         y.fill(1.0)
         total = pool.total_bytes()
         assert (y + 1).get().sum() == 2000
+    thread = stream.thread
     del stream  # y and its free list refer to the stream's id only
     thread.join(GATE_TIMEOUT)
     assert not thread.is_alive()
@@ -544,3 +544,45 @@ def test_a_reported_error_is_not_passed_on_by_waits_still_queued(streams):
         y = sim.asarray(np.ones(3))
         np.testing.assert_array_equal(y.get(), np.ones(3))
     b.synchronize()
+
+
+def test_a_streams_thread_starts_with_its_work_and_ends_when_idle(monkeypatch):
+    monkeypatch.setattr(sim.Stream, "idle_timeout", 0.05)
+    stream = device.create_stream()
+    assert stream.thread is None  # no work yet, no thread
+    out = np.zeros(1)
+    stream.launch(fill(1.0), (out,), {}, "first")
+    first = stream.thread
+    stream.synchronize()
+    first.join(GATE_TIMEOUT)
+    assert not first.is_alive() and out[0] == 1.0
+    # Its state outlives the thread: an error put on the stream by a failed kernel stays.
+    stream.launch(lambda: 1 / 0, (), {}, "broken")
+    failed = stream.thread
+    assert failed is not first
+    failed.join(GATE_TIMEOUT)
+    assert not failed.is_alive()
+    with pytest.raises(KernelError, match="broken.*ZeroDivisionError"):
+        stream.synchronize()
+    stream.launch(fill(2.0), (out,), {}, "again")
+    stream.synchronize()
+    assert out[0] == 2.0 and stream.thread not in (first, failed)
+
+
+def test_work_enqueued_while_the_thread_ends_for_idleness_still_runs_in_order(monkeypatch):
+    # An idle timeout near the gaps between launches: threads end and start all the time.
+    monkeypatch.setattr(sim.Stream, "idle_timeout", 0.0005)
+    stream = device.create_stream()
+    rng = np.random.default_rng(0)
+    ran: list[int] = []
+    finished = threading.Event()
+    threads = set()
+    for i in range(400):
+        stream.launch(ran.append, (i,), {}, i)
+        threads.add(stream.thread)
+        if rng.random() < 0.5:
+            time.sleep(float(rng.uniform(0, 0.002)))
+    stream.launch(finished.set, (), {}, "last")
+    assert finished.wait(GATE_TIMEOUT)
+    assert ran == list(range(400))
+    assert len(threads) > 10  # the thread did end and start again

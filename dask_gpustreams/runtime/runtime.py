@@ -14,7 +14,6 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dask.utils import format_bytes
@@ -24,6 +23,7 @@ from dask_gpustreams.config import StreamsConfig, auto_pinned_pool_size
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.events import EventPool
 from dask_gpustreams.runtime.hosttasks import HostTasks
+from dask_gpustreams.runtime.hostthreads import HostThreads
 from dask_gpustreams.runtime.lifetime import Runtimes
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
 from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
@@ -73,7 +73,7 @@ class StreamRuntime:
         self.host_tasks = HostTasks()
         # The thread-local flag of threads whose library state is isolated for this device.
         self._isolation = ("isolated", backend.name, backend.device_id)
-        self._host_executor: ThreadPoolExecutor | None = None
+        self._host_executor: HostThreads | None = None
         self._host_lock = threading.Lock()
         self._host_closed = False
         # Lifetime: "open", "closing" (waiting for its users), "closed"; users counted.
@@ -154,17 +154,15 @@ class StreamRuntime:
             self.backend.isolate_thread()
             state[self._isolation] = True
 
-    def host_executor(self) -> ThreadPoolExecutor:
-        """The threads that run host tasks for the launcher (started on first use)."""
+    def host_executor(self) -> HostThreads:
+        """The threads that run host tasks for the launcher (each ends when idle)."""
         executor = self._host_executor
         if executor is None:
             with self._host_lock:
                 if self._host_executor is None:
                     if self._host_closed:
                         raise RuntimeError(f"{self!r} is closed")
-                    self._host_executor = ThreadPoolExecutor(
-                        self.host_threads, thread_name_prefix="gpustreams-host"
-                    )
+                    self._host_executor = HostThreads(self.host_threads, "gpustreams-host")
                 executor = self._host_executor
         return executor
 

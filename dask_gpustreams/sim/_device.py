@@ -1,14 +1,17 @@
 """Streams and events of the simulated device.
 
-Each stream is a FIFO of operations run in order by its own thread, which ends
-once the stream is garbage or closed and its work is done. Launching
-only enqueues. An event is a marker in a stream: recording enqueues a marker,
-waiting enqueues a wait for the marker as recorded at that moment. A launched
-function that raises puts its stream in error: later launches on that stream
-are skipped (as after a sticky CUDA error) and every marker it reaches carries
-the error, which waits pass on to other streams. The first host sync that
-sees the error raises it and clears it from every stream it reached; once
-reported, it is neither raised nor passed on again.
+Each stream is a FIFO of operations run in order by its own thread. The thread
+starts with the stream's first work and ends after :attr:`Stream.idle_timeout`
+seconds without any (the next work starts it again), and once the stream is
+garbage or closed and its work is done: an idle stream holds no thread, as a
+CUDA stream holds none. Launching only enqueues. An event is a marker in a
+stream: recording enqueues a marker, waiting enqueues a wait for the marker as
+recorded at that moment. A launched function that raises puts its stream in
+error: later launches on that stream are skipped (as after a sticky CUDA error)
+and every marker it reaches carries the error, which waits pass on to other
+streams. The first host sync that sees the error raises it and clears it from
+every stream it reached; once reported, it is neither raised nor passed on
+again.
 
 ``Device.kernel_delay`` makes every kernel sleep a random time before it
 runs, to vary the interleaving of streams in tests.
@@ -44,8 +47,63 @@ class _Marker:
         self.time = 0.0
 
 
+class _Server:
+    """A stream's queue and the thread serving it, which starts with work and ends when idle.
+
+    It refers to no stream (work queued holds its stream), so a stream can be
+    garbage while its thread runs. ``serving`` is true from a thread's start
+    until it ends for idleness, and is only changed under ``lock``.
+    """
+
+    __slots__ = ("lock", "name", "queue", "serving", "thread")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Reentrant: a garbage collection in the idle check may finalize a stream.
+        self.lock = threading.RLock()
+        self.serving = False
+        self.thread: threading.Thread | None = None  # the latest one
+
+    def start(self) -> None:
+        """Start a thread unless one serves (called after a put that found none)."""
+        with self.lock:
+            if not self.serving:
+                self.serving = True
+                self.thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self.thread.start()
+
+    def _serve(self) -> None:
+        """Run the queued operations in order; end on None, or after ``Stream.idle_timeout`` idle.
+
+        Between operations it holds no reference to the stream, as CUDA lets a
+        stream be destroyed with work pending: that work still runs, then the
+        thread ends.
+        """
+        work = self.queue
+        while True:
+            try:
+                item = work.get(timeout=Stream.idle_timeout)
+            except queue.Empty:
+                with self.lock:
+                    # Not serving first: a put from now on starts a thread (after this lock).
+                    self.serving = False
+                    if work.empty():
+                        return
+                    self.serving = True  # a put came meanwhile: serve it
+                continue
+            if item is None:
+                return
+            stream, op = item
+            op(stream)
+            del item, stream, op
+
+
 class Stream:
     """A FIFO of work executed in order by one thread; see :func:`Device.create_stream`."""
+
+    #: Seconds without work after which a stream's thread ends (the next work starts one).
+    idle_timeout = 0.5
 
     def __init__(self, device: Device, priority: int = 0, *, _token: object = None):
         if _token is not _factory_token:
@@ -56,15 +114,11 @@ class Stream:
         self.priority = priority
         self.id = next(_stream_ids)
         self._error: KernelError | None = None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=_serve, args=(self._queue,), name=f"sim-stream-{self.id}", daemon=True
-        )
+        self._server = _Server(f"sim-stream-{self.id}")
         self._closed = False
-        self._thread.start()
         # Work queued holds the stream; once none is and the stream is garbage (or closed),
         # the thread ends.
-        self._end = weakref.finalize(self, _stream_ended, self._queue, device, self.id)
+        self._end = weakref.finalize(self, _stream_ended, self._server.queue, device, self.id)
         self._end.atexit = False  # atexit code may sync
 
     def __repr__(self) -> str:
@@ -74,7 +128,15 @@ class Stream:
         """Append ``op`` to the stream; it runs after everything enqueued before it."""
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        self._queue.put((self, op))
+        server = self._server
+        server.queue.put((self, op))
+        if not server.serving:
+            server.start()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread serving the stream now, or the last one; None before any work."""
+        return self._server.thread
 
     @property
     def closed(self) -> bool:
@@ -90,8 +152,9 @@ class Stream:
         """
         self._closed = True
         self._end()  # once: later calls do nothing
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        thread = self._server.thread
+        if thread is not None and threading.current_thread() is not thread:
+            thread.join(timeout)
 
     def launch(self, fn: Callable, args: tuple, kwargs: dict, key: Any) -> None:
         """Enqueue a kernel: ``fn(*args, **kwargs)`` run on the stream's thread.
@@ -206,24 +269,11 @@ class Event:
 _factory_token = object()
 
 
-def _serve(work: queue.SimpleQueue) -> None:
-    """A stream's thread: run its operations in order, until its stream is garbage (None).
-
-    Between operations it holds no reference to the stream, as CUDA lets a
-    stream be destroyed with work pending: that work still runs, then the
-    thread ends.
-    """
-    while True:
-        item = work.get()
-        if item is None:
-            return
-        stream, op = item
-        op(stream)
-        del item, stream, op
-
-
 def _stream_ended(work: queue.SimpleQueue, device: Device, stream_id: int) -> None:
-    """A stream is garbage: its thread ends after the work queued; tell the device's listener."""
+    """A stream is garbage: its thread ends after the work queued; tell the device's listener.
+
+    Without a thread (idle), the None stays queued with the garbage queue.
+    """
     work.put(None)
     if device._on_stream_end is not None:
         device._on_stream_end(stream_id)
@@ -288,7 +338,7 @@ class Device:
         return self._random.uniform(low, high) if high else 0.0
 
     def create_stream(self, priority: int = 0) -> Stream:
-        """A new stream with its own thread; ``priority`` is kept for diagnostics."""
+        """A new stream (its thread starts with its work); ``priority`` is kept for diagnostics."""
         stream = Stream(self, priority, _token=_factory_token)
         self._streams.add(stream)
         return stream
