@@ -19,7 +19,7 @@ import dask
 import numpy as np
 import pytest
 from dask import delayed
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, sim
 from dask_gpustreams.integrations.blocks import StreamBlock, partition
@@ -73,6 +73,18 @@ def bad(a):
     out = sim.empty(a.shape)
     sim.launch(_boom, out, a)
     return out
+
+
+def clear_errors(a):
+    """Passes ``a`` through once the worker has cleared its streams' errors.
+
+    The plugin does this after any failure, from another thread, while other
+    work runs: a block may then be in flight. Here it happens at a known point.
+    """
+    from distributed import get_worker
+
+    get_worker().plugins["gpustreams"].provenance._clear_stream_errors()
+    return a
 
 
 def host_mix(salt, *arrays):
@@ -259,6 +271,47 @@ def test_a_kernel_error_inside_a_block_names_the_inner_key():
         good = delayed(mix)(4, delayed(mix)(5, s))
         np.testing.assert_array_equal(
             sim.asnumpy(good.compute()), host_mix(4, host_mix(5, np.arange(N) + 0.0))
+        )
+
+
+def test_a_kernel_error_reported_first_elsewhere_still_fails_its_block():
+    """The failure inside the block is reported by a sync outside it (the worker's clear of
+    its streams' errors) before the block's own syncs, which then say nothing."""
+    with cluster(1, config={"gpustreams.streams": 1}) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        k = delayed(bad)(s, dask_key_name="inner-failure")
+        r = delayed(clear_errors)(k, dask_key_name="reported")
+        out = delayed(mix)(2, r, dask_key_name="after")
+        future = client.compute(out)
+        with pytest.raises(KernelError, match="boom in a block") as info:
+            future.result(timeout=30)
+        assert info.value.key == "inner-failure"
+        assert formed(client) == (1, 3)
+
+
+def test_a_block_on_a_stream_left_in_error_by_another_failure_fails():
+    """Another task's failed kernel leaves the only stream in error, so the block's first
+    kernel is skipped; the error is reported while the block is in flight. The block's
+    value would be garbage: it raises that failure, as task per key makes the tasks that
+    ran on that stream do."""
+    with cluster(1, config={"gpustreams.streams": 1}) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        failed = client.compute(delayed(bad)(s, dask_key_name="elsewhere"))
+        wait(failed, timeout=30)  # in memory: its failure not seen yet
+        a = delayed(mix)(1, s, dask_key_name="skipped")
+        out = delayed(mix)(2, delayed(clear_errors)(a, dask_key_name="reported"))
+        future = client.compute(out)
+        with pytest.raises(KernelError, match="boom in a block") as info:
+            future.result(timeout=30)
+        assert info.value.key == "elsewhere"
+        assert formed(client) == (1, 3)
+        with pytest.raises(KernelError) as info:
+            failed.result(timeout=30)
+        assert info.value.key == "elsewhere"
+        # The worker stays usable.
+        again = delayed(mix)(3, delayed(mix)(4, s))
+        np.testing.assert_array_equal(
+            sim.asnumpy(again.compute()), host_mix(3, host_mix(4, np.arange(N) + 0.0))
         )
 
 

@@ -80,7 +80,12 @@ class StreamBlock:
 
         ``values`` holds the inputs, whose work must be complete (the worker
         waits for it first). Raises the first task exception, or the
-        ``KernelError`` of the inner key whose kernel failed.
+        ``KernelError`` of the inner key whose kernel failed. Every event of
+        the block is checked, so its outputs are known good when it returns
+        (they need no event nor taint): a failure reported by a sync elsewhere
+        first still fails the block, and so does one of another task that left
+        a stream in error under the block's kernels (that task's error, as
+        task per key gives its dependents).
         """
         table = transfer_rewrites(type(runtime.backend))
         tasks: dict = {}
@@ -98,7 +103,7 @@ class StreamBlock:
             priority[key] = i
         cache = {k: values[k] for k in self.inputs}
         launcher = GraphLauncher(
-            runtime, tasks, dependencies, priority, self.outputs, cache, host, key_split
+            runtime, tasks, dependencies, priority, self.outputs, cache, host, key_split, check=True
         )
         return self._result(launcher.run())
 

@@ -65,7 +65,9 @@ class GraphLauncher:
     e.g. ``dask.order``); ``cache`` holds values known before the run and
     becomes the results (intermediates are removed from it as they go);
     ``host`` names tasks that block the host; ``group_of(key)`` names a key's
-    group for learning which tasks block the host.
+    group for learning which tasks block the host. ``check``: before
+    returning, read every event of the graph with ``Backend.event_error``
+    and raise the first error (see :meth:`run`).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class GraphLauncher:
         host: Collection[Hashable] = (),
         group_of: Callable[[Hashable], Hashable] = lambda key: key,
         hooks: LaunchHooks | None = None,
+        check: bool = False,
     ):
         self.runtime = runtime
         self.tasks = tasks
@@ -89,6 +92,7 @@ class GraphLauncher:
         self.host = host
         self.group_of = group_of
         self.hooks = hooks
+        self.check = check
         self.registry = EventRegistry()
         self._finished: deque[_HostDone] = deque()
         self._wake = threading.Event()
@@ -103,7 +107,12 @@ class GraphLauncher:
 
         The first exception a task raises is raised here, after the work
         already launched has drained; a kernel failure surfaces as the error
-        of the wanted key whose event reports it.
+        of the wanted key whose event reports it. A sync elsewhere (another
+        graph's, a task's) may report a failure first, after which the device
+        neither raises it again nor passes it on to the work that waits for
+        it: that work's results are garbage, and the wanted keys' syncs say
+        nothing. With ``check``, the first error that any event of the graph
+        carries is raised then too (``event_error`` returns it every time).
         """
         runtime = self.runtime
         results = self.results
@@ -243,6 +252,8 @@ class GraphLauncher:
             if self._error is not None:
                 raise self._error
             runtime.synchronize(wanted, registry)
+            if self.check:
+                self._check_events()
             return results
         except BaseException:
             # The exception raised wins; this graph's work drains first, so that a kernel
@@ -260,6 +271,14 @@ class GraphLauncher:
             runtime.collect()
             if timeline is None:
                 runtime.events.release(launched)
+
+    def _check_events(self) -> None:
+        """Raise the error of any of the graph's work, reported elsewhere or not (blocking)."""
+        event_error = self.runtime.backend.event_error
+        for event in self._launched:
+            error = event_error(event)
+            if error is not None:
+                raise error.with_traceback(None)  # shared: not the frames of an earlier raise
 
     def _finish(self, key, deps, ready, dependents, missing, consumers) -> None:
         """``key`` is launched: ready its dependents, drop inputs nobody else will read."""
