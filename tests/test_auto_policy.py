@@ -14,6 +14,9 @@ import pytest
 from dask_gpustreams import StreamsConfig, sim
 from dask_gpustreams.runtime import EventRegistry, get_runtime
 
+#: Seconds a test waits for a thread that should be done at once (generous: a loaded CI).
+TIMEOUT = 10.0
+
 
 @pytest.fixture
 def blocked():
@@ -82,3 +85,34 @@ def test_a_branch_avoids_a_stream_freed_early_and_taken_by_a_sibling(blocked):
     branches[1].event.synchronize()
     after = [blocked(("c", i), [join]) for i in range(4)]
     assert streams(after) == [0, 1, 2, 3]
+
+
+def test_levels_stay_with_their_tasks_when_a_stream_records_out_of_order():
+    """Two threads on one stream: the task assigned second records its event first.
+
+    Each record must carry its own task's level (the first task, on an idle
+    stream, ends at level 1; the second, queued behind it, at 2), not the one
+    planned for the event number it happened to get.
+    """
+    runtime = get_runtime(StreamsConfig(backend="sim", streams=1, policy="auto"))
+    registry = EventRegistry()
+    inside, recorded = threading.Event(), threading.Event()
+
+    def first(inputs):
+        inside.set()  # assigned, its event not recorded until the second's is
+        recorded.wait(TIMEOUT)
+
+    host = threading.Thread(target=runtime.run, args=("first", first, {}, registry))
+    host.start()
+    assert inside.wait(TIMEOUT)
+    runtime.run("second", lambda inputs: None, {}, registry)
+    recorded.set()
+    host.join(TIMEOUT)
+    assert not host.is_alive()
+    runtime.drain(registry)
+    one, two = registry.get("first"), registry.get("second")
+    assert (one.seq, two.seq) == (2, 1)  # recorded in the other order
+    assert (one.level, two.level) == (1, 2)
+    # A consumer of the second task is ready after it: one level later.
+    runtime.run("after", lambda inputs: None, {"second": None}, registry)
+    assert registry.get("after").level == 3

@@ -6,7 +6,7 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from dask_gpustreams.backends.base import Backend
 from dask_gpustreams.runtime.events import InflightQueue
@@ -61,6 +61,26 @@ class StreamSlot:
 
     def __repr__(self) -> str:
         return f"<StreamSlot {self.index} priority={self.priority} inflight={len(self.inflight)}>"
+
+
+class PoolView(Protocol):
+    """What a stream policy reads of a pool; it assigns and records nothing.
+
+    None of these waits for the device: a pool's locks are never held across
+    a device wait, so a policy may call them under :attr:`StreamPool.assign_lock`.
+    """
+
+    n_high_priority: int
+
+    @property
+    def slots(self) -> Sequence[StreamSlot]:
+        """The streams, created on first use."""
+
+    def load(self, slot: StreamSlot) -> int:
+        """Tasks assigned to ``slot`` whose completion event has not been seen to fire."""
+
+    def is_tail(self, slot: StreamSlot, seq: int) -> bool:
+        """Whether event number ``seq`` ends ``slot``'s work: none recorded or assigned since."""
 
 
 class StreamPool:
@@ -123,8 +143,19 @@ class StreamPool:
         slot._assigned.pop()
 
     def load(self, slot: StreamSlot) -> int:
-        """Tasks assigned to ``slot`` whose completion event has not been seen to fire."""
-        return self.collect(slot) + slot.pending
+        """Tasks assigned to ``slot`` whose completion event has not been seen to fire.
+
+        Releases what completed tasks held, as :meth:`collect` does.
+        """
+        inflight = slot.inflight
+        if inflight:
+            with slot.lock:
+                inflight.pop_done(self.backend.done)
+        return len(inflight) + len(slot._assigned)
+
+    def is_tail(self, slot: StreamSlot, seq: int) -> bool:
+        """Whether event number ``seq`` ends ``slot``'s work: none recorded or assigned since."""
+        return seq == slot.seq and not slot._assigned
 
     def collect_all(self) -> int:
         """:meth:`collect` every stream; return the work still in flight."""

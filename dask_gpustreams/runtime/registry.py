@@ -12,7 +12,7 @@ from dask_gpustreams.runtime.pool import StreamSlot
 class TaskRecord:
     """The stream a task ran on and the event recorded after its work."""
 
-    __slots__ = ("key", "slot", "event", "seq", "start", "claimed")
+    __slots__ = ("key", "slot", "event", "seq", "start", "claimed", "level")
 
     def __init__(self, key: Hashable, slot: StreamSlot, event: Any, seq: int, start: Any = None):
         self.key = key
@@ -21,6 +21,7 @@ class TaskRecord:
         self.seq = seq
         self.start = start  # a timing event recorded before the task's work, if timeline is on
         self.claimed = False  # set by the first consumer that takes this stream (affinity)
+        self.level = 0  # when the task ends, in task durations, as its policy planned (auto)
 
     def __repr__(self) -> str:
         return f"<TaskRecord {self.key!r} stream={self.slot.index} seq={self.seq}>"
@@ -35,6 +36,7 @@ class EventRegistry:
 
     def __init__(self) -> None:
         self._records: dict[Hashable, TaskRecord] = {}
+        self._planned: dict[Hashable, int] = {}  # levels of keys assigned, not yet added
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -50,7 +52,19 @@ class EventRegistry:
         return self._records.get(key)
 
     def add(self, record: TaskRecord) -> None:
+        """Register ``record``; it takes the level planned for its key, if any (:meth:`plan`)."""
+        level = self._planned.pop(record.key, None)
+        if level is not None:
+            record.level = level
         self._records[record.key] = record
+
+    def plan(self, key: Hashable, level: int) -> None:
+        """Note the ``level`` of ``key``'s task, chosen when it is assigned, for its record.
+
+        The record gets it when it is added, so the level stays with its task
+        whatever order the tasks of one stream record their events in.
+        """
+        self._planned[key] = level
 
     def claim(self, record: TaskRecord) -> bool:
         """True for the first caller only: that consumer may reuse the producer's stream."""
@@ -63,16 +77,20 @@ class EventRegistry:
     def forget(self, keys: Iterable[Hashable]) -> None:
         """Drop the entries of ``keys`` (missing keys are ignored)."""
         pop = self._records.pop
+        unplan = self._planned.pop
         for key in keys:
             pop(key, None)
+            unplan(key, None)
 
     def discard(self, key: Hashable) -> None:
         """Drop the entry of ``key``, if any."""
         self._records.pop(key, None)
+        self._planned.pop(key, None)
 
     def clear(self) -> None:
         """Drop every entry."""
         self._records.clear()
+        self._planned.clear()
 
     def records(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
         """The records of those ``keys`` that have one."""

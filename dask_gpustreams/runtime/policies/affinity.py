@@ -8,7 +8,7 @@ from dask_gpustreams.runtime.policies.base import (
     least_loaded,
     register_policy,
 )
-from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+from dask_gpustreams.runtime.pool import PoolView, StreamSlot
 
 
 def _claim_producer_stream(task: TaskInfo) -> StreamSlot | None:
@@ -29,7 +29,7 @@ class Affinity(StreamPolicy):
 
     name = "affinity"
 
-    def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
+    def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
         slot = _claim_producer_stream(task)
         return slot if slot is not None else least_loaded(pool, pool.slots)
 
@@ -51,22 +51,20 @@ class Auto(StreamPolicy):
     host runs far ahead of the device. Streams with work of unknown level
     (recorded by other means) count their unfinished tasks instead.
 
-    Called under the pool's assign lock (:attr:`StreamPool.assign_lock`).
+    A task's level goes with its record (:attr:`TaskRecord.level`, through
+    :meth:`EventRegistry.plan`), so it stays the task's whatever order the
+    events of one stream are recorded in. Called under the pool's assign lock
+    (:attr:`StreamPool.assign_lock`); reads the pool through :class:`PoolView`.
     """
 
     name = "auto"
 
-    #: Levels kept per stream before those of completed tasks are dropped.
-    history = 64
-
     def __init__(self) -> None:
         self._tail: dict[int, int] = {}  # stream -> level of its last assigned task
-        self._levels: dict[int, dict[int, int]] = {}  # stream -> {event number: level}
 
-    def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
+    def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
         slots = pool.slots
         n = len(slots)
-        levels = self._levels
         ready = 0  # the level at which the last input is ready
         mine: list[StreamSlot] = []  # the producers' streams, tried first
         tail_of: StreamSlot | None = None  # a producer's stream that ends with it
@@ -74,43 +72,32 @@ class Auto(StreamPolicy):
             producer = record.slot
             if producer.index >= n or slots[producer.index] is not producer:
                 continue  # recorded by another pool
-            level = levels.get(producer.index, {}).get(record.seq, 0)
-            if level > ready:
-                ready = level
+            if record.level > ready:
+                ready = record.level
             if producer not in mine:
                 mine.append(producer)
-            if tail_of is None and record.seq == producer.seq and not producer.pending:
+            if tail_of is None and pool.is_tail(producer, record.seq):
                 tail_of = producer
         if tail_of is not None:
-            return self._assign(tail_of, ready)
+            return self._assign(task, tail_of, ready)
         tail = self._tail
         best, best_start = slots[0], -1
         for slot in (*mine, *(s for s in slots if s not in mine)) if mine else slots:
             start = tail.get(slot.index)
             if start is None or start > ready:
-                load = slot.pending + (pool.collect(slot) if slot.inflight else 0)
+                load = pool.load(slot)
                 if load == 0:
                     start = ready  # idle
                 elif start is None:
                     start = ready + load  # work of unknown level: count it
             if start <= ready:
-                return self._assign(slot, ready)
+                return self._assign(task, slot, ready)
             if best_start < 0 or start < best_start:
                 best, best_start = slot, start
-        return self._assign(best, best_start)
+        return self._assign(task, best, best_start)
 
-    def _assign(self, slot: StreamSlot, start: int) -> StreamSlot:
-        """Note the level the task chosen for ``slot`` ends at, under its future event number."""
-        index = slot.index
-        known = self._levels.setdefault(index, {})
-        known[slot.seq + slot.pending + 1] = self._tail[index] = start + 1
-        if len(known) > self.history:  # drop completed tasks, oldest first
-            done = slot.seq - len(slot.inflight)
-            stale = []
-            for seq in known:
-                if seq > done:
-                    break
-                stale.append(seq)
-            for seq in stale:
-                del known[seq]
+    def _assign(self, task: TaskInfo, slot: StreamSlot, start: int) -> StreamSlot:
+        """Note the level ``task`` ends at on ``slot``: the stream's tail, and its record's."""
+        self._tail[slot.index] = level = start + 1
+        task.registry.plan(task.key, level)
         return slot

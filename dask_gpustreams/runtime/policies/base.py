@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+from dask_gpustreams.runtime.pool import PoolView, StreamSlot
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 
 
@@ -39,8 +39,8 @@ class StreamPolicy(ABC):
     needs_critical_path: bool = False
 
     @abstractmethod
-    def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
-        """The slot of ``pool`` that ``task`` runs on."""
+    def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
+        """The slot of ``pool`` that ``task`` runs on (called under the pool's assign lock)."""
 
 
 _POLICIES: dict[str, Callable[[], StreamPolicy]] = {}
@@ -70,7 +70,7 @@ def make_policy(name: str) -> StreamPolicy:
     return factory()
 
 
-def least_loaded(pool: StreamPool, slots: Sequence[StreamSlot]) -> StreamSlot:
+def least_loaded(pool: PoolView, slots: Sequence[StreamSlot]) -> StreamSlot:
     """The slot among ``slots`` with the least work not yet completed (by completion events)."""
     best = slots[0]
     best_load = pool.load(best)

@@ -11,7 +11,7 @@ from dask_gpustreams.runtime.policies.base import (
     least_loaded,
     register_policy,
 )
-from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+from dask_gpustreams.runtime.pool import PoolView, StreamSlot
 
 
 @register_policy
@@ -33,7 +33,7 @@ class CriticalPath(StreamPolicy):
     def high_priority_streams(self, n_streams: int) -> int:
         return max(1, n_streams // 4) if n_streams > 1 else 0
 
-    def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
+    def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
         slots = pool.slots
         n_high = pool.n_high_priority
         if n_high == 0 or task.critical is None or task.critical:

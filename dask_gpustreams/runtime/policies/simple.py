@@ -10,7 +10,7 @@ from dask_gpustreams.runtime.policies.base import (
     least_loaded,
     register_policy,
 )
-from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+from dask_gpustreams.runtime.pool import PoolView, StreamSlot
 
 
 @register_policy
@@ -22,7 +22,7 @@ class RoundRobin(StreamPolicy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
+    def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
         slots = pool.slots
         return slots[next(self._counter) % len(slots)]
 
@@ -33,5 +33,5 @@ class LeastLoaded(StreamPolicy):
 
     name = "least-loaded"
 
-    def select(self, task: TaskInfo, pool: StreamPool) -> StreamSlot:
+    def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
         return least_loaded(pool, pool.slots)
