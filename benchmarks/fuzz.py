@@ -28,12 +28,15 @@ target so small that every result is spilled) and ``dask-cuda`` (the same on
 ``dask_cuda.LocalCUDACluster(n_workers=1)`` with dask-cuda's defaults: one
 worker process, one thread, its ``DeviceHostFile``; only with ``--backend cupy``
 on a machine with a GPU and dask-cuda, and only when named: the default is the
-other four). Outcomes: a wrong value; a hang
-(a compute past ``--timeout``; the run goes on with fresh runtimes or a fresh
-cluster); an unexpected error (any exception, or a ``KernelError`` naming
-another key). With a failing kernel, a local compute must raise the
+other four). Outcomes: a wrong value; a hang (a local compute past
+``--timeout``; on a cluster, an output pending while no task finishes there for
+``--timeout``, or still pending after ``LIVELOCK`` times it; the run goes on
+with fresh runtimes or a fresh cluster); an unexpected error (any exception, or
+a ``KernelError`` naming another key). With a failing kernel, a local compute must raise the
 ``KernelError`` of the failing key; on distributed, each output derived from
 it must raise that error, and every other one its exact value or that error.
+A DAG that takes longer than ``--timeout`` without hanging (a cluster that kept
+finishing tasks) counts as slow, printed with its command, not as a problem.
 
 ``--self-check`` breaks one mechanism at a time and must then find a wrong value
 on each route where it matters: ``wait`` (device-side event waits), ``hold``
@@ -70,6 +73,8 @@ import dask
 import dask.array as da
 import numpy as np
 from dask import delayed
+from distributed import wait
+from distributed.diagnostics.plugin import SchedulerPlugin
 
 import dask_gpustreams
 from dask_gpustreams import KernelError, host_task, sim
@@ -93,6 +98,9 @@ POLICIES = tuple(
 )
 DELAYS = ((0.0, 0.0), (0.0, 0.0005), (0.0, 0.002))
 SPILL = {"distributed.worker.memory.target": 1e-6}  # of 32 MiB: every result is spilled
+#: On a cluster, an output still pending after this many ``--timeout``s is a hang even
+#: while tasks keep finishing (a livelock, or a DAG too slow to fuzz).
+LIVELOCK = 10
 CLUSTER_CONFIG = {  # only target-based spilling; the process-memory monitor stays out
     "distributed.worker.memory.spill": False,
     "distributed.worker.memory.pause": False,
@@ -874,6 +882,25 @@ class LocalRoute:
         return check_local(dag, box.get("result"), box.get("error"))
 
 
+class Hang(Exception):
+    """An output that the cluster stopped making progress on; the message says how."""
+
+
+class Finished(SchedulerPlugin):
+    """Counts the tasks that finish on the scheduler (to ``memory`` or ``erred``): an output
+    pending while this count grows is slow, not hung (DAG 53 of seed 0 on distributed-spill,
+    14,751 tasks, took 73 s on 2 cores with the plugin off)."""
+
+    name = "fuzz-finished"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish in ("memory", "erred"):
+            self.count += 1
+
+
 def has_plugin(dask_worker: Any) -> bool:
     """Whether ``dask_worker`` has the gpustreams plugin (run on each worker)."""
     return dask_gpustreams.StreamsPlugin.name in dask_worker.plugins
@@ -934,6 +961,13 @@ class DistributedRoute:
             )
         self.client = Client(self.cluster)
         self.batch = batch
+        self.finished = Finished()
+        scheduler = self.cluster.scheduler
+
+        async def add_finished() -> None:  # on the scheduler's loop, beside its transitions
+            scheduler.add_plugin(self.finished)
+
+        self.cluster.sync(add_finished)
         missing = [w for w, on in self.client.run(has_plugin).items() if not on]
         if missing:
             raise RuntimeError(f"{self.name}: no gpustreams plugin on the workers {missing}")
@@ -977,10 +1011,10 @@ class DistributedRoute:
         for k in order:
             i = dag.outputs[k]
             try:
-                got = futures[k].result(timeout=self.timeout)
-            except TimeoutError:
+                got = self.result(futures[k])
+            except Hang as e:
                 self.close()
-                return "hang", f"output {i} pending after {self.timeout} s"
+                return "hang", f"output {i} pending: {e}"
             except Exception as e:  # noqa: BLE001 - every exception is an outcome
                 outcome = _blame(e, dag)
                 if outcome != OK:
@@ -992,6 +1026,29 @@ class DistributedRoute:
             if problem is not None:
                 return "wrong", f"output {i}: {problem}"
         return OK
+
+    def result(self, future: Any) -> Any:
+        """``future.result()``, waited for while tasks keep finishing on the cluster.
+
+        Raises Hang when none finishes for ``timeout`` s, or when the output is still
+        pending after ``LIVELOCK * timeout`` s: a fixed wait called large DAGs hung.
+        """
+        start = last = time.monotonic()
+        count = self.finished.count
+        while not future.done():
+            with contextlib.suppress(TimeoutError):
+                wait(future, timeout=min(1.0, self.timeout))
+            now = time.monotonic()
+            if self.finished.count != count:
+                count, last = self.finished.count, now
+            elif now - last >= self.timeout:
+                raise Hang(f"no task finished on the cluster for {self.timeout} s ({count} did)")
+            if now - start >= LIVELOCK * self.timeout:
+                raise Hang(
+                    f"still pending after {LIVELOCK * self.timeout:.0f} s while tasks kept"
+                    f" finishing ({count}): a livelock, or a DAG too slow to fuzz"
+                )
+        return future.result()
 
 
 def make_route(name: str, backend: str, timeout: float, seed: int) -> Any:
@@ -1012,14 +1069,16 @@ class Tally:
     wrong: int = 0
     hangs: int = 0
     errors: int = 0
+    slow: int = 0  # not hung, yet over --timeout: not a problem, but never silent
     seconds: float = 0.0
 
-    def add(self, dag: Dag, outcome: str, seconds: float) -> None:
+    def add(self, dag: Dag, outcome: str, seconds: float, slow: bool) -> None:
         self.dags += 1
         self.failing += dag.failing is not None
         self.wrong += outcome == "wrong"
         self.hangs += outcome == "hang"
         self.errors += outcome == "error"
+        self.slow += slow
         self.seconds += seconds
 
     def bad(self) -> int:
@@ -1048,10 +1107,14 @@ def run_route(
         dag = make_dag(args.seed, route.name, index, args.backend, failures)
         t0 = time.perf_counter()
         outcome, detail = route.run(dag)
-        tally.add(dag, outcome, time.perf_counter() - t0)
-        if args.verbose or (outcome != "ok" and until is None):
+        elapsed = time.perf_counter() - t0
+        slow = outcome != "hang" and elapsed > args.timeout
+        tally.add(dag, outcome, elapsed, slow)
+        if slow:
+            detail = f"{detail} (slow: {elapsed:.1f} s, over --timeout {args.timeout} s)".lstrip()
+        if args.verbose or ((outcome != "ok" or slow) and until is None):
             print(f"{outcome.upper()} {detail}\n  {dag.describe()}", flush=True)
-            if outcome != "ok":
+            if outcome != "ok" or slow:
                 print(
                     f"  again: python -m benchmarks.fuzz --seed {args.seed} --routes {route.name}"
                     f" --start {index} --dags 1 --backend {args.backend}",
@@ -1066,19 +1129,21 @@ def run_route(
 def print_tallies(tallies: dict[str, Tally], seconds: float) -> Tally:
     """The per-route table and the summary line; returns the sum over the routes."""
     print(
-        f"{'route':<18} {'DAGs':>7} {'failing':>7} {'wrong':>5} {'hangs':>5} {'errors':>6} {'s':>7}"
+        f"{'route':<18} {'DAGs':>7} {'failing':>7} {'wrong':>5} {'hangs':>5} {'errors':>6}"
+        f" {'slow':>5} {'s':>7}"
     )
     total = Tally()
     for name, t in tallies.items():
         print(
             f"{name:<18} {t.dags:>7} {t.failing:>7} {t.wrong:>5} {t.hangs:>5} {t.errors:>6}"
-            f" {t.seconds:>7.1f}"
+            f" {t.slow:>5} {t.seconds:>7.1f}"
         )
-        for f in ("dags", "failing", "wrong", "hangs", "errors"):
+        for f in ("dags", "failing", "wrong", "hangs", "errors", "slow"):
             setattr(total, f, getattr(total, f) + getattr(t, f))
     print(
         f"fuzz: {total.dags} DAGs ({total.failing} with a failing kernel), {total.wrong} wrong,"
-        f" {total.hangs} hangs, {total.errors} unexpected errors, {seconds:.1f} s",
+        f" {total.hangs} hangs, {total.errors} unexpected errors, {total.slow} slow (over"
+        f" --timeout, not hung), {seconds:.1f} s",
         flush=True,
     )
     return total

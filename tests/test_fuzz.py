@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -13,12 +14,12 @@ from benchmarks import fuzz
 
 SUMMARY = re.compile(
     r"^fuzz: (\d+) DAGs \((\d+) with a failing kernel\), (\d+) wrong, (\d+) hangs,"
-    r" (\d+) unexpected errors, [\d.]+ s$"
+    r" (\d+) unexpected errors, (\d+) slow \(over --timeout, not hung\), [\d.]+ s$"
 )
 
 
 def summary(out: str) -> tuple[int, ...]:
-    """DAGs, failing, wrong, hangs, errors of the summary line, which comes last."""
+    """DAGs, failing, wrong, hangs, errors, slow of the summary line, which comes last."""
     match = SUMMARY.match(out.strip().splitlines()[-1])
     assert match, out
     return tuple(int(g) for g in match.groups())
@@ -31,7 +32,7 @@ def test_fixed_seed_run_is_exact(capsys, routes, dags):
     """Seed 6 has failing kernels, persists and array expressions on every route."""
     assert fuzz.main(["--seed", "6", "--dags", str(dags), "--routes", routes]) == 0
     out = capsys.readouterr().out
-    n, failing, wrong, hangs, errors = summary(out)
+    n, failing, wrong, hangs, errors, _ = summary(out)
     assert (n, wrong, hangs, errors) == (dags, 0, 0, 0), out
     for route in routes.split(","):
         row = re.search(rf"^{route} +(\d+) +(\d+) +0 +0 +0 ", out, re.M)
@@ -93,3 +94,58 @@ def test_default_routes_run_on_the_sim():
     sim_routes = ["threaded", "launcher", "distributed", "distributed-spill"]
     assert fuzz.parse_args([]).routes == sim_routes
     assert fuzz.parse_args(["--backend", "cupy"]).routes == list(fuzz.SIM_ROUTES)
+
+
+@pytest.fixture(scope="module")
+def cluster_route():
+    """The distributed route's cluster (plugin on, sim) with a 1.5 s ``--timeout``."""
+    with fuzz.DistributedRoute("distributed", "sim", timeout=1.5, seed=0) as route:
+        route.start(0)
+        yield route
+
+
+def sleep_chain(n: int, seconds: float) -> fuzz.Dag:
+    """An upload, then ``n`` host sleeps of ``seconds`` in a row (one task each)."""
+    data = np.arange(8.0)
+    nodes = [fuzz.Node("upload", (), (data,))]
+    nodes += [fuzz.Node("host-sleep", (i,), (seconds,)) for i in range(n)]
+    kw = {"streams": 1, "policy": "round-robin", "delay": (0.0, 0.0), "optimize": False}
+    return fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[n], **kw)
+
+
+def test_a_cluster_that_keeps_finishing_tasks_is_slow_not_hung(cluster_route):
+    """12 tasks of 0.3 s take 3.6 s at least, over the 1.5 s timeout, but a task finishes
+    every 0.3 s: exact, not a hang (the fixed wait called DAG 53 of seed 0 on
+    distributed-spill hung; plain distributed takes 73 s over it)."""
+    assert cluster_route.run(sleep_chain(12, 0.3)) == fuzz.OK
+
+
+def test_an_output_still_pending_after_the_livelock_bound_is_a_hang(cluster_route, monkeypatch):
+    monkeypatch.setattr(fuzz, "LIVELOCK", 2)  # 3 s, under the chain's 3.6 s
+    dag = sleep_chain(12, 0.3)
+    outs = fuzz.build(dag, cluster_route.kernels, list)
+    futures = cluster_route.client.compute(outs, optimize_graph=False)  # a task per sleep
+    with pytest.raises(fuzz.Hang, match=r"^still pending after 3 s while tasks kept finishing"):
+        cluster_route.result(futures[0])
+    assert fuzz.compare(futures[0].result(timeout=30), np.arange(8.0)) is None  # only slow
+
+
+RELEASE = threading.Event()
+
+
+def blocked() -> int:
+    """A task that finishes only once the test sets RELEASE (the cluster is in-process)."""
+    assert RELEASE.wait(timeout=60)
+    return 1
+
+
+def test_a_cluster_where_no_task_finishes_is_hung(cluster_route):
+    RELEASE.clear()
+    future = cluster_route.client.submit(blocked, pure=False)
+    try:
+        stalled = r"^no task finished on the cluster for 1.5 s \(\d+ did\)$"
+        with pytest.raises(fuzz.Hang, match=stalled):
+            cluster_route.result(future)
+    finally:
+        RELEASE.set()
+    assert future.result(timeout=30) == 1
