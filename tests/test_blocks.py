@@ -19,9 +19,10 @@ import dask
 import numpy as np
 import pytest
 from dask import delayed
+from dask._task_spec import Task, TaskRef
 from distributed import Client, LocalCluster, wait
 
-from dask_gpustreams import KernelError, StreamsPlugin, sim
+from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, sim
 from dask_gpustreams.integrations.blocks import StreamBlock, partition
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -289,30 +290,50 @@ def test_a_kernel_error_reported_first_elsewhere_still_fails_its_block():
         assert formed(client) == (1, 3)
 
 
-def test_a_block_on_a_stream_left_in_error_by_another_failure_fails():
+def test_a_block_on_a_stream_left_in_error_by_another_failure_runs_again():
     """Another task's failed kernel leaves the only stream in error, so the block's first
-    kernel is skipped; the error is reported while the block is in flight. The block's
-    value would be garbage: it raises that failure, as task per key makes the tasks that
-    ran on that stream do."""
+    kernel is skipped; the error is reported while the block is in flight, and the
+    block's value would be garbage. Its inputs are good: it runs again, exactly."""
     with cluster(1, config={"gpustreams.streams": 1}) as client:
         s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
         failed = client.compute(delayed(bad)(s, dask_key_name="elsewhere"))
         wait(failed, timeout=30)  # in memory: its failure not seen yet
         a = delayed(mix)(1, s, dask_key_name="skipped")
         out = delayed(mix)(2, delayed(clear_errors)(a, dask_key_name="reported"))
-        future = client.compute(out)
-        with pytest.raises(KernelError, match="boom in a block") as info:
-            future.result(timeout=30)
-        assert info.value.key == "elsewhere"
+        got = client.compute(out).result(timeout=30)
+        np.testing.assert_array_equal(sim.asnumpy(got), host_mix(2, host_mix(1, np.arange(N))))
         assert formed(client) == (1, 3)
-        with pytest.raises(KernelError) as info:
+        with pytest.raises(KernelError, match="boom in a block") as info:
             failed.result(timeout=30)
         assert info.value.key == "elsewhere"
-        # The worker stays usable.
-        again = delayed(mix)(3, delayed(mix)(4, s))
-        np.testing.assert_array_equal(
-            sim.asnumpy(again.compute()), host_mix(3, host_mix(4, np.arange(N) + 0.0))
+
+
+def test_a_block_runs_again_only_for_new_errors_of_other_keys():
+    """Its own key's error is raised at once; another key's (a task that synced on a stream
+    left in error by another failure) relaunches it, never twice for one error, at most
+    ``StreamBlock.relaunches`` times."""
+    calls = []
+
+    def outcome(error):
+        def synced(a):
+            calls.append(a)
+            raise error()
+
+        block = StreamBlock(
+            [Task("y", synced, TaskRef("x")), Task("z", mix, 1, TaskRef("y"))], ["x"], ["z"]
         )
+        calls.clear()
+        with dask.config.set(CONFIG):
+            runtime = get_runtime()
+        with pytest.raises(KernelError) as info:
+            block.launch(runtime, {"x": sim.asarray(np.arange(N) + 0.0)})
+        return info.value.key, len(calls)
+
+    assert outcome(lambda: KernelError("y", "boom")) == ("y", 1)
+    same = KernelError("elsewhere", "boom")
+    assert outcome(lambda: same) == ("elsewhere", 2)
+    fresh = outcome(lambda: KernelError("elsewhere", "boom"))
+    assert fresh == ("elsewhere", 1 + StreamBlock.relaunches)
 
 
 def test_blocks_off_runs_a_task_per_key():

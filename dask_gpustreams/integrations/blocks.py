@@ -12,10 +12,11 @@ without distributed) chooses the groups.
 A block returns its outputs (one value, or a tuple in :attr:`StreamBlock.outputs`
 order) once their work has completed, as ``compute`` does: a kernel failure
 inside it raises the :class:`~dask_gpustreams.KernelError` naming the inner key
-whose kernel failed. Intermediates are dropped once their consumers inside the
-block are launched, as the launcher does. Without a stream runtime (a worker
-without the plugin, a process pool) it runs its tasks in priority order on the
-host, as Dask would.
+whose kernel failed, and one of another task, which left a stream in error
+under the block's kernels, launches the block again. Intermediates are dropped
+once their consumers inside the block are launched, as the launcher does.
+Without a stream runtime (a worker without the plugin, a process pool) it runs
+its tasks in priority order on the host, as Dask would.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from dask._task_spec import GraphNode, Task
 from dask.utils import key_split
 
+from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.launcher import blocks_host
 from dask_gpustreams.integrations.tasks import rewrite_transfers, transfer_rewrites
 from dask_gpustreams.runtime import StreamRuntime
@@ -40,6 +42,9 @@ class StreamBlock:
     """
 
     __slots__ = ("nodes", "inputs", "outputs")
+
+    #: The most launches again after other tasks' failures skipped the block's kernels.
+    relaunches = 3
 
     def __init__(
         self, nodes: Sequence[GraphNode], inputs: Sequence[Hashable], outputs: Sequence[Hashable]
@@ -78,14 +83,19 @@ class StreamBlock:
     def launch(self, runtime: StreamRuntime, values: Mapping[Hashable, Any]) -> Any:
         """Launch the block onto ``runtime``'s streams; return once its outputs are complete.
 
-        ``values`` holds the inputs, whose work must be complete (the worker
-        waits for it first). Raises the first task exception, or the
+        ``values`` holds the inputs, whose work must be complete and good (the
+        worker checks them first). Raises the first task exception, or the
         ``KernelError`` of the inner key whose kernel failed. Every event of
         the block is checked, so its outputs are known good when it returns
-        (they need no event nor taint): a failure reported by a sync elsewhere
-        first still fails the block, and so does one of another task that left
-        a stream in error under the block's kernels (that task's error, as
-        task per key gives its dependents).
+        (they need no event nor taint), even where a sync elsewhere reported
+        the failure first.
+
+        A ``KernelError`` of a key outside the block comes from another task
+        whose failure left a stream in error under the block's kernels, which
+        were then skipped: the inputs are good, so the block is launched again
+        (once that error is reported, the device clears it before later work),
+        at most :attr:`relaunches` times, and never for an error seen before.
+        A CUDA error (sticky, of no key) is raised as is.
         """
         table = transfer_rewrites(type(runtime.backend))
         tasks: dict = {}
@@ -101,11 +111,16 @@ class StreamBlock:
             tasks[key] = node
             dependencies[key] = node.dependencies
             priority[key] = i
-        cache = {k: values[k] for k in self.inputs}
-        launcher = GraphLauncher(
-            runtime, tasks, dependencies, priority, self.outputs, cache, host, key_split, check=True
-        )
-        return self._result(launcher.run())
+        seen: list[KernelError] = []
+        while True:
+            cache = {k: values[k] for k in self.inputs}
+            args = (runtime, tasks, dependencies, priority, self.outputs, cache, host, key_split)
+            try:
+                return self._result(GraphLauncher(*args, check=True).run())
+            except KernelError as e:
+                if e.key in tasks or len(seen) >= self.relaunches or any(e is s for s in seen):
+                    raise
+                seen.append(e)
 
 
 def partition(
