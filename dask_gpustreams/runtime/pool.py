@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -103,25 +104,26 @@ class StreamPool:
         #: Held while a task's stream is chosen, so concurrent choices see each other.
         self.assign_lock = threading.Lock()
 
-    @property
+    @functools.cached_property
     def slots(self) -> Sequence[StreamSlot]:
-        slots = self._slots
-        if slots is None:
-            with self._lock:
-                if self._slots is None:
-                    if self._closed:
-                        raise RuntimeError("this stream pool is closed (its runtime was closed)")
-                    high = self.backend.high_priority() if self.n_high_priority else 0
-                    self._slots = [
-                        StreamSlot(
-                            i,
-                            self.backend.create_stream(high if i < self.n_high_priority else 0),
-                            high if i < self.n_high_priority else 0,
-                        )
-                        for i in range(self.n_streams)
-                    ]
-                slots = self._slots
-        return slots
+        """The streams, created on first read; later reads are plain attribute reads.
+
+        Read once per task (by every policy): kept as an attribute, it costs no call.
+        """
+        with self._lock:
+            if self._slots is None:
+                if self._closed:
+                    raise RuntimeError("this stream pool is closed (its runtime was closed)")
+                high = self.backend.high_priority() if self.n_high_priority else 0
+                self._slots = [
+                    StreamSlot(
+                        i,
+                        self.backend.create_stream(high if i < self.n_high_priority else 0),
+                        high if i < self.n_high_priority else 0,
+                    )
+                    for i in range(self.n_streams)
+                ]
+            return self._slots
 
     def started(self) -> bool:
         """Whether the streams exist yet."""
@@ -159,9 +161,10 @@ class StreamPool:
 
     def collect_all(self) -> int:
         """:meth:`collect` every stream; return the work still in flight."""
-        if self._slots is None:
-            return 0
-        return sum(self.collect(slot) for slot in self._slots)
+        left = 0
+        for slot in self._slots or ():  # a loop, not a generator: no call per stream
+            left += self.collect(slot)
+        return left
 
     def record(self, slot: StreamSlot, event: Any, refs: Any, assigned: bool = False) -> int:
         """Record ``event`` on ``slot``, holding ``refs`` until it completes; return its number.
@@ -214,6 +217,7 @@ class StreamPool:
         with self._lock:
             self._closed = True
             slots, self._slots = self._slots, None
+            vars(self).pop("slots", None)  # the cached attribute: later reads raise
         for slot in slots or ():
             with contextlib.suppress(Exception):  # the work's errors belong to its events
                 self.backend.synchronize_stream(slot.stream)

@@ -11,14 +11,6 @@ from dask_gpustreams.runtime.policies.base import (
 from dask_gpustreams.runtime.pool import PoolView, StreamSlot
 
 
-def _claim_producer_stream(task: TaskInfo) -> StreamSlot | None:
-    """The stream of the first producer this task is the first consumer of, if any."""
-    for record in task.producers:
-        if task.registry.claim(record):
-            return record.slot
-    return None
-
-
 @register_policy
 class Affinity(StreamPolicy):
     """A producer's first consumer stays on the producer's stream; others spread.
@@ -30,8 +22,10 @@ class Affinity(StreamPolicy):
     name = "affinity"
 
     def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
-        slot = _claim_producer_stream(task)
-        return slot if slot is not None else least_loaded(pool, pool.slots)
+        for record in task.producers:
+            if task.registry.claim(record):  # its first consumer: stay on its stream
+                return record.slot
+        return least_loaded(pool, pool.slots)
 
 
 @register_policy
