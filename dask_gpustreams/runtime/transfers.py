@@ -12,14 +12,15 @@ is returned; beyond it, into a staging buffer that is copied to pageable memory.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
 
 from dask_gpustreams.backends.base import Backend
 from dask_gpustreams.runtime.pinned import PinnedPool
-from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+from dask_gpustreams.runtime.policies import RoundRobin, TaskInfo
+from dask_gpustreams.runtime.pool import StreamPool
+from dask_gpustreams.runtime.registry import EventRegistry
 
 
 class Transfers:
@@ -30,11 +31,10 @@ class Transfers:
         self.h2d = StreamPool(backend, copy_streams)
         self.d2h = StreamPool(backend, copy_streams)
         self.pinned = PinnedPool(backend, pinned_limit)
-        self._turns = {id(self.h2d): itertools.count(), id(self.d2h): itertools.count()}
-
-    def _next(self, pool: StreamPool) -> StreamSlot:
-        slots = pool.slots
-        return slots[next(self._turns[id(pool)]) % len(slots)]
+        # Copies take each pool's streams in turn: a task with no producers, to the policy.
+        self._copy = TaskInfo("gpustreams-copy", (), EventRegistry())
+        self._h2d_turns = RoundRobin()
+        self._d2h_turns = RoundRobin()
 
     def to_device(self, host: Any, stream: Any, holds: list | None = None) -> Any:
         """Upload ``host`` on a copy stream; ``stream`` waits for the copy, the host does not.
@@ -53,7 +53,7 @@ class Transfers:
         if host.nbytes == 0:
             with backend.use_stream(stream):
                 return backend.empty(host.shape, host.dtype)
-        slot = self._next(self.h2d)
+        slot = self._h2d_turns.select(self._copy, self.h2d)
         buffer = self.pinned.acquire(host.nbytes)
         copied = None
         try:
@@ -85,7 +85,7 @@ class Transfers:
         room (no host memcpy), else a pageable copy of a staging buffer.
         """
         backend = self.backend
-        slot = self._next(self.d2h)
+        slot = self._d2h_turns.select(self._copy, self.d2h)
         ready = backend.create_event()
         backend.record(ready, stream)
         backend.wait_event(slot.stream, ready)
