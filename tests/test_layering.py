@@ -161,3 +161,30 @@ def test_importing_the_package_does_not_import_cupy(run_python):
     modules = json.loads(run_python(code).splitlines()[-1])
     assert "dask_gpustreams.integrations.local" in modules  # the hook is installed
     assert [m for m in modules if _matches(m, ("cupy", "cupyx"))] == []
+
+
+def test_policies_read_the_pool_only_through_its_view():
+    """Policies use :class:`PoolView`'s members of a pool and no slot's bookkeeping.
+
+    The pool alone keeps what is assigned and recorded on each stream (its in-flight
+    work, pending count, waits and locks), so a policy cannot depend on how it does.
+    """
+    from dask_gpustreams.runtime.pool import PoolView, StreamSlot
+    from dask_gpustreams.runtime.registry import TaskRecord
+
+    view = {n for n in vars(PoolView) if not n.startswith("_")} | set(PoolView.__annotations__)
+    bookkeeping = (set(StreamSlot.__slots__) | {"pending"}) - {"index", "stream", "priority"}
+    bookkeeping -= set(TaskRecord.__slots__)  # a record's ``seq`` is the policies' to read
+    bad = []
+    for path in _layer_files(os.path.join("runtime", "policies")):
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            on_pool = isinstance(node.value, ast.Name) and node.value.id == "pool"
+            if (on_pool and node.attr not in view) or node.attr in bookkeeping:
+                bad.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno} .{node.attr}")
+    assert view >= {"slots", "load", "is_tail"}
+    assert "inflight" in bookkeeping and "pending" in bookkeeping
+    assert bad == []
