@@ -24,6 +24,7 @@ from distributed import Client, LocalCluster, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, sim
 from dask_gpustreams.integrations.blocks import StreamBlock, partition
+from dask_gpustreams.runtime.context import active_task
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -77,14 +78,15 @@ def bad(a):
 
 
 def clear_errors(a):
-    """Passes ``a`` through once the worker has cleared its streams' errors.
+    """Passes ``a`` through once every stream of the runtime is synchronized, errors ignored.
 
     The plugin does this after any failure, from another thread, while other
-    work runs: a block may then be in flight. Here it happens at a known point.
+    work may be in flight (a block, say). Here it happens at a known point.
     """
-    from distributed import get_worker
-
-    get_worker().plugins["gpustreams"].provenance._clear_stream_errors()
+    runtime = active_task()[0]
+    for slot in runtime.pool.slots:
+        with contextlib.suppress(KernelError):
+            runtime.backend.synchronize_stream(slot.stream)
     return a
 
 
