@@ -4,11 +4,17 @@ Run from the repository root (see ``benchmarks/README.md``)::
 
     python -m benchmarks.bench_cluster --backend cupy     # LocalCUDACluster, dask-cuda defaults
     python -m benchmarks.bench_cluster --backend sim --quick
+    python -m benchmarks.bench_cluster --backend cupy --workers 1,2  # one GPU, then two
 
-With ``--backend cupy`` the cluster is ``dask_cuda.LocalCUDACluster(n_workers=1)`` with
-dask-cuda's defaults (one thread per worker), or, without dask-cuda, a
-``LocalCluster(n_workers=1, threads_per_worker=1)``; with ``sim`` always the latter.
-Inputs are persisted on the worker once per workload, plugin off. Modes, in one run:
+With ``--backend cupy`` the cluster is ``dask_cuda.LocalCUDACluster(n_workers=N)`` with
+dask-cuda's defaults (one worker per GPU, one thread per worker), or, without dask-cuda, a
+``LocalCluster(n_workers=N, threads_per_worker=1)``; with ``sim`` always the latter (worker
+processes, each with its own simulated device). ``--workers`` lists the worker counts N
+(default 1), each run on a cluster of its own, one after the other; ``--protocol`` (e.g.
+``ucx``, which needs ``distributed-ucxx``) is passed to the cluster. Inputs are persisted on
+the workers once per workload, plugin off; with several workers they are spread over them,
+so the graphs cross workers (``matmul``'s ``x @ y`` and ``stencil``'s ``map_overlap`` read
+chunks of every worker). Modes, in one run:
 
 - ``off``: plain distributed (no plugin);
 - ``on``: ``client.register_plugin(StreamsPlugin(backend=..., blocks="auto"))`` (stream
@@ -25,13 +31,16 @@ allocator (``peak_used``); the worker's pool blocks are freed before each mode's
 run only.
 
 Outputs in ``--out`` (default ``benchmarks/results/cluster-<backend>-<timestamp>/``):
-``results.json``, ``results.csv``, ``table.txt`` and ``rows.jsonl``.
+``results.json``, ``results.csv``, ``table.txt`` and ``rows.jsonl``. Each row has its
+``workers``; ``x off`` compares with plugin-off at the same worker count, ``x 1w`` with the same
+mode on the first worker count listed (``speedup_vs_first``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -108,29 +117,63 @@ def _pool_read() -> dict:
     return cupy._bench_peaks.read()
 
 
-def make_cluster(backend: str) -> tuple[Any, str]:
-    """The cluster and its description."""
+def make_cluster(backend: str, workers: int = 1, protocol: str | None = None) -> tuple[Any, str]:
+    """The cluster of ``workers`` workers (one per GPU with dask-cuda) and its description."""
+    extra = {} if protocol is None else {"protocol": protocol}
+    shown = "" if protocol is None else f", protocol={protocol!r}"
     if backend == "cupy":
         try:
             from dask_cuda import LocalCUDACluster
         except ImportError:
             pass
         else:
-            return LocalCUDACluster(n_workers=1, dashboard_address=None), (
-                "LocalCUDACluster(n_workers=1), dask-cuda defaults"
+            return LocalCUDACluster(n_workers=workers, dashboard_address=None, **extra), (
+                f"LocalCUDACluster(n_workers={workers}{shown}), dask-cuda defaults"
             )
-    cluster = LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None)
-    return cluster, "LocalCluster(n_workers=1, threads_per_worker=1)"
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=None, **extra)
+    return cluster, f"LocalCluster(n_workers={workers}, threads_per_worker=1{shown})"
 
 
 class ClusterRunner(bench_workloads.Runner):
     """``bench_workloads.Runner`` whose modes are the plugin off and on, on ``client``."""
 
-    def __init__(self, args: argparse.Namespace, arrays: Any, sizes: dict, out: str, client: Any):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        arrays: Any,
+        sizes: dict,
+        out: str,
+        client: Any,
+        workers: int = 1,
+    ):
         super().__init__(args, arrays, sizes, out)
         self.client = client
+        self.workers = workers
         self.launcher = None
         self.track_memory = arrays.arrays.name == "cupy"
+
+    def row(self, wl: Workload, mode: str) -> dict:
+        return dict(super().row(wl, mode), workers=self.workers)
+
+    def _done(self, row: dict) -> None:
+        self.rows.append(row)
+        with open(os.path.join(self.out, "rows.jsonl"), "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        med = row.get("wall_median_ms")
+        print(
+            f"[{time.monotonic() - self.t0:6.1f}s] {row['workload']:<13} {row['mode']:<12} "
+            f"workers {row['workers']:<2} "
+            + (f"tasks {row['n_tasks']:<6} " if row["n_tasks"] is not None else "")
+            + (f"median {med:9.2f} ms  " if med else "")
+            + (
+                f"used {bench_workloads._mib(row.get('peak_used'))} MiB  "
+                if row.get("peak_used")
+                else ""
+            )
+            + row["status"]
+            + (f" ({row['error']})" if row["error"] else ""),
+            flush=True,
+        )
 
     def run(self, wl: Workload, peaks: Any, skip: str | None) -> None:
         rows = [self.row(wl, mode) for mode in self.args.modes]
@@ -174,8 +217,9 @@ class ClusterRunner(bench_workloads.Runner):
                 wall = (time.perf_counter() - t0) * 1e3
                 results = client.gather(futures)  # checked, not timed
                 del futures
-                if self.track_memory:
-                    memory.append(next(iter(client.run(_pool_read).values())))
+                if self.track_memory:  # the largest of the workers'
+                    peaks = list(client.run(_pool_read).values())
+                    memory.append({k: max(p[k] for p in peaks) for k in peaks[0]})
                 bad = [
                     (j, p)
                     for j, (got, want) in enumerate(zip(results, ref, strict=True))
@@ -208,23 +252,43 @@ class ClusterRunner(bench_workloads.Runner):
 
 
 def derive(rows: list[dict]) -> dict:
-    """Plugin on / off per workload, and their geometric mean."""
-    off = {
-        r["workload"]: r["wall_median_ms"]
+    """Plugin on / off per workload and worker count, the same mode against the first worker
+    count, and their geometric means (``summary["by_workers"]`` per worker count)."""
+    counts = list(dict.fromkeys(r.get("workers", 1) for r in rows))
+    medians = {
+        (r["workload"], r["mode"], r.get("workers", 1)): r["wall_median_ms"]
         for r in rows
-        if r["mode"] == "off" and r["status"] == "ok"
+        if r["status"] == "ok" and r.get("wall_median_ms")
     }
-    ratios = []
+    ratios: dict[int, list[float]] = {n: [] for n in counts}
+    scaling: dict[int, dict[str, list[float]]] = {n: {} for n in counts}
     for r in rows:
-        med = r.get("wall_median_ms") if r["status"] == "ok" else None
-        base = off.get(r["workload"])
+        n = r.get("workers", 1)
+        med = medians.get((r["workload"], r["mode"], n))
+        base = medians.get((r["workload"], "off", n))
+        first = medians.get((r["workload"], r["mode"], counts[0])) if counts else None
         r["speedup_vs_off"] = base / med if med and base else None
+        r["speedup_vs_first"] = first / med if med and first and n != counts[0] else None
         if r["mode"] == "on" and r["speedup_vs_off"]:
-            ratios.append(r["speedup_vs_off"])
+            ratios[n].append(r["speedup_vs_off"])
+        if r["speedup_vs_first"]:
+            scaling[n].setdefault(r["mode"], []).append(r["speedup_vs_first"])
+    geo = bench_workloads._geomean
+    by_workers = {
+        n: {
+            "geomean_on_vs_off": geo(ratios[n]),
+            "min_on_vs_off": min(ratios[n], default=None),
+            "workloads": len(ratios[n]),
+            "geomean_vs_first": {m: geo(v) for m, v in scaling[n].items()},
+        }
+        for n in counts
+    }
+    first = by_workers.get(counts[0], {}) if counts else {}
     return {
-        "geomean_on_vs_off": bench_workloads._geomean(ratios),
-        "min_on_vs_off": min(ratios, default=None),
-        "workloads": len(ratios),
+        "geomean_on_vs_off": first.get("geomean_on_vs_off"),
+        "min_on_vs_off": first.get("min_on_vs_off"),
+        "workloads": first.get("workloads", 0),
+        "by_workers": by_workers,
     }
 
 
@@ -234,23 +298,33 @@ def table(rows: list[dict], summary: dict, meta: dict) -> str:
         f"== workloads on {meta['cluster']} · backend {meta['backend']} · median of "
         f"{meta['samples']} after {meta['warmup']} warm-up · speedup = off median / median · "
         "memory per worker in MiB: peak held / peak used",
-        f"{'workload':<13} {'mode':<4} {'tasks':>6} {'median ms':>10} {'IQR':>7} {'x off':>6} "
-        f"{'held':>7} {'used':>7}  status",
+        f"{'workload':<13} {'mode':<11} {'w':>2} {'tasks':>6} {'median ms':>10} {'IQR':>7} "
+        f"{'x off':>6} {'x 1w':>6} {'held':>7} {'used':>7}  status",
     ]
+    num = bench_workloads._num
     for r in rows:
         out.append(
-            f"{r['workload']:<13} {r['mode']:<4} {r['n_tasks'] or '-':>6} "
-            f"{bench_workloads._num(r.get('wall_median_ms'), '.2f'):>10} "
-            f"{bench_workloads._num(r.get('wall_iqr_ms'), '.2f'):>7} "
-            f"{bench_workloads._num(r.get('speedup_vs_off'), '.2f'):>6} "
+            f"{r['workload']:<13} {r['mode']:<11} {r.get('workers', 1):>2} "
+            f"{r['n_tasks'] or '-':>6} "
+            f"{num(r.get('wall_median_ms'), '.2f'):>10} "
+            f"{num(r.get('wall_iqr_ms'), '.2f'):>7} "
+            f"{num(r.get('speedup_vs_off'), '.2f'):>6} "
+            f"{num(r.get('speedup_vs_first'), '.2f'):>6} "
             f"{mib(r.get('peak_held')):>7} {mib(r.get('peak_used')):>7}  {r['status']}"
             + (f" ({r['error']})" if r["error"] else "")
         )
-    g, m = summary["geomean_on_vs_off"], summary["min_on_vs_off"]
-    out.append(
-        f"plugin on / off over {summary['workloads']} workloads: geometric mean "
-        f"{bench_workloads._num(g, '.3f')}x, lowest {bench_workloads._num(m, '.3f')}x"
-    )
+    by_workers = summary.get("by_workers") or {1: summary}
+    first = next(iter(by_workers), None)
+    for n, s in by_workers.items():
+        g, m = s["geomean_on_vs_off"], s["min_on_vs_off"]
+        out.append(
+            f"{n} worker(s): plugin on / off over {s['workloads']} workloads: geometric mean "
+            f"{num(g, '.3f')}x, lowest {num(m, '.3f')}x"
+        )
+        for mode, v in (s.get("geomean_vs_first") or {}).items():
+            out.append(
+                f"{n} worker(s) / {first} worker(s), mode {mode}: geometric mean {num(v, '.3f')}x"
+            )
     return "\n".join(out)
 
 
@@ -259,6 +333,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="cupy", choices=("cupy", "sim"))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--workers",
+        default="1",
+        help="worker counts, one cluster each, in order (1,2: one GPU, then two)",
+    )
+    p.add_argument("--protocol", default=None, help="the cluster's protocol (tcp, ucx, ...)")
     p.add_argument("--samples", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds on the sim)")
@@ -267,6 +347,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.workloads = bench_workloads._list(args.workloads)
     args.modes = bench_workloads._list(args.modes)
+    try:
+        args.workers = [int(n) for n in bench_workloads._list(args.workers)]
+    except ValueError:
+        p.error(f"--workers {args.workers!r} is not a list of ints")
+    if not args.workers or min(args.workers) < 1:
+        p.error("--workers needs worker counts >= 1")
     for what, chosen, allowed in (
         ("workloads", args.workloads, WORKLOADS),
         ("modes", args.modes, MODES),
@@ -282,15 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     sizes = sizes_for(args.backend, args.quick, dict(args.set))
     base = bench_workloads.make_arrays(args.backend)
     out = bench_shapes.out_dir(args, f"cluster-{args.backend}")
-    cluster, described = make_cluster(args.backend)
-    print(f"{described}; writing to {out}", flush=True)
+    print(f"workers {args.workers}; writing to {out}", flush=True)
     started = time.monotonic()
     command = sys.argv[1:] if argv is None else argv
     meta = {
         "argv": [sys.executable, "-m", "benchmarks.bench_cluster", *command],
         "args": vars(args),
         "backend": args.backend,
-        "cluster": described,
+        "cluster": None,
+        "clusters": [],
         "samples": args.samples,
         "warmup": args.warmup,
         "sizes": {name: sizes[name] for name in args.workloads},
@@ -299,12 +385,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows: list[dict] = []
     try:
-        with cluster, Client(cluster) as client, dask.config.set({"gpustreams.enabled": False}):
-            arrays = ClusterInputs(base, client)
-            runner = ClusterRunner(args, arrays, sizes, out, client)
-            for name in args.workloads:
-                runner.run(WORKLOADS[name], None, None)
-            rows = runner.rows
+        for n in args.workers:
+            cluster, described = make_cluster(args.backend, n, args.protocol)
+            print(described, flush=True)
+            meta["clusters"].append(described)
+            meta["cluster"] = " then ".join(meta["clusters"])
+            with (
+                cluster,
+                Client(cluster) as client,
+                dask.config.set({"gpustreams.enabled": False}),
+            ):
+                arrays = ClusterInputs(base, client)
+                runner = ClusterRunner(args, arrays, sizes, out, client, workers=n)
+                runner.rows = rows  # one list for every worker count
+                for name in args.workloads:
+                    runner.run(WORKLOADS[name], None, None)
     finally:
         meta["elapsed_s"] = time.monotonic() - started
         summary = derive(rows)

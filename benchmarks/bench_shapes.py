@@ -16,6 +16,11 @@ Modes, all measured in one run, on the same graphs and kernels:
 - ``ideal``: the same DAG launched by hand from one thread onto the same number
   of streams with event waits, no Dask, for several simple stream assignments.
 
+On the distributed scheduler ``--dist-workers 1,2`` runs every distributed
+configuration on a cluster of one worker, then of two (dask-cuda: one GPU, then
+two); rows of N > 1 workers are labelled ``distributed-xN`` and a scaling table
+compares each with one worker. ``--protocol ucx`` passes a protocol to the cluster.
+
 Every sample's outputs are checked against a reference; a wrong result marks
 the row FAILED. Results go to ``--out`` (default
 ``benchmarks/results/<backend>-<timestamp>/``, never overwritten): ``results.json``,
@@ -98,6 +103,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist-streams", type=_list(int), default=[8], help="distributed scheduler")
     p.add_argument("--dist-policies", type=_list(), default=None, help="default: --policies")
     p.add_argument(
+        "--dist-workers",
+        type=_list(int),
+        default=[1],
+        help="distributed: worker counts, a cluster each, in order (dask-cuda: one per GPU); "
+        "rows of N > 1 are labelled distributed-xN",
+    )
+    p.add_argument(
+        "--protocol", default=None, help="distributed: the cluster's protocol (tcp, ucx, ...)"
+    )
+    p.add_argument(
         "--dist-blocks",
         type=_list(),
         default=["auto"],
@@ -177,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad = [v for v in values if v not in allowed]
         if bad:
             p.error(f"--{name} {','.join(bad)} is invalid: allowed values are {','.join(allowed)}")
+    if not args.dist_workers or min(args.dist_workers) < 1:
+        p.error("--dist-workers needs worker counts >= 1")
     return args
 
 
@@ -292,9 +309,18 @@ class Runner:
             self._launchers[n_streams] = IdealLauncher(device, n_streams)
         return self._launchers[n_streams]
 
-    def row(self, scheduler: str, wl: Workload, mode: str, policy: str, streams: int) -> dict:
+    def row(
+        self,
+        scheduler: str,
+        wl: Workload,
+        mode: str,
+        policy: str,
+        streams: int,
+        workers: int | None = None,
+    ) -> dict:
         return {
             "scheduler": scheduler,
+            "workers": workers,
             "family": wl.shape.family,
             "shape": wl.shape.name,
             "mode": mode,
@@ -395,23 +421,40 @@ def gpustreams_config(backend: str, streams: int, policy: str, timeline: bool = 
 OFF = {"gpustreams.enabled": False}
 
 
-class Distributed:
-    """One worker with ``threads`` threads: LocalCUDACluster if possible, else in-process."""
+def dist_label(workers: int) -> str:
+    """The ``scheduler`` of rows measured on ``workers`` workers."""
+    return "distributed" if workers == 1 else f"distributed-x{workers}"
 
-    def __init__(self, args: argparse.Namespace, backend: str):
+
+class Distributed:
+    """``workers`` workers (default one) with ``threads`` threads each: LocalCUDACluster (one
+    per GPU) if possible, else in-process."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, workers: int = 1):
         import distributed
 
         self.args = args
         self.backend = backend
+        self.workers = workers
+        self.label = dist_label(workers)
         self.cluster = None
+        protocol = getattr(args, "protocol", None)
+        extra = {} if protocol is None else {"protocol": protocol}
+        shown = "" if protocol is None else f", protocol={protocol!r}"
         if args.cluster in ("auto", "cuda") and backend == "cupy":
             try:
                 from dask_cuda import LocalCUDACluster
 
                 self.cluster = LocalCUDACluster(
-                    n_workers=1, threads_per_worker=args.threads, dashboard_address=None
+                    n_workers=workers,
+                    threads_per_worker=args.threads,
+                    dashboard_address=None,
+                    **extra,
                 )
-                self.kind = f"LocalCUDACluster(n_workers=1, threads_per_worker={args.threads})"
+                self.kind = (
+                    f"LocalCUDACluster(n_workers={workers}, "
+                    f"threads_per_worker={args.threads}{shown})"
+                )
             except Exception as e:
                 if args.cluster == "cuda":
                     raise
@@ -421,13 +464,15 @@ class Distributed:
                 )
         if self.cluster is None:
             self.cluster = distributed.LocalCluster(
-                n_workers=1,
+                n_workers=workers,
                 threads_per_worker=args.threads,
                 processes=False,
                 dashboard_address=None,
+                **extra,
             )
             self.kind = (
-                f"LocalCluster(n_workers=1, threads_per_worker={args.threads}, processes=False)"
+                f"LocalCluster(n_workers={workers}, threads_per_worker={args.threads}, "
+                f"processes=False{shown})"
             )
         self.client = distributed.Client(self.cluster)
         self._sources: dict[int, dict] = {}
@@ -500,20 +545,28 @@ def run_group(
     backend = runner.backend
     streams = stream_counts(args, scheduler, family)
     policies = group_policies(args, scheduler)
+    row_scheduler = scheduler if dist is None else dist.label  # distributed-xN for N workers
+    workers = None if dist is None else dist.workers
+
+    def new_row(wl: Workload, mode: str, policy: str, n: int) -> dict:
+        return runner.row(row_scheduler, wl, mode, policy, n, workers)
+
     for name in args.shapes:
         wl = loads.get(scheduler, family, name)
-        print(f"-- {scheduler} · {wl.shape.describe()} · kernel {wl.kernel_ms:.3f} ms", flush=True)
+        print(
+            f"-- {row_scheduler} · {wl.shape.describe()} · kernel {wl.kernel_ms:.3f} ms", flush=True
+        )
         if dist is not None:
             dist.use_streams(None)
         if "serial" in modes:
-            row = runner.row(scheduler, wl, "serial", "", 1)
+            row = new_row(wl, "serial", "", 1)
             prep = threaded_prepare(wl, OFF, args.threads) if dist is None else dist.prepare(wl)
             runner.measure(row, wl, prep)
         if "serial-sync" in modes and dist is None:
-            row = runner.row(scheduler, wl, "serial-sync", "", 1)
+            row = new_row(wl, "serial-sync", "", 1)
             runner.measure(row, wl, threaded_prepare(wl, OFF, 1, get=dask.get))
         if "ptds-sync" in modes:  # only in the child process, where PTDS is on
-            row = runner.row(scheduler, wl, "ptds-sync", "", args.threads)
+            row = new_row(wl, "ptds-sync", "", args.threads)
             prep = (
                 threaded_prepare(wl, OFF, args.threads, sync_after=True)
                 if dist is None
@@ -525,7 +578,7 @@ def run_group(
             for n in streams:
                 # With one stream every policy picks it: measure once, report for all.
                 for policy in policies[:1] if n == 1 else policies:
-                    row = runner.row(scheduler, wl, "gpustreams", policy, n)
+                    row = new_row(wl, "gpustreams", policy, n)
                     if problem is not None:
                         runner.skip(row, problem)
                         continue
@@ -534,7 +587,7 @@ def run_group(
                         runner.measure(row, wl, threaded_prepare(wl, config, args.threads))
                         for chunksize in (c for c in args.chunksizes if c != 1):
                             label = f"{policy}/chunksize={chunksize}"
-                            tuned = runner.row(scheduler, wl, "gpustreams", label, n)
+                            tuned = new_row(wl, "gpustreams", label, n)
                             chunked = {**config, "chunksize": chunksize}
                             runner.measure(tuned, wl, threaded_prepare(wl, chunked, args.threads))
                     else:
@@ -544,9 +597,9 @@ def run_group(
                                 if blocks == args.dist_blocks[0]:
                                     row["policy"] = label
                                 else:
-                                    row = runner.row(scheduler, wl, "gpustreams", label, n)
+                                    row = new_row(wl, "gpustreams", label, n)
                             elif blocks != args.dist_blocks[0]:
-                                row = runner.row(scheduler, wl, "gpustreams", policy, n)
+                                row = new_row(wl, "gpustreams", policy, n)
                             try:
                                 dist.use_streams(n, policy, blocks=blocks)
                             except Exception as e:
@@ -562,20 +615,23 @@ def run_group(
         if "launcher" in modes and dist is None:
             for n in streams:
                 for policy in policies[:1] if n == 1 else policies:
-                    row = runner.row(scheduler, wl, "launcher", policy, n)
+                    row = new_row(wl, "launcher", policy, n)
                     config = {**gpustreams_config(backend, n, policy), "gpustreams.enabled": False}
                     prep = threaded_prepare(wl, config, 1, get=dask_gpustreams.get)
                     runner.measure(row, wl, prep)
-        if "ideal" in modes:
-            run_ideal(runner, wl, scheduler, streams)
+        # The hand launch runs on this process's device: measured with the first cluster only.
+        if "ideal" in modes and (dist is None or dist.workers == args.dist_workers[0]):
+            run_ideal(runner, wl, row_scheduler, streams, workers)
 
 
-def run_ideal(runner: Runner, wl: Workload, scheduler: str, streams: list[int]) -> None:
+def run_ideal(
+    runner: Runner, wl: Workload, scheduler: str, streams: list[int], workers: int | None = None
+) -> None:
     for n in streams:
         launcher = runner.launcher(n)
         for assignment in runner.args.ideal[:1] if n == 1 else runner.args.ideal:
             plan = ideal_plan(wl, n, assignment)
-            row = runner.row(scheduler, wl, "ideal", assignment, n)
+            row = runner.row(scheduler, wl, "ideal", assignment, n, workers)
             runner.measure(row, wl, lambda token, p=plan, go=launcher.run: lambda: go(wl, p))
             if n == 1:
                 for other in runner.args.ideal[1:]:
@@ -669,14 +725,15 @@ def ptds_child(spec_path: str) -> int:
     )
     loads = Workloads(args, spec["backend"], spec["calibration"])
     for scheduler, family in groups(args):
-        if runner.deadline is not None and time.monotonic() > runner.deadline:
-            break
-        dist = Distributed(args, spec["backend"]) if scheduler == "distributed" else None
-        try:
-            run_group(runner, loads, scheduler, family, dist, ["ptds-sync"])
-        finally:
-            if dist is not None:
-                dist.close()
+        for workers in args.dist_workers if scheduler == "distributed" else [None]:
+            if runner.deadline is not None and time.monotonic() > runner.deadline:
+                break
+            dist = None if workers is None else Distributed(args, spec["backend"], workers)
+            try:
+                run_group(runner, loads, scheduler, family, dist, ["ptds-sync"])
+            finally:
+                if dist is not None:
+                    dist.close()
     with open(os.path.join(spec["out"], "ptds_rows.json"), "w") as f:
         json.dump(runner.rows, f, default=str)
     return 0
@@ -775,7 +832,8 @@ def estimate(args: argparse.Namespace, backend: str) -> float:
                     for n in ns
                     for _ in (args.ideal[:1] if n == 1 else args.ideal)
                 ]
-            total += runs * sum(configs) / 1e3
+            repeat = len(args.dist_workers) if scheduler == "distributed" else 1
+            total += runs * sum(configs) / 1e3 * repeat
     if "ptds-sync" in args.modes:
         total += 5.0  # subprocess start
     if "gpustreams" in args.modes and "threaded" in args.schedulers and "wide" in args.families:
@@ -800,6 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {scheduler} · {family}: streams {stream_counts(args, scheduler, family)}, "
             f"policies {group_policies(args, scheduler)}, shapes {args.shapes}"
+            + (f", workers {args.dist_workers}" if scheduler == "distributed" else "")
         )
     if args.dry_run:
         return 0
@@ -822,22 +881,26 @@ def main(argv: list[str] | None = None) -> int:
     ptds_done = "ptds-sync" not in args.modes
     try:
         for scheduler, family in groups(args):
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"{scheduler} · {family}: skipped, time budget spent")
-                continue
-            dist = None
-            if scheduler == "distributed":
-                try:
-                    dist = Distributed(args, backend)
-                    meta["cluster"] = dist.kind
-                except Exception as e:
-                    print(f"distributed scheduler skipped: cannot start a cluster ({e!r})")
+            for workers in args.dist_workers if scheduler == "distributed" else [None]:
+                if deadline is not None and time.monotonic() > deadline:
+                    print(f"{scheduler} · {family}: skipped, time budget spent")
                     continue
-            try:
-                run_group(runner, loads, scheduler, family, dist, local_modes)
-            finally:
-                if dist is not None:
-                    dist.close()
+                dist = None
+                if workers is not None:
+                    try:
+                        dist = Distributed(args, backend, workers)
+                    except Exception as e:
+                        print(f"distributed scheduler skipped: cannot start a cluster ({e!r})")
+                        continue
+                    meta.setdefault("clusters", [])
+                    if dist.kind not in meta["clusters"]:
+                        meta["clusters"].append(dist.kind)
+                    meta["cluster"] = " then ".join(meta["clusters"])
+                try:
+                    run_group(runner, loads, scheduler, family, dist, local_modes)
+                finally:
+                    if dist is not None:
+                        dist.close()
             if (scheduler, family) == ("threaded", "wide") and "gpustreams" in args.modes:
                 run_gantt(runner, loads)
             if not ptds_done:
@@ -861,8 +924,13 @@ def write_outputs(rows: list[dict], meta: dict, out: str, headline_streams: int)
     text = report.table(rows, headline_streams=headline_streams)
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(text + "\n")
+    scaling = scaling_table(rows)
+    if scaling:
+        text += "\n" + scaling
+        with open(os.path.join(out, "table.txt"), "a") as f:
+            f.write(scaling + "\n")
     print(text)
-    for scheduler in SCHEDULERS:
+    for scheduler in dict.fromkeys(r["scheduler"] for r in rows):
         try:
             path = os.path.join(out, f"saturation_{scheduler}.png")
             report.plot_saturation(rows, scheduler, path)
@@ -878,6 +946,42 @@ def write_outputs(rows: list[dict], meta: dict, out: str, headline_streams: int)
         + (f"; {elapsed:.0f} s" if elapsed is not None else "")
         + f"; results in {out}"
     )
+
+
+def scaling_table(rows: list[dict]) -> str:
+    """Distributed rows on N > 1 workers against the same configuration on the first count:
+    median wall of the first over theirs (2.0: twice as fast). Empty without such rows."""
+    dist = [r for r in rows if r.get("workers") and r["scheduler"].startswith("distributed")]
+    counts = list(dict.fromkeys(r["workers"] for r in dist))
+    if len(counts) < 2:
+        return ""
+
+    def key(r: dict) -> tuple:
+        return (r["family"], r["shape"], r["mode"], r["policy"], r["streams"])
+
+    first = {
+        key(r): r
+        for r in dist
+        if r["workers"] == counts[0] and r["status"] == "ok" and r.get("wall_median_ms")
+    }
+    out = [
+        f"\n== distributed scaling: median wall on {counts[0]} worker(s) / on N workers "
+        "(same shape, mode, policy, streams) ==",
+        f"{'shape':<10} {'mode:policy':<30} {'n':>3} {'N':>3} {'median ms':>10} "
+        f"{f'at {counts[0]}w':>10} {'scaling':>8}  status",
+    ]
+    for r in dist:
+        if r["workers"] == counts[0]:
+            continue
+        base = first.get(key(r))
+        med = r.get("wall_median_ms") if r["status"] == "ok" else None
+        b = base["wall_median_ms"] if base else None
+        out.append(
+            f"{r['shape']:<10} {report._label(r):<30} {r['streams']:>3} {r['workers']:>3} "
+            f"{report._num(med, '.1f'):>10} {report._num(b, '.1f'):>10} "
+            f"{report._num(b / med if b and med else None, '.2f'):>8}  {report._status(r)}"
+        )
+    return "\n".join(out)
 
 
 def render(out: str, headline_streams: int) -> int:

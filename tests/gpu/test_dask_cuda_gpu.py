@@ -14,8 +14,12 @@ shows by removing that wait. Consumers read their unspilled input at once.
 Fetches between two GPUs' workers (where two are visible) go through the
 producer's ``get_data`` on its event loop, in the same way: with the
 per-thread default stream only the plugin's per-key wait orders them.
+``GPUSTREAMS_TEST_PROTOCOL=ucx`` runs these two over UCX (``distributed-ucxx``):
+there its ``write`` synchronizes the whole device before sending (ucxx#589), so
+the control test without the wait is expected to find every fetch exact.
 """
 
+import os
 import sys
 
 import cloudpickle
@@ -35,6 +39,7 @@ pytestmark = pytest.mark.gpu
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 N = 1 << 20  # float64: 8 MiB per result
+PROTOCOL = os.environ.get("GPUSTREAMS_TEST_PROTOCOL") or None  # fetches across GPUs only
 PRODUCERS = 8
 DEVICE_LIMIT = 20 * 2**20  # two results fit on the device; the others are spilled
 
@@ -129,7 +134,7 @@ def fetched_across_gpus(monkeypatch, egress_wait: bool) -> list:
     with (
         dask.config.set({"gpustreams.backend": "cupy", "gpustreams.streams": 4}),
         dask_cuda.LocalCUDACluster(
-            n_workers=2, preload=["dask_gpustreams"], dashboard_address=":0"
+            n_workers=2, preload=["dask_gpustreams"], dashboard_address=":0", protocol=PROTOCOL
         ) as cluster,
         Client(cluster) as client,
     ):
