@@ -372,3 +372,32 @@ def test_the_preload_options_are_the_config_keys():
     assert [p.opts for p in shown] == [[f"--{k}"] for k in KEYS if k != "enabled"]
     flags = {p.opts[0]: p.secondary_opts for p in shown if p.secondary_opts}
     assert flags == {"--timeline": ["--no-timeline"], "--nvtx": ["--no-nvtx"]}
+
+
+def test_a_setup_that_fails_otherwise_fails_the_tasks_and_leaves_the_worker_as_it_was():
+    """Not only bad settings: any setup error fails the tasks (distributed only logs it)."""
+    from unittest import mock
+
+    from dask_gpustreams.integrations.distributed.egress import Egress
+
+    real_install = Egress.install
+
+    def install(self):
+        real_install(self)  # done, and then a failure
+        raise OSError("no spill buffers")
+
+    with (
+        dask.config.set(SIM),
+        mock.patch.object(Egress, "install", install),
+        local_cluster(processes=False, preload=["dask_gpustreams"]) as cluster,
+        Client(cluster) as client,
+    ):
+        [worker] = cluster.scheduler_info["workers"]
+        message = f"gpustreams cannot start on worker {worker}: OSError('no spill buffers')"
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="^" + re.escape(message) + "$"):
+                client.submit(on_pool_stream, pure=False).result()
+        [row] = status(client).rows
+        assert row["error"] == message
+        [w] = cluster.workers.values()
+        assert w.handlers["get_data"] == w.get_data  # the worker's own handler, restored

@@ -207,7 +207,7 @@ class StreamsPlugin(WorkerPlugin):
     #: Seconds teardown waits for the runtime's close (the work left on the device).
     close_timeout = 30.0
     #: The bad settings every task of this worker fails with (None: they are fine).
-    error: ValueError | None = None
+    error: Exception | None = None  # bad settings (ValueError) or a setup that failed
     _active = False  # True between setup and teardown
 
     def __init__(self, **overrides: Any):
@@ -287,11 +287,22 @@ class StreamsPlugin(WorkerPlugin):
         self.provenance = Provenance(worker, self.config, self._egress_threads, self)
         self.execution = Execution(worker, self.provenance)
         self.egress = Egress(worker, self.provenance, self._egress_threads)
-        self.egress.install()
         self._collector = PeriodicCallback(self._collect, self.collect_interval * 1000)
-        self._collector.start()
+        try:
+            self.egress.install()
+            self._collector.start()
+            prometheus.register(worker, self)  # the dask_worker_gpustreams_* series of /metrics
+        except Exception as e:
+            # distributed only logs a setup error: undo, and fail the tasks instead of
+            # running them off the streams, or half set up.
+            self._collector.stop()
+            prometheus.unregister(worker)
+            self.egress.uninstall()
+            self._egress_threads.shutdown(wait=False)
+            self.error = RuntimeError(f"gpustreams cannot start on worker {worker.address}: {e!r}")
+            self._tasks = worker.state.tasks
+            raise self.error from e
         self._active = True
-        prometheus.register(worker, self)  # the dask_worker_gpustreams_* series of /metrics
         try:
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(ErredInputs()), name=ErredInputs.name, idempotent=True
