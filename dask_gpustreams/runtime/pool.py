@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -104,12 +103,14 @@ class StreamPool:
         #: Held while a task's stream is chosen, so concurrent choices see each other.
         self.assign_lock = threading.Lock()
 
-    @functools.cached_property
-    def slots(self) -> Sequence[StreamSlot]:
-        """The streams, created on first read; later reads are plain attribute reads.
+    #: The streams, created on first read (:meth:`__getattr__`); later reads are plain
+    #: attribute reads. Read once per task (by every policy), so it costs no call.
+    slots: Sequence[StreamSlot]
 
-        Read once per task (by every policy): kept as an attribute, it costs no call.
-        """
+    def __getattr__(self, name: str) -> Any:
+        """Create :attr:`slots` at its first read (only then is it missing)."""
+        if name != "slots":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         with self._lock:
             if self._slots is None:
                 if self._closed:
@@ -123,6 +124,7 @@ class StreamPool:
                     )
                     for i in range(self.n_streams)
                 ]
+                self.slots = self._slots  # under the lock: a close() cannot come between
             return self._slots
 
     def started(self) -> bool:
@@ -217,7 +219,7 @@ class StreamPool:
         with self._lock:
             self._closed = True
             slots, self._slots = self._slots, None
-            vars(self).pop("slots", None)  # the cached attribute: later reads raise
+            vars(self).pop("slots", None)  # later reads go to __getattr__, and raise
         for slot in slots or ():
             with contextlib.suppress(Exception):  # the work's errors belong to its events
                 self.backend.synchronize_stream(slot.stream)
