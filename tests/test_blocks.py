@@ -8,6 +8,7 @@ visibly wrong value. Every result is compared exactly with NumPy's.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -336,6 +337,52 @@ def test_a_block_runs_again_only_for_new_errors_of_other_keys():
     assert outcome(lambda: same) == ("elsewhere", 2)
     fresh = outcome(lambda: KernelError("elsewhere", "boom"))
     assert fresh == ("elsewhere", 1 + StreamBlock.relaunches)
+
+
+class Collisions(logging.Handler):
+    """Records distributed's warnings of keys submitted again with other dependencies."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("Detected different `run_spec`"):
+            self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("wanted", [["c2"], ["c2", "c1"]])
+def test_a_graph_submitted_again_while_its_block_lives_is_quiet_and_leaves_no_tasks(wanted):
+    """Its outputs are the block's tasks (one output), or getters (two): the keys collide.
+    The scheduler keeps them; the block's inner keys come back as tasks nothing needs,
+    which are forgotten; distributed's warning of the collision is not logged."""
+    collisions = Collisions()
+    scheduler_log = logging.getLogger("distributed.scheduler")
+    scheduler_log.addHandler(collisions)
+    try:
+        with cluster(1) as client:
+            s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+            chain, refs = [s], [np.arange(N) + 0.0]
+            for i in range(3):
+                chain.append(delayed(mix)(i, chain[-1], dask_key_name=f"c{i}"))
+                refs.append(host_mix(i, refs[-1]))
+            outs = [chain[int(k[1]) + 1] for k in wanted]
+            first = client.compute(outs, sync=False)
+            for value, k in zip(client.gather(first), wanted, strict=True):
+                np.testing.assert_array_equal(sim.asnumpy(value), refs[int(k[1]) + 1])
+            again = client.compute(outs, sync=False)  # while the first results are held
+            for value, k in zip(client.gather(again), wanted, strict=True):
+                np.testing.assert_array_equal(sim.asnumpy(value), refs[int(k[1]) + 1])
+            left = client.run_on_scheduler(
+                lambda dask_scheduler: sorted(
+                    str(k) for k in dask_scheduler.tasks if "gpustreams-block" not in str(k)
+                )
+            )
+            assert left == sorted(["src", *wanted])
+            assert formed(client) == (1, 3)
+    finally:
+        scheduler_log.removeHandler(collisions)
+    assert collisions.messages == []
 
 
 def test_blocks_off_runs_a_task_per_key():

@@ -71,6 +71,7 @@ class StreamBlocks(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.handlers["gpustreams_blocks"] = self.set_mode
+        logging.getLogger("distributed.scheduler").addFilter(_quiet_block_collisions)
 
     def set_mode(self, worker: str, mode: str | None) -> None:
         """Handler: ``worker``'s plugin has ``gpustreams.blocks`` = ``mode`` (None: removed)."""
@@ -121,6 +122,14 @@ class StreamBlocks(SchedulerPlugin):
     def _regroup(self, client: str, keys: list, stimulus_id: str) -> None:
         tasks = self.scheduler.tasks
         touched = [ts for k in keys if (ts := tasks.get(k)) is not None]
+        # A key submitted again while its block lives collides: the scheduler keeps the
+        # block's task and links nothing to the key's new dependencies, the block's inner
+        # keys, which come back as tasks that nothing needs. Forget them (and what only
+        # they need), as plain Dask, whose tasks collide with their own kind, never has them.
+        orphans = {ts.key: "forgotten" for ts in touched if _unneeded(ts)}
+        if orphans:
+            self.scheduler.transitions(orphans, stimulus_id)
+            touched = [ts for ts in touched if tasks.get(ts.key) is ts]
         new = {ts.key for ts in touched if ts.state == "released"}
         candidates = [ts.key for ts in touched if self._candidate(ts, client)]
         if len(candidates) < 2:
@@ -198,6 +207,37 @@ class StreamBlocks(SchedulerPlugin):
 
 def _module(func: Any) -> str:
     return getattr(func, "__module__", None) or ""
+
+
+def _unneeded(ts: Any) -> bool:
+    """Whether ``ts``, just submitted, is a task that no client and no other task needs."""
+    return (
+        ts.state == "released"
+        and ts.run_spec is not None
+        and not ts.who_wants
+        and not ts.dependents
+        and not ts.waiters
+    )
+
+
+class QuietBlockCollisions(logging.Filter):
+    """Drops the scheduler's warning of a key submitted again while its block lives.
+
+    Its task then has the block's run_spec and dependencies, not those of the
+    graph submitted again, so distributed warns that they differ (dask/dask#9888)
+    and keeps the block's task, which computes the same value. Warnings about
+    other keys pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        if not (isinstance(msg, str) and msg.startswith("Detected different `run_spec`")):
+            return True
+        old = msg.partition("old run_spec: ")[2].partition("\n")[0]
+        return not ("StreamBlock(" in old or f"'{BLOCK_PREFIX}-" in old)
+
+
+_quiet_block_collisions = QuietBlockCollisions()
 
 
 def _levels(touched: list, new: set) -> dict[Hashable, int]:
