@@ -41,11 +41,12 @@ finishing tasks) counts as slow, printed with its command, not as a problem.
 ``--self-check`` breaks one mechanism at a time and must then find a wrong value
 on each route where it matters: ``wait`` (device-side event waits), ``hold``
 (inputs held until their consumer's event), ``egress`` (``get_data`` waits for
-the key's work), ``spill`` (spilling does), ``failure`` (after a kernel failure
-the worker clears its streams' errors; broken, later DAGs get wrong errors,
-which count as wrong there). ``--backend cupy`` runs the same kinds of DAGs with
-CuPy chunks and kernels (CuPy operators), without failing kernels; its sleeping
-kernels spin on the device for their delay (0-2 ms). It adds what shares library
+the key's work), ``spill`` (spilling does), ``failure`` (the worker reports a
+kernel failure it finds at once, and clears its streams' errors after; broken,
+later DAGs get wrong errors, which count as wrong there). ``--backend cupy`` runs
+the same kinds of DAGs with CuPy chunks and kernels (CuPy operators), without
+failing kernels; its sleeping kernels spin on the device for their delay
+(0-2 ms). It adds what shares library
 state across streams: same-shape FFTs (each array embedded in a tile of
 ``FFT_TILE``, a round trip through ``fft2``/``ifft2``, rounded back to integers),
 ``da.random`` leaves from a CuPy ``RandomState`` (their reference is plain Dask's
@@ -1207,8 +1208,16 @@ def _no_spill_wait(self, key, value):
     return None
 
 
-def _no_error_clearing(self):
+def _no_error_clearing(self, *args):
     return None
+
+
+def _no_error_reports() -> contextlib.ExitStack:
+    """The worker neither reports the errors it finds nor clears its streams' errors after."""
+    stack = contextlib.ExitStack()
+    for name in ("_report", "clear_stream_errors_soon"):
+        stack.enter_context(mock.patch.object(Provenance, name, _no_error_clearing))
+    return stack
 
 
 @dataclass(frozen=True)
@@ -1243,19 +1252,18 @@ MECHANISMS = {
     "spill": Mechanism(
         lambda: mock.patch.object(Egress, "before_spill", _no_spill_wait), ("distributed-spill",)
     ),
-    # after a kernel failure, the worker's streams are synchronized so later work runs again
-    "failure": Mechanism(
-        lambda: mock.patch.object(Provenance, "clear_stream_errors_soon", _no_error_clearing),
-        ("distributed",),
-        failures=True,
-    ),
+    # a kernel failure the worker finds is reported at once, and its streams are synchronized
+    # after, so later work runs again
+    "failure": Mechanism(_no_error_reports, ("distributed",), failures=True),
 }
 
 
 def self_check(args: argparse.Namespace) -> int:
     """Each mechanism broken in turn: each of its routes must find a problem in ``--dags``."""
     missed = 0
-    with quiet(args.verbose):
+    # The mechanisms are those of task per key: a stream block waits for its own outputs
+    # and checks its own events (it survives a broken ``failure``), so none is formed.
+    with quiet(args.verbose), dask.config.set({"gpustreams.blocks": "off"}):
         for name in args.self_check:
             mechanism = MECHANISMS[name]
             found = dags = hits = 0

@@ -16,6 +16,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import MutableMapping
@@ -30,8 +31,9 @@ from dask import delayed
 from dask.sizeof import sizeof
 from distributed import Client, LocalCluster, wait
 
-from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, sim
+from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, sim, to_host
 from dask_gpustreams.backends import gpu_visible
+from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.distributed.execution import Execution
 
 # Worker processes unpickle these task functions without importing this module.
@@ -103,6 +105,15 @@ def total(*arrays):
 def on_pool_stream(*args):
     device = sim.get_device()
     return device.current_stream() is not device.default_stream
+
+
+def download(a):
+    return to_host(a)
+
+
+def bad_download(a):
+    """Its download raises the failure of the kernel before it, on the task's stream."""
+    return to_host(bad(a))
 
 
 def snapshot(a):
@@ -351,6 +362,38 @@ def test_failure_reported_inside_a_task_still_fails_the_other_consumers(client):
             assert info.value.key == k.key
         futures += [k, t, d]
     client.cancel(futures)
+
+
+@pytest.mark.parametrize("found_by", ["the worker", "a download"])
+def test_the_next_graph_does_not_raise_the_error_of_a_failed_kernel(monkeypatch, found_by):
+    """Once a failure has reached the client, the next graph's tasks on the streams it
+    reached run: whoever found the error (the worker's checks, a download's) reported it,
+    and did not leave that to the egress threads' clear, which may run later (held back
+    here). One compute stream, one copy stream: the next graph lands on both."""
+    held = threading.Event()
+    synchronize_stream = SimBackend.synchronize_stream
+
+    def later_on_egress_threads(self, stream):
+        if threading.current_thread().name.startswith("gpustreams-egress"):
+            held.wait(30)
+        synchronize_stream(self, stream)
+
+    monkeypatch.setattr(SimBackend, "synchronize_stream", later_on_egress_threads)
+    with cluster(n_workers=1, config={"gpustreams.streams": 1}) as client:
+        try:
+            x = client.submit(produce, 100, 1.0, 0.0, pure=False)
+            failing = bad if found_by == "the worker" else bad_download
+            k = client.submit(failing, x, pure=False)
+            with pytest.raises(KernelError) as info:
+                k.result(timeout=30)
+            assert info.value.key == k.key
+            for i in range(3):  # the next graphs
+                y = client.submit(inc, x, float(i), pure=False)
+                np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 2.0))
+                h = client.submit(download, y, pure=False)
+                np.testing.assert_array_equal(h.result(timeout=30), np.full(100, 2.0))
+        finally:
+            held.set()
 
 
 def test_many_graphs_leave_registry_and_memory_flat(client):

@@ -12,6 +12,7 @@ is returned; beyond it, into a staging buffer that is copied to pageable memory.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -133,8 +134,13 @@ def _raise_if_failed(backend: Backend, copied: Any) -> None:
     ``event_error``, not a sync: a sync raises an error only once, and a copy stream
     is shared by every download. After a failure reached it (its ``ready`` wait),
     copies on it are skipped until a sync reports that error; one reported
-    elsewhere first would let a skipped copy return stale memory as data.
+    elsewhere first would let a skipped copy return stale memory as data. The
+    error found is then reported (a sync of the completed event), so that the
+    downloads launched after this raise, a later graph's too, are not skipped
+    and do not raise it as theirs.
     """
     error = backend.event_error(copied)
     if error is not None:
+        with contextlib.suppress(Exception):  # this error, or a sticky CUDA one
+            backend.synchronize_event(copied)
         raise error

@@ -19,7 +19,7 @@ from distributed.metrics import context_meter
 
 from dask_gpustreams.diagnostics.fine_metrics import server_digest, wait_meter
 from dask_gpustreams.errors import KernelError
-from dask_gpustreams.integrations.distributed.provenance import Provenance, as_kernel_error
+from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.runtime import TaskRecord
 
 
@@ -133,13 +133,10 @@ class Egress:
             self.waits += 1
             self.wait_seconds += time.perf_counter() - started
         for record in records:
-            try:
-                error = backend.event_error(record.event)  # complete: returns at once
-            except Exception as e:
-                error = e
+            error = provenance.wait(record)  # complete: returns at once
             if error is not None:
                 # Spilled anyway (the value is garbage either way); the key is dropped next.
-                failed = {key: as_kernel_error(record.key, error)}
+                failed = {key: error}
                 self.worker.loop.add_callback(provenance.drop_corrupt, failed)
                 provenance.clear_stream_errors_soon()
                 return

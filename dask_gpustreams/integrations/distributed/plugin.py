@@ -60,7 +60,12 @@ Failures
     ``Backend.event_error``, which returns an event's error every time
     without reporting it: a sync elsewhere (inside a task, say) may report a
     failure first, after which the device no longer passes it on to work
-    that waits for it, and that work's own event says nothing.
+    that waits for it, and that work's own event says nothing. An error the
+    plugin finds, it reports at once (a sync of the completed event), before
+    the failure reaches a task, a dropped key or the client: a stream in
+    error skips what is launched on it until a sync reports the error, and
+    the user's next graph would otherwise run on such a stream and fail with
+    this key's error.
 
     - A task whose inputs derive from work that has completed with an error
       fails with that :class:`~dask_gpustreams.KernelError` before it runs
@@ -82,11 +87,11 @@ Failures
     A ``get_data`` request is thus never failed (a failed request makes a
     peer's fetch and a client's gather retry forever), and no corrupt data is
     sent. After a failure, and after any task error, the egress threads
-    synchronize every stream of the runtime once, ignoring errors: a stream
-    in error skips what is launched on it until a sync reports the error, so
-    this keeps one failure from spilling over into unrelated tasks (on a GPU,
-    a sticky CUDA error makes the worker unusable anyway; restart it). A
-    worker that dies is handled by Dask as usual.
+    also synchronize every stream of the runtime once, ignoring errors: this
+    reports the failures that nobody has found yet, so they do not spill
+    over into unrelated tasks either (on a GPU, a sticky CUDA error makes
+    the worker unusable anyway; restart it). A worker that dies is handled
+    by Dask as usual.
 
 Lifetime
     The runtime holds each task's inputs, fetched ones included, until the

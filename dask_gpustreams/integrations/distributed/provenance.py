@@ -42,9 +42,9 @@ class Provenance:
     """The device work behind one worker's keys: its runtime, events, taints and failures.
 
     ``threads`` (the plugin's egress threads) clear stream errors after a
-    failure. ``limits`` (the plugin) gives ``max_failures``, the most failure
-    records kept, and ``failure_ttl``, the seconds each is kept; both are read
-    when used.
+    failure (those found are reported at once, see :meth:`state`). ``limits``
+    (the plugin) gives ``max_failures``, the most failure records kept, and
+    ``failure_ttl``, the seconds each is kept; both are read when used.
     """
 
     def __init__(
@@ -86,12 +86,44 @@ class Provenance:
         return list(sources)
 
     def state(self, record: TaskRecord) -> tuple[bool, KernelError | None]:
-        """Whether ``record``'s event has completed, and its error if so (never blocks)."""
+        """Whether ``record``'s event has completed, and its error if so (never blocks).
+
+        An error found is reported to the device at once (:meth:`_report`).
+        """
         try:
             done, error = self.runtime.backend.event_state(record.event)
         except Exception as e:  # a CUDA error from the query itself
             done, error = True, e
-        return done, None if error is None else as_kernel_error(record.key, error)
+        if error is None:
+            return done, None
+        self._report(record)
+        return done, as_kernel_error(record.key, error)
+
+    def wait(self, record: TaskRecord) -> KernelError | None:
+        """Block until ``record``'s event completes; its error (reported, see :meth:`_report`)."""
+        try:
+            error = self.runtime.backend.event_error(record.event)
+        except Exception as e:
+            error = e
+        if error is None:
+            return None
+        self._report(record)
+        return as_kernel_error(record.key, error)
+
+    def _report(self, record: TaskRecord) -> None:
+        """Report the error of ``record``'s completed event to the device, now.
+
+        A sync of the event, which returns at once. On the simulated device, the
+        streams the failure reached skip what is launched on them until a sync
+        reports it: reported here, before the failure goes anywhere (a task's
+        error, a dropped key, the client), no task launched after that is
+        skipped for it, such as those of the user's next graph, which would
+        otherwise fail with this key's error. The event keeps its error, so
+        corrupt results are still found. A CUDA error is sticky: nothing to
+        report, the sync raises it again.
+        """
+        with contextlib.suppress(Exception):
+            self.runtime.backend.synchronize_event(record.event)
 
     def input_states(
         self, dep_keys: Iterable[Hashable]
@@ -128,9 +160,9 @@ class Provenance:
     def wait_inputs(self, dep_keys: tuple[Hashable, ...]) -> None:
         """Worker thread: block until the work the inputs derive from is done; raise its error."""
         for record in self.sources(dep_keys):
-            error = self.runtime.backend.event_error(record.event)
+            error = self.wait(record)
             if error is not None:
-                raise as_kernel_error(record.key, error)
+                raise error
 
     def forget(self, key: Hashable) -> None:
         """Drop the entries of ``key``, which is no longer this worker's to serve."""
@@ -204,10 +236,11 @@ class Provenance:
 
         A failure reaches every stream that waited for the failed work, and a
         stream in error skips what is launched on it later, until a host sync
-        reports the error. Once one sync has reported it, this reports it on
-        every stream, so that tasks unrelated to the failure run again. (Their
-        events keep any error they recorded: corrupt results are still found.)
-        Runs only after failures, and waits for all queued work.
+        reports the error. The errors found are reported where they are found
+        (:meth:`_report`); this reports those nobody has found yet, so that
+        tasks unrelated to them run again. (Their events keep any error they
+        recorded: corrupt results are still found.) Runs only after failures,
+        and waits for all queued work.
         """
         self._clearing = False
         runtime = self.runtime
