@@ -1261,9 +1261,7 @@ MECHANISMS = {
 def self_check(args: argparse.Namespace) -> int:
     """Each mechanism broken in turn: each of its routes must find a problem in ``--dags``."""
     missed = 0
-    # The mechanisms are those of task per key: a stream block waits for its own outputs
-    # and checks its own events (it survives a broken ``failure``), so none is formed.
-    with quiet(args.verbose), dask.config.set({"gpustreams.blocks": "off"}):
+    with quiet(args.verbose):
         for name in args.self_check:
             mechanism = MECHANISMS[name]
             found = dags = hits = 0
