@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 
+import dask
 import numpy as np
 import pytest
 
@@ -98,8 +99,12 @@ def test_default_routes_run_on_the_sim():
 
 @pytest.fixture(scope="module")
 def cluster_route():
-    """The distributed route's cluster (plugin on, sim) with a 1.5 s ``--timeout``."""
-    with fuzz.DistributedRoute("distributed", "sim", timeout=1.5, seed=0) as route:
+    """The distributed route's cluster (plugin on, sim) with a 1.5 s ``--timeout``, a task
+    per key (a stream block would make a chain of sleeps one task)."""
+    with (
+        dask.config.set({"gpustreams.blocks": "off"}),
+        fuzz.DistributedRoute("distributed", "sim", timeout=1.5, seed=0) as route,
+    ):
         route.start(0)
         yield route
 

@@ -20,7 +20,8 @@ from distributed import Client, LocalCluster
 from dask_gpustreams import StreamsPlugin, sim
 from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin as PluginClass
 
-CONFIG = {"gpustreams.backend": "sim", "gpustreams.streams": 4}
+# A task per key: stream blocks would make each chain one task.
+CONFIG = {"gpustreams.backend": "sim", "gpustreams.streams": 4, "gpustreams.blocks": "off"}
 #: Python calls of the hook per task, all its transitions together: 22 when this was set,
 #: 8 of them ``Task.is_coro``, which ``Worker.execute`` would make otherwise (it is cached on
 #: the task), and 1 per transition for the hook itself; the checks of the inputs' events run
