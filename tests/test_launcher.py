@@ -432,7 +432,9 @@ def test_library_state_is_isolated_on_threads_of_a_later_multi_stream_runtime(
     """A thread that ran one-stream graphs is still isolated for a later multi-stream one
     (the isolation is per thread and device: a fresh thread here)."""
     calls = []
-    monkeypatch.setattr(SimBackend, "isolate_thread", lambda self: calls.append(self))
+    monkeypatch.setattr(
+        SimBackend, "isolate_thread", lambda self: calls.append(self) or (lambda: None)
+    )
 
     def computes():
         for streams in (1, 4):
@@ -502,3 +504,25 @@ def test_a_host_task_that_cannot_start_raises_instead_of_hanging(launcher):
         executor.shutdown()  # as after concurrent.futures' exit handler
         with pytest.raises(RuntimeError, match="after shutdown"):
             delayed(dask_gpustreams.host_task(lambda: 1))().compute(scheduler="gpustreams")
+
+
+def test_the_callers_thread_is_isolated_only_while_the_launcher_runs():
+    """Library state the launcher changes in the caller's thread (CuPy's FFT plan cache)
+    is put back after the compute, also after a failing one."""
+    from unittest import mock
+
+    calls = []
+
+    def isolate_thread(self):
+        calls.append(("isolate", threading.get_ident()))
+        return lambda: calls.append(("restore", threading.get_ident()))
+
+    me = threading.get_ident()
+    with (
+        mock.patch.object(SimBackend, "isolate_thread", isolate_thread),
+        dask.config.set({"gpustreams.backend": "sim", "gpustreams.streams": 4}),
+    ):
+        assert dask.compute(delayed(sim.asarray)(np.ones(3)), scheduler="gpustreams")
+        with pytest.raises(ZeroDivisionError):
+            dask.compute(delayed(lambda: 1 / 0)(), scheduler="gpustreams")
+    assert calls == [("isolate", me), ("restore", me)] * 2

@@ -7,6 +7,7 @@ a thin pass-through. Everything here is safe to call from any thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -69,10 +70,11 @@ class Backend(Protocol):
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Device time between two completed timing events, in milliseconds."""
 
-    def isolate_thread(self) -> None:
+    def isolate_thread(self) -> Callable[[], None]:
         """Make library state that this thread shares across streams safe to use on several.
 
-        Called once per thread (and device) before the thread's first task.
+        Called once per thread (and device) before the thread's first task. Returns
+        the function that puts the state back, for a thread that is the user's.
         """
 
     def use_stream(self, stream: Any, key: Any = None) -> AbstractContextManager:

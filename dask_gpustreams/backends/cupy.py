@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -95,13 +96,21 @@ class CupyBackend:
     def elapsed_ms(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
         return cupy.cuda.get_elapsed_time(start, end)
 
-    def isolate_thread(self) -> None:
+    def isolate_thread(self) -> Callable[[], None]:
         # A cached cuFFT plan owns one work area and is keyed without the stream, so two
         # same-shape FFTs launched from this thread on two streams would share it while both
         # run (cupy#8079). Without the cache, each call makes its plan, whose work area comes
         # from the pool on the task's stream and goes back to it in stream order.
         with cupy.cuda.Device(self.device_id):
-            cupy.fft.config.get_plan_cache().set_size(0)
+            cache = cupy.fft.config.get_plan_cache()
+            size = cache.get_size()
+            cache.set_size(0)
+
+        def restore() -> None:
+            with cupy.cuda.Device(self.device_id):
+                cache.set_size(size)
+
+        return restore
 
     def use_stream(self, stream: cupy.cuda.Stream, key: Any = None) -> AbstractContextManager:
         """``stream`` current for CuPy and, once PyTorch has started CUDA, for PyTorch.

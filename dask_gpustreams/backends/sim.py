@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,8 +58,9 @@ class SimBackend:
     def elapsed_ms(self, start: sim.Event, end: sim.Event) -> float:
         return (end.time - start.time) * 1e3
 
-    def isolate_thread(self) -> None:
+    def isolate_thread(self) -> Callable[[], None]:
         """Nothing to isolate: the simulated device has no library state."""
+        return _nothing
 
     @contextmanager
     def use_stream(self, stream: sim.Stream, key: Any = None) -> Iterator[None]:
@@ -87,3 +88,7 @@ class SimBackend:
 
     def copy_to_host(self, dst: np.ndarray, src: sim.SimArray, stream: sim.Stream) -> None:
         stream.launch(np.copyto, (dst, src._view), {}, self.device.current_key())
+
+
+def _nothing() -> None:
+    """What :meth:`SimBackend.isolate_thread` has to put back: nothing."""

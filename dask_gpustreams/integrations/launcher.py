@@ -163,7 +163,8 @@ def _launch(
     )
     errored = True
     try:
-        results = launcher.run()
+        with runtime.isolated():  # the caller's thread: as it was after the compute
+            results = launcher.run()
         errored = False
     finally:
         if hooks is not None:

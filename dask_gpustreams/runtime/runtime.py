@@ -13,7 +13,7 @@ import logging
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 from dask.utils import format_bytes
@@ -148,11 +148,34 @@ class StreamRuntime:
         return result
 
     def isolate_thread(self) -> None:
-        """Before this thread's first task: library state safe for several streams (once)."""
+        """Before this thread's first task: library state safe for several streams (once).
+
+        For the threads that run tasks (worker and pool threads); a user's thread
+        that launches a graph is isolated only while it does (:meth:`isolated`).
+        """
         state = task_state.__dict__
         if self._isolation not in state and self.pool.n_streams > 1:
-            self.backend.isolate_thread()
-            state[self._isolation] = True
+            state[self._isolation] = self.backend.isolate_thread()
+
+    @contextlib.contextmanager
+    def isolated(self) -> Iterator[None]:
+        """This thread isolated (:meth:`isolate_thread`) inside, and as it was after.
+
+        The launcher runs in the caller's thread: its library state (CuPy's FFT plan
+        cache, disabled while isolated) must not stay changed for the caller's own
+        CuPy calls after the compute.
+        """
+        state = task_state.__dict__
+        if self._isolation in state or self.pool.n_streams <= 1:
+            yield
+            return
+        restore = self.backend.isolate_thread()
+        state[self._isolation] = restore
+        try:
+            yield
+        finally:
+            del state[self._isolation]
+            restore()
 
     def host_executor(self) -> HostThreads:
         """The threads that run host tasks for the launcher (each ends when idle)."""

@@ -82,12 +82,20 @@ def test_same_shape_ffts_on_many_streams_are_exact():
     rng = np.random.default_rng(3)
     tiles = [cupy.asarray(rng.standard_normal((1000, 1000))) for _ in range(32)]
     alone = [cupy.asnumpy(fft_roundtrip(t)) for t in tiles]
+    before = cupy.fft.config.get_plan_cache().get_size()
     with dask.config.set(CONFIG):
         for _ in range(3):
-            got = dask.compute(*[delayed(fft_roundtrip)(t) for t in tiles], scheduler="gpustreams")
+            ffts = [delayed(fft_roundtrip)(t) for t in tiles]
+            *got, inside = dask.compute(*ffts, delayed(plan_cache_size)(), scheduler="gpustreams")
             for g, a in zip(got, alone, strict=True):
                 np.testing.assert_array_equal(cupy.asnumpy(g), a)
-    assert cupy.fft.config.get_plan_cache().get_size() == 0
+            assert inside == 0  # no cached plans while the launcher runs in this thread
+    assert before > 0
+    assert cupy.fft.config.get_plan_cache().get_size() == before  # the caller's, as it was
+
+
+def plan_cache_size():
+    return cupy.fft.config.get_plan_cache().get_size()
 
 
 def test_cached_plans_race_across_streams_control():
