@@ -126,6 +126,9 @@ def _page(cluster: Any) -> Iterator[Any]:
         (app,) = [a for a in apps if ROUTE in a.app_paths]
         (session,) = app.get_sessions(ROUTE)
         (page,) = session.document.components
+        deadline = time.monotonic() + 10
+        while "no workers yet" in page.header.text and time.monotonic() < deadline:
+            time.sleep(0.1)  # until the page's first poll has turned timing on at the workers
         yield page
 
 
