@@ -144,7 +144,7 @@ class StreamsConfig:
     nvtx: bool = False
     #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``
     #: not (YAML reads a bare ``off`` as False, which means ``off`` too).
-    blocks: str = "auto"
+    blocks: str = "off"
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names
