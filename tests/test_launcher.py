@@ -509,6 +509,7 @@ def test_a_host_task_that_cannot_start_raises_instead_of_hanging(launcher):
 def test_the_callers_thread_is_isolated_only_while_the_launcher_runs():
     """Library state the launcher changes in the caller's thread (CuPy's FFT plan cache)
     is put back after the compute, also after a failing one."""
+    from concurrent.futures import ThreadPoolExecutor
     from unittest import mock
 
     calls = []
@@ -517,12 +518,17 @@ def test_the_callers_thread_is_isolated_only_while_the_launcher_runs():
         calls.append(("isolate", threading.get_ident()))
         return lambda: calls.append(("restore", threading.get_ident()))
 
-    me = threading.get_ident()
-    with (
-        mock.patch.object(SimBackend, "isolate_thread", isolate_thread),
-        dask.config.set({"gpustreams.backend": "sim", "gpustreams.streams": 4}),
-    ):
+    def computes():  # in a fresh thread: no earlier task has isolated it for good
+        calls.append(("thread", threading.get_ident()))
         assert dask.compute(delayed(sim.asarray)(np.ones(3)), scheduler="gpustreams")
         with pytest.raises(ZeroDivisionError):
             dask.compute(delayed(lambda: 1 / 0)(), scheduler="gpustreams")
-    assert calls == [("isolate", me), ("restore", me)] * 2
+
+    with (
+        mock.patch.object(SimBackend, "isolate_thread", isolate_thread),
+        dask.config.set({"gpustreams.backend": "sim", "gpustreams.streams": 4}),
+        ThreadPoolExecutor(1) as fresh,
+    ):
+        fresh.submit(computes).result()  # raises what the thread raised
+    (_, me), *rest = calls
+    assert rest == [("isolate", me), ("restore", me)] * 2
