@@ -24,12 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from dask._task_spec import GraphNode, Task
+from dask._task_spec import GraphNode
 from dask.utils import key_split
 
 from dask_gpustreams.errors import KernelError
-from dask_gpustreams.integrations.launcher import blocks_host
-from dask_gpustreams.integrations.tasks import rewrite_transfers, transfer_rewrites
+from dask_gpustreams.integrations.launcher import launch_plan
 from dask_gpustreams.runtime import StreamRuntime
 from dask_gpustreams.runtime.launcher import GraphLauncher
 
@@ -97,20 +96,8 @@ class StreamBlock:
         at most :attr:`relaunches` times, and never for an error seen before.
         A CUDA error (sticky, of no key) is raised as is.
         """
-        table = transfer_rewrites(type(runtime.backend))
-        tasks: dict = {}
-        dependencies: dict = {}
-        priority: dict = {}
-        host: set = set()
-        for i, node in enumerate(self.nodes):
-            key = node.key
-            if isinstance(node, Task):
-                node = rewrite_transfers(node, table)
-                if blocks_host(node):
-                    host.add(key)
-            tasks[key] = node
-            dependencies[key] = node.dependencies
-            priority[key] = i
+        tasks, dependencies, host = launch_plan(self.nodes, type(runtime.backend))
+        priority = {node.key: i for i, node in enumerate(self.nodes)}
         seen: list[KernelError] = []
         while True:
             cache = {k: values[k] for k in self.inputs}

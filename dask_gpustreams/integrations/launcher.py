@@ -12,10 +12,10 @@ in Dask.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from dask._task_spec import DataNode, Task, _execute_subgraph, convert_legacy_graph
+from dask._task_spec import DataNode, GraphNode, Task, _execute_subgraph, convert_legacy_graph
 from dask.callbacks import Callback, normalize_callback, unpack_callbacks
 from dask.core import flatten
 from dask.local import nested_get
@@ -40,6 +40,29 @@ def blocks_host(node: Task) -> bool:
     if node.func is _execute_subgraph:
         return any(isinstance(t, Task) and blocks_host(t) for t in node.args[0].values())
     return is_host_task(node.func)
+
+
+def launch_plan(
+    nodes: Iterable[GraphNode], backend: type
+) -> tuple[dict[Hashable, GraphNode], dict[Hashable, Any], set[Hashable]]:
+    """What :class:`GraphLauncher` takes of a graph's task nodes: ``(tasks, dependencies, host)``.
+
+    Transfers are rewritten for ``backend`` (a backend class), and the keys of
+    tasks that call a :func:`~dask_gpustreams.host_task` are collected in ``host``.
+    """
+    table = transfer_rewrites(backend)
+    tasks: dict[Hashable, GraphNode] = {}
+    dependencies: dict[Hashable, Any] = {}
+    host: set[Hashable] = set()
+    for node in nodes:
+        key = node.key
+        if isinstance(node, Task):
+            node = rewrite_transfers(node, table)
+            if blocks_host(node):
+                host.add(key)
+        tasks[key] = node
+        dependencies[key] = node.dependencies
+    return tasks, dependencies, host
 
 
 class DaskCallbacks:
@@ -141,21 +164,14 @@ def _launch(
         hooks = DaskCallbacks([normalize_callback(cb) for cb in callbacks])
         hooks.start(dsk)
     wanted = set(flatten(keys)) if isinstance(keys, list) else {keys}
-    table = transfer_rewrites(type(runtime.backend))
     values: dict = dict(cache or {})
-    tasks: dict = {}
-    dependencies: dict = {}
-    host: set = set()
+    nodes = []
     for key, node in dsk.items():
         if isinstance(node, DataNode):
             values[key] = node.value
-            continue
-        if isinstance(node, Task):
-            node = rewrite_transfers(node, table)
-            if blocks_host(node):
-                host.add(key)
-        tasks[key] = node
-        dependencies[key] = node.dependencies
+        else:
+            nodes.append(node)
+    tasks, dependencies, host = launch_plan(nodes, type(runtime.backend))
     if hooks is not None:
         hooks.start_state(dependencies, values)
     launcher = GraphLauncher(
