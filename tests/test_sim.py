@@ -586,3 +586,40 @@ def test_work_enqueued_while_the_thread_ends_for_idleness_still_runs_in_order(mo
     assert finished.wait(GATE_TIMEOUT)
     assert ran == list(range(400))
     assert len(threads) > 10  # the thread did end and start again
+
+
+def test_a_wait_that_passes_an_error_on_as_it_is_reported_does_not_keep_it(streams, monkeypatch):
+    """A wait that checked the error unreported, then set it after a sync reported it.
+
+    The report found the stream without the error, so nothing cleared it: the
+    stream skipped all later work, and its syncs (the error being reported)
+    raised nothing. The hook holds the wait between its check and its set
+    until the host has reported the error.
+    """
+    a, b = streams
+    with a, device.task("k"):
+        sim.launch(boom)
+    failed = a.record()
+    host = threading.current_thread()
+    checked, reported = threading.Event(), threading.Event()
+    unhooked = device._reported
+
+    def hooked(error):
+        result = unhooked(error)
+        if threading.current_thread() is not host and not checked.is_set():
+            checked.set()  # on b's thread, inside its wait: the error is not reported yet
+            reported.wait(GATE_TIMEOUT)
+        return result
+
+    monkeypatch.setattr(device, "_reported", hooked)
+    try:
+        b.wait_event(failed)
+        assert checked.wait(GATE_TIMEOUT)
+        with pytest.raises(KernelError, match="task 'k'"):
+            failed.synchronize()
+    finally:
+        reported.set()
+    with b:
+        y = sim.asarray(np.zeros(3))
+        sim.launch(fill(2.0), y)
+        np.testing.assert_array_equal(y.get(), np.full(3, 2.0))

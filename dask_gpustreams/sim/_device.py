@@ -198,8 +198,13 @@ class Stream:
         def wait(stream: Stream) -> None:
             marker.done.wait()
             error = marker.error
-            if error is not None and stream._error is None and not self.device._reported(error):
+            device = self.device
+            if error is not None and stream._error is None and not device._reported(error):
                 stream._error = error
+                # A report between the check and the set found this stream clean and left
+                # it in error for good (it marks the error reported, then looks at streams).
+                if device._reported(error):
+                    stream._error = None
 
         self.enqueue(wait)
 
@@ -350,7 +355,7 @@ class Device:
         recorded before the report do not put another stream in error, and
         those events' syncs do not raise it a second time.
         """
-        self._reported_errors.add(error)
+        self._reported_errors.add(error)  # before the streams are read: see Stream.wait_event
         for stream in list(self._streams):
             if stream._error is error and not stream._closed:
                 # In stream order: work enqueued before the report still sees the error.
