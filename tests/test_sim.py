@@ -623,3 +623,36 @@ def test_a_wait_that_passes_an_error_on_as_it_is_reported_does_not_keep_it(strea
         y = sim.asarray(np.zeros(3))
         sim.launch(fill(2.0), y)
         np.testing.assert_array_equal(y.get(), np.full(3, 2.0))
+
+
+def test_two_syncs_at_once_raise_an_error_once(streams, monkeypatch):
+    """Both syncs find the error unreported (a barrier holds each after its check); one raises."""
+    a, _ = streams
+    with a, device.task("k"):
+        sim.launch(boom)
+    failed = a.record()
+    assert failed.wait() is not None
+    checked = threading.Barrier(2, timeout=GATE_TIMEOUT)
+    unhooked = device._reported
+
+    def hooked(error):
+        result = unhooked(error)
+        checked.wait()
+        return result
+
+    monkeypatch.setattr(device, "_reported", hooked)
+    outcomes: list = []
+
+    def sync():
+        try:
+            failed.synchronize()
+            outcomes.append(None)
+        except Exception as e:  # noqa: BLE001 - a broken barrier fails the test below
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=sync) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(GATE_TIMEOUT)
+    assert sorted(type(o).__name__ for o in outcomes) == ["KernelError", "NoneType"]

@@ -259,8 +259,11 @@ class Event:
         if marker is None:
             return
         marker.done.wait()
-        if marker.error is not None and not marker.device._reported(marker.error):
-            raise marker.device._consume(marker.error)
+        error = marker.error
+        device = marker.device
+        # _consume is False if another sync reported it meanwhile: one of them raises.
+        if error is not None and not device._reported(error) and device._consume(error):
+            raise error
 
     @property
     def time(self) -> float:
@@ -304,6 +307,7 @@ class Device:
         self._local = threading.local()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self._reported_errors: weakref.WeakSet[KernelError] = weakref.WeakSet()
+        self._report_lock = threading.Lock()
         self._kernel_delay = (0.0, 0.0)
         self._random = random.Random()
         self._on_stream_end = on_stream_end
@@ -348,19 +352,23 @@ class Device:
         self._streams.add(stream)
         return stream
 
-    def _consume(self, error: KernelError) -> KernelError:
+    def _consume(self, error: KernelError) -> bool:
         """Clear ``error`` from every stream it reached, once a host sync reports it.
 
         A reported error is not passed on again: waits still queued on events
         recorded before the report do not put another stream in error, and
-        those events' syncs do not raise it a second time.
+        those events' syncs do not raise it a second time. Returns False if it
+        was reported already (two syncs at once: only one of them raises it).
         """
-        self._reported_errors.add(error)  # before the streams are read: see Stream.wait_event
+        with self._report_lock:
+            if error in self._reported_errors:
+                return False
+            self._reported_errors.add(error)  # before the streams are read: see wait_event
         for stream in list(self._streams):
             if stream._error is error and not stream._closed:
                 # In stream order: work enqueued before the report still sees the error.
                 stream.enqueue(functools.partial(_clear_error, error))
-        return error
+        return True
 
     def _reported(self, error: KernelError) -> bool:
         return error in self._reported_errors
