@@ -366,6 +366,37 @@ def test_kernel_error_names_its_key(launcher):
         )
 
 
+@pytest.mark.parametrize("check", [False, True])
+def test_a_compute_after_two_kernel_failures_on_two_streams_is_exact(launcher, by_key, check):
+    """The first graph fails on both streams; the second, on both, must not see those errors."""
+    by_key.update({"bad-0": 0, "bad-1": 1, "sum": 0, "a": 0, "b": 1, "c": 1})
+    bad = {
+        "bad-0": lambda v: failing(4),
+        "bad-1": lambda v: failing(4),
+        "sum": lambda v: combine(v["bad-0"], v["bad-1"], 0.0),
+    }
+    bad_deps = {"bad-0": (), "bad-1": (), "sum": ("bad-0", "bad-1")}
+    clean = {
+        "a": lambda v: leaf(1.0, 4, 0.01),
+        "b": lambda v: leaf(2.0, 4, 0.0),
+        "c": lambda v: combine(v["a"], v["b"], 0.0),
+    }
+    clean_deps = {"a": (), "b": (), "c": ("a", "b")}
+    with launcher(streams=2, policy="test-placement"):
+        runtime = get_runtime()
+        with pytest.raises(KernelError, match=r"launched by task 'bad-[01]' failed"):
+            GraphLauncher(
+                runtime, bad, bad_deps, {"bad-0": 0, "bad-1": 1, "sum": 2}, {"sum"}, check=check
+            ).run()
+        out = GraphLauncher(
+            runtime, clean, clean_deps, {"a": 0, "b": 1, "c": 2}, {"c"}, check=check
+        ).run()
+        with sim.get_device().task(None):
+            np.testing.assert_array_equal(out["c"].get(), [3.0] * 4)
+        for slot in runtime.pool.slots:
+            slot.stream.synchronize()  # nothing left in error on either stream
+
+
 def test_concurrent_computes_from_threads_are_exact(launcher):
     """Two launchers share the runtime's pool; each result is its own and complete."""
     results: dict = {}
