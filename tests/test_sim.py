@@ -588,6 +588,23 @@ def test_work_enqueued_while_the_thread_ends_for_idleness_still_runs_in_order(mo
     assert len(threads) > 10  # the thread did end and start again
 
 
+def test_a_wait_on_an_event_whose_error_was_reported_proceeds(streams):
+    """As CUDA: a completed (even failed) event lets the waiting stream go on, error-free."""
+    a, b = streams
+    with a, device.task("k"):
+        sim.launch(boom)
+    failed = a.record()
+    with pytest.raises(KernelError, match="task 'k'"):
+        failed.synchronize()
+    b.wait_event(failed)
+    with b:
+        y = sim.asarray(np.zeros(3))
+        sim.launch(fill(4.0), y)
+        np.testing.assert_array_equal(y.get(), np.full(3, 4.0))
+    failed.synchronize()  # not raised again
+    assert isinstance(failed.wait(), KernelError)  # still returned by a wait
+
+
 def test_a_wait_that_passes_an_error_on_as_it_is_reported_does_not_keep_it(streams, monkeypatch):
     """A wait that checked the error unreported, then set it after a sync reported it.
 
