@@ -451,3 +451,77 @@ def test_randomized_graphs_match_dask_with_blocks_on():
             got = client.compute([t for t, _ in wanted], sync=True)
             for value, (_, ref) in zip(got, wanted, strict=True):
                 np.testing.assert_array_equal(sim.asnumpy(value), ref)
+
+
+class Records(logging.Handler):
+    """Records the ``dask_gpustreams`` logger's records at WARNING and above."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("stage", ["planned", "made"])
+def test_a_regrouping_that_fails_leaves_the_graph_as_submitted_and_says_why(monkeypatch, stage):
+    """The second of two blocks cannot be planned (or made: the first is then undone): no
+    block is made, no task is left behind, every task runs as submitted, and one WARNING
+    gives the reason. One block has two outputs (a block task of its own and getters)."""
+    from dask_gpustreams.integrations.distributed import blocks as scheduler_side
+
+    made = []
+    if stage == "planned":
+
+        def second_fails(*args):
+            made.append(args)
+            if len(made) == 2:
+                raise RuntimeError("no block for you")
+            return StreamBlock(*args)
+
+        monkeypatch.setattr(scheduler_side, "StreamBlock", second_fails)
+    else:
+        form = scheduler_side.StreamBlocks._form
+
+        def second_fails(self, *args):
+            made.append(args)
+            form(self, *args)  # relinked, then the failure
+            if len(made) == 2:
+                raise RuntimeError("no block for you")
+
+        monkeypatch.setattr(scheduler_side.StreamBlocks, "_form", second_fails)
+    records = Records()
+    log = logging.getLogger("dask_gpustreams")
+    log.addHandler(records)
+    try:
+        with cluster(1) as client:
+            wanted, refs = [], []
+            for j in range(2):  # two parts on one worker: two blocks
+                t, r = delayed(source)(j, 0.001, dask_key_name=f"src{j}"), np.arange(N) + j
+                for i in range(3):
+                    t = delayed(mix)(i, t, delay=0.001, dask_key_name=f"c{j}-{i}")
+                    r = host_mix(i, r)
+                    if i == 2 or (i == 1 and j == 0):
+                        wanted.append(t)
+                        refs.append(r)
+            futures = client.compute(wanted)
+            for value, ref in zip(client.gather(futures), refs, strict=True):
+                np.testing.assert_array_equal(sim.asnumpy(value), ref)
+            assert len(made) == 2
+            assert formed(client) == (0, 0)
+            assert executed(client) == 8  # task per key
+            specs = client.run_on_scheduler(
+                lambda dask_scheduler: {
+                    str(k): repr(ts.run_spec) for k, ts in dask_scheduler.tasks.items()
+                }
+            )
+            keys = [f"src{j}" for j in range(2)] + [f"c{j}-{i}" for j in range(2) for i in range(3)]
+            assert sorted(specs) == sorted(keys)
+            assert not [k for k, spec in specs.items() if "StreamBlock" in spec]
+    finally:
+        log.removeHandler(records)
+    [record] = records.records
+    assert record.levelno == logging.WARNING
+    assert "no block for you" in record.getMessage()
+    assert "one per key" in record.getMessage()

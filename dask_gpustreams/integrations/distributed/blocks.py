@@ -35,10 +35,13 @@ left ``released``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import uuid
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from time import time
 from typing import Any
 
 from dask._task_spec import Alias, Task, TaskRef
@@ -95,11 +98,20 @@ class StreamBlocks(SchedulerPlugin):
         if not self.active():
             return
         try:
-            self._regroup(client, tasks, stimulus_id)
-        except Exception:  # distributed would only log it; the graph then runs task per key
-            logger.exception("gpustreams: stream blocks not formed for this graph")
+            plan = self._plan(client, tasks)
+        except Exception as e:  # nothing is changed yet: the graph runs task per key
+            logger.warning(
+                "gpustreams: stream blocks not formed for a graph of %d tasks (%s: %s); "
+                "its tasks run one per key",
+                len(tasks),
+                type(e).__name__,
+                e,
+                exc_info=True,
+            )
+            return
+        self._apply(plan, stimulus_id)
 
-    # --- the regrouping ---------------------------------------------------------------------
+    # --- the regrouping: a plan (which changes nothing), then its application -------------
 
     def _candidate(self, ts: Any, client: str) -> bool:
         """Whether ``ts``, just submitted, may run inside a block."""
@@ -119,21 +131,24 @@ class StreamBlocks(SchedulerPlugin):
             return False
         return all(d.exception_blame is None for d in ts.dependencies)
 
-    def _regroup(self, client: str, keys: list, stimulus_id: str) -> None:
+    def _plan(self, client: str, keys: list) -> _Plan:
+        """What regrouping the graph of ``keys`` would do; reads the scheduler, changes nothing."""
         tasks = self.scheduler.tasks
         touched = [ts for k in keys if (ts := tasks.get(k)) is not None]
         # A key submitted again while its block lives collides: the scheduler keeps the
         # block's task and links nothing to the key's new dependencies, the block's inner
-        # keys, which come back as tasks that nothing needs. Forget them (and what only
-        # they need), as plain Dask, whose tasks collide with their own kind, never has them.
-        orphans = {ts.key: "forgotten" for ts in touched if _unneeded(ts)}
-        if orphans:
-            self.scheduler.transitions(orphans, stimulus_id)
-            touched = [ts for ts in touched if tasks.get(ts.key) is ts]
+        # keys, which come back as tasks that nothing needs. They are forgotten (and what
+        # only they need, which the scheduler forgets with them), as plain Dask, whose
+        # tasks collide with their own kind, never has them.
+        orphans = [ts for ts in touched if _unneeded(ts)]
+        dead = _forgotten_with(orphans)
+        if dead:
+            touched = [ts for ts in touched if ts not in dead]
+        plan = _Plan({ts.key: "forgotten" for ts in orphans}, [])
         new = {ts.key for ts in touched if ts.state == "released"}
         candidates = [ts.key for ts in touched if self._candidate(ts, client)]
         if len(candidates) < 2:
-            return
+            return plan
         level = _levels(touched, new)
         groups = partition(
             candidates,
@@ -142,54 +157,76 @@ class StreamBlocks(SchedulerPlugin):
             level,
             len(self.scheduler.workers),
         )
+        plan.blocks = [_block_plan([tasks[k] for k in group]) for group in groups]
+        return plan
+
+    def _apply(self, plan: _Plan, stimulus_id: str) -> None:
+        """Make ``plan``'s blocks, then forget the keys they replace.
+
+        The relinking is undone if any of it raises, so the graph is either
+        regrouped whole or left as submitted (and runs task per key).
+        """
+        if plan.orphans:
+            self.scheduler.transitions(dict(plan.orphans), stimulus_id)
+        undo: list[Callable[[], None]] = []
+        try:
+            for block in plan.blocks:
+                self._form(block, undo)
+        except Exception as e:
+            for step in reversed(undo):
+                step()
+            logger.warning(
+                "gpustreams: stream blocks not formed for a graph (%s: %s), undone; "
+                "its tasks run one per key",
+                type(e).__name__,
+                e,
+                exc_info=True,
+            )
+            return
         forget: dict[Hashable, str] = {}
-        for group in groups:
-            forget.update(self._form(client, [tasks[k] for k in group]))
+        for block in plan.blocks:
+            self.blocks_formed += 1
+            self.tasks_grouped += len(block.members)
+            forget.update(block.forget)
         if forget:
             self.scheduler.transitions(forget, stimulus_id)
 
-    def _form(self, client: str, members: list) -> dict[Hashable, str]:
-        """Make ``members`` one block task; return the recommendations that forget the rest."""
-        members.sort(key=operator.attrgetter("priority"))
-        inside = set(members)
-        inputs: dict[Any, None] = {}
-        outputs = []
-        for ts in members:
-            for d in ts.dependencies:
-                if d not in inside:
-                    inputs[d] = None
-            if ts.who_wants or any(d not in inside for d in ts.dependents):
-                outputs.append(ts)
-        block = StreamBlock(
-            [ts.run_spec for ts in members], [d.key for d in inputs], [ts.key for ts in outputs]
-        )
-        retries = max(ts.retries for ts in members)
-        priority = members[0].priority
-        for ts in members:
-            for d in list(ts.dependencies):
+    def _form(self, block: _BlockPlan, undo: list[Callable[[], None]]) -> None:
+        """Relink the scheduler's tasks as ``block`` says; append to ``undo`` what reverts it."""
+        for ts in block.members:
+            old_deps, old_spec = set(ts.dependencies), ts.run_spec
+            old_priority, old_retries = ts.priority, ts.retries
+            undo.append(
+                functools.partial(_restore, ts, old_deps, old_spec, old_priority, old_retries)
+            )
+            for d in old_deps:
                 ts.dependencies.discard(d)
                 d.dependents.discard(ts)
-        refs = [TaskRef(d.key) for d in inputs]
-        if len(outputs) == 1:
-            head = outputs[0]
-            head.run_spec = Task(head.key, block, *refs)
+        if block.key is None:
+            head = block.outputs[0]
+            head.run_spec = block.spec
         else:
-            key = (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0)
-            head = self.scheduler.new_task(
-                key, Task(key, block, *refs), "released", self._computation()
-            )
-            self._join_span(head, members[0])
-            for i, ts in enumerate(outputs):
-                ts.run_spec = Task(ts.key, operator.getitem, TaskRef(key), i)
+            head = self.scheduler.new_task(block.key, block.spec, "released", self._computation())
+            undo.append(functools.partial(self._drop_task, head))
+            self._join_span(head, block.members[0])
+            for ts, getter in zip(block.outputs, block.getters, strict=True):
+                ts.run_spec = getter
                 ts.add_dependency(head)
-        head.priority = priority
-        head.retries = retries
-        for d in inputs:
+        head.priority = block.priority
+        head.retries = block.retries
+        for d in block.inputs:
             head.add_dependency(d)
-        self.blocks_formed += 1
-        self.tasks_grouped += len(members)
-        kept = set(outputs)
-        return {ts.key: "forgotten" for ts in members if ts not in kept}
+
+    def _drop_task(self, ts: Any) -> None:
+        """Undo: forget ``ts``, a block task made by :meth:`_form` (its links are undone first)."""
+        for d in list(ts.dependencies):
+            ts.dependencies.discard(d)
+            d.dependents.discard(ts)
+        for d in list(ts.dependents):
+            d.dependencies.discard(ts)
+            ts.dependents.discard(d)
+        if self.scheduler.tasks.get(ts.key) is ts:
+            self.scheduler.transitions({ts.key: "forgotten"}, f"gpustreams-blocks-undo-{time()}")
 
     def _join_span(self, ts: Any, like: Any) -> None:
         """Put ``ts``'s new task group in the span of ``like``'s (spans need one per group)."""
@@ -203,6 +240,88 @@ class StreamBlocks(SchedulerPlugin):
     def _computation(self) -> Any:
         computations = self.scheduler.computations
         return computations[-1] if computations else None
+
+
+@dataclass
+class _BlockPlan:
+    """One block to make: every object it needs, built before anything is changed."""
+
+    members: list  # TaskStates, in priority order
+    inputs: list  # TaskStates outside the block that its tasks read
+    outputs: list  # members a client wants or a task outside reads
+    spec: Task  # the run_spec of the block's task
+    key: Hashable | None  # the block task's own key (several outputs), or None
+    getters: list  # the outputs' run_specs (several outputs)
+    priority: Any
+    retries: int
+    forget: dict = field(default_factory=dict)  # the members no one outside needs
+
+
+@dataclass
+class _Plan:
+    orphans: dict  # key -> "forgotten": tasks submitted again that nothing needs
+    blocks: list[_BlockPlan]
+
+
+def _block_plan(members: list) -> _BlockPlan:
+    """The block of ``members`` (TaskStates): its inputs, outputs, task and getters."""
+    members = sorted(members, key=operator.attrgetter("priority"))
+    inside = set(members)
+    inputs: dict[Any, None] = {}
+    outputs = []
+    for ts in members:
+        for d in ts.dependencies:
+            if d not in inside:
+                inputs[d] = None
+        if ts.who_wants or any(d not in inside for d in ts.dependents):
+            outputs.append(ts)
+    block = StreamBlock(
+        [ts.run_spec for ts in members], [d.key for d in inputs], [ts.key for ts in outputs]
+    )
+    refs = [TaskRef(d.key) for d in inputs]
+    if len(outputs) == 1:
+        key, getters = None, []
+        spec = Task(outputs[0].key, block, *refs)
+    else:
+        key = (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0)
+        spec = Task(key, block, *refs)
+        getters = [Task(ts.key, operator.getitem, TaskRef(key), i) for i, ts in enumerate(outputs)]
+    kept = set(outputs)
+    return _BlockPlan(
+        members,
+        list(inputs),
+        outputs,
+        spec,
+        key,
+        getters,
+        members[0].priority,
+        max(ts.retries for ts in members),
+        {ts.key: "forgotten" for ts in members if ts not in kept},
+    )
+
+
+def _restore(ts: Any, dependencies: set, run_spec: Any, priority: Any, retries: int) -> None:
+    """Undo: give ``ts`` back the dependencies, run_spec, priority and retries it had."""
+    for d in list(ts.dependencies):
+        ts.dependencies.discard(d)
+        d.dependents.discard(ts)
+    for d in dependencies:
+        ts.dependencies.add(d)
+        d.dependents.add(ts)
+    ts.run_spec, ts.priority, ts.retries = run_spec, priority, retries
+
+
+def _forgotten_with(orphans: list) -> set:
+    """``orphans`` and the tasks the scheduler forgets with them (nothing else needs them)."""
+    dead = set(orphans)
+    stack = list(orphans)
+    while stack:
+        ts = stack.pop()
+        for d in ts.dependencies:
+            if d not in dead and not d.who_wants and all(x in dead for x in d.dependents):
+                dead.add(d)
+                stack.append(d)
+    return dead
 
 
 def _module(func: Any) -> str:
