@@ -21,14 +21,20 @@ chunks of every worker). Modes, in one run:
   blocks, ``docs/cluster.md``), removed after the mode;
 - ``on-noblocks``: the same with ``blocks="off"``: one task per key.
 
+The modes run in turn, ``--rounds`` times (default 2: off, on, on-noblocks, off, on, ...),
+each round with its warm-up and its share of ``--samples``, so that drift and the order of
+the modes weigh on all of them alike: on the H200 at 9d48fa7 (``probe_cluster_cost``),
+plugin-off's elementwise median was 167 ms in its first round and 210 ms in its second,
+after a plugin round, when the plugin took 207 and 208 ms.
+
 Each sample is timed from ``client.compute`` until its results are in the worker's memory
 (``wait``) and the worker's device is idle (``client.run`` of a device sync: with the
 plugin, a result is in memory once its work is enqueued), in both modes alike; then
 gathered, untimed, and checked against the plugin-off result (``bench_workloads``'
 checks). Peak device memory per worker and sample: the CuPy pool's ``total_bytes()``
 after the sample (``peak_held``) and the largest ``used_bytes()`` seen by a tracking
-allocator (``peak_used``); the worker's pool blocks are freed before each mode's first
-run only.
+allocator (``peak_used``); the worker's pool blocks are freed before the first run of each
+mode in each round.
 
 Outputs in ``--out`` (default ``benchmarks/results/cluster-<backend>-<timestamp>/``):
 ``results.json``, ``results.csv``, ``table.txt`` and ``rows.jsonl``. Each row has its
@@ -193,21 +199,29 @@ class ClusterRunner(bench_workloads.Runner):
                 self._done(dict(r, status=status, error=f"reference: {type(e).__name__}: {e}"))
             return
         for r in rows:
-            r.update(n_tasks=tasks, n_keys=keys)
-            self.measure(r, wl, collections, ref, None)
+            r.update(n_tasks=tasks, n_keys=keys, status="ok", walls_ms=[], memory=[])
+        samples = self.args.samples
+        rounds = min(self.args.rounds, samples)
+        for k in range(rounds):  # modes interleaved: drift and order effects hit them alike
+            share = samples // rounds + (k < samples % rounds)
+            for r in rows:
+                if r["status"] == "ok":
+                    self.measure(r, wl, collections, ref, share)
+        for r in rows:
+            self._summarize(r)
         self.arrays.persisted.clear()  # the inputs go once their futures are dropped
 
-    def measure(self, row: dict, wl: Workload, collections: tuple, ref: list, peaks: Any) -> None:
+    def measure(self, row: dict, wl: Workload, collections: tuple, ref: list, samples: int) -> None:
+        """One round of ``row``'s mode: register the plugin, warm up, then ``samples`` samples."""
         args, client = self.args, self.client
-        walls: list[float] = []
-        memory: list[dict] = []
+        walls, memory = row["walls_ms"], row["memory"]
         on = row["mode"] != "off"
         try:
             if on:
                 blocks = "off" if row["mode"] == "on-noblocks" else "auto"
                 plugin = StreamsPlugin(backend=self.arrays.arrays.plugin, blocks=blocks)
                 client.register_plugin(plugin)
-            for i in range(args.warmup + args.samples):
+            for i in range(args.warmup + samples):
                 if self.track_memory:
                     client.run(_pool_reset, i == 0)
                 t0 = time.perf_counter()
@@ -217,9 +231,10 @@ class ClusterRunner(bench_workloads.Runner):
                 wall = (time.perf_counter() - t0) * 1e3
                 results = client.gather(futures)  # checked, not timed
                 del futures
+                sample_memory = None
                 if self.track_memory:  # the largest of the workers'
                     peaks = list(client.run(_pool_read).values())
-                    memory.append({k: max(p[k] for p in peaks) for k in peaks[0]})
+                    sample_memory = {k: max(p[k] for p in peaks) for k in peaks[0]}
                 bad = [
                     (j, p)
                     for j, (got, want) in enumerate(zip(results, ref, strict=True))
@@ -232,19 +247,18 @@ class ClusterRunner(bench_workloads.Runner):
                     break
                 if i >= args.warmup:
                     walls.append(wall)
-                elif memory:
-                    memory.pop()
-            else:
-                row["status"] = "ok"
+                    if sample_memory is not None:
+                        memory.append(sample_memory)
         except Exception as e:
             row["status"], row["error"] = "ERROR", f"{type(e).__name__}: {e}"
             traceback.print_exc()
         finally:
             if on:
                 client.unregister_worker_plugin(StreamsPlugin.name)
-        row["walls_ms"] = walls
+
+    def _summarize(self, row: dict) -> None:
+        walls, memory = row["walls_ms"], row["memory"]
         row["samples"] = len(walls)
-        row["memory"] = memory
         row.update(report.summarize(walls))
         for key in ("peak_held", "peak_used", "base_bytes"):
             row[key] = max((m[key] for m in memory), default=None)
@@ -296,7 +310,8 @@ def table(rows: list[dict], summary: dict, meta: dict) -> str:
     mib = bench_workloads._mib
     out = [
         f"== workloads on {meta['cluster']} · backend {meta['backend']} · median of "
-        f"{meta['samples']} after {meta['warmup']} warm-up · speedup = off median / median · "
+        f"{meta['samples']} in {meta.get('rounds', 1)} rounds, each after {meta['warmup']} "
+        "warm-up · speedup = off median / median · "
         "memory per worker in MiB: peak held / peak used",
         f"{'workload':<13} {'mode':<11} {'w':>2} {'tasks':>6} {'median ms':>10} {'IQR':>7} "
         f"{'x off':>6} {'x 1w':>6} {'held':>7} {'used':>7}  status",
@@ -340,7 +355,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--protocol", default=None, help="the cluster's protocol (tcp, ucx, ...)")
     p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1, help="warm-up runs per mode and round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of all modes in turn (at most --samples); --samples are shared out over them",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds on the sim)")
     p.add_argument("--set", action="append", default=[], type=bench_workloads.parse_set)
     p.add_argument("--out", default=None)
@@ -351,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.workers = [int(n) for n in bench_workloads._list(args.workers)]
     except ValueError:
         p.error(f"--workers {args.workers!r} is not a list of ints")
+    if args.rounds < 1 or args.samples < 1:
+        p.error(f"--rounds {args.rounds} and --samples {args.samples} must be >= 1")
     if not args.workers or min(args.workers) < 1:
         p.error("--workers needs worker counts >= 1")
     for what, chosen, allowed in (
@@ -379,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "clusters": [],
         "samples": args.samples,
         "warmup": args.warmup,
+        "rounds": args.rounds,
         "sizes": {name: sizes[name] for name in args.workloads},
         "started": datetime.datetime.now().isoformat(),
         **bench_shapes.environment(base.plugin),

@@ -22,7 +22,8 @@ and the scheduler over ``--reps`` runs of each shape and prints where they spend
 their time. ``--hook-times`` instead times, on the worker, each call of the
 plugin's ``transition`` hook and its ``Execution.prepare``, of
 ``StreamRuntime.run``, of the kernel launch inside it and (with CuPy) of
-``cupy.empty`` inside that, with the plugin on.
+``cupy.empty`` inside that, with the plugin on. ``--blocks`` is the plugin's stream
+blocks setting, ``off`` (as shipped) unless given.
 
 ::
 
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-loop", action="store_true")
     p.add_argument("--hook-times", action="store_true")
     p.add_argument("--switch", type=float, default=0.005, help="worker's GIL switch interval")
+    p.add_argument(
+        "--blocks", default="off", choices=("auto", "off"), help="stream blocks (default: off)"
+    )
     a = p.parse_args(argv)
     args = bs.parse_args(
         ["--backend", a.backend, "--schedulers", "distributed", "--families", "wide"]
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     client = dist.client
     client.register_plugin(WorkerLog())
     client.register_plugin(SchedulerLog())
-    dist.use_streams(8, "auto")
+    dist.use_streams(8, "auto", blocks=a.blocks)
     if a.hook_times:
         client.run(_set_worker, batch=None, profile=True, switch=a.switch)
         hook_times(dist, loads, a.shapes, a.reps)
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare = dist.prepare(wl)
         for variant in a.variants.split(","):
             if (variant == "plugin-off") != (dist.plugin_name is None):
-                dist.use_streams(None if variant == "plugin-off" else 8, "auto")
+                dist.use_streams(None if variant == "plugin-off" else 8, "auto", blocks=a.blocks)
             batch = 0.0 if "batch0" in variant else None
             switch = 0.0005 if variant == "switch" else 0.005
             client.run(_set_worker, batch=batch, profile="noprofile" not in variant, switch=switch)
