@@ -13,6 +13,7 @@ launch (docs/guide.md, "Other libraries inside a task").
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import weakref
@@ -24,7 +25,10 @@ import cupy
 import cupyx
 import numpy as np
 
+from dask_gpustreams.backends import cufft_plans
 from dask_gpustreams.backends.nvidia import cuda_connections
+
+logger = logging.getLogger("dask_gpustreams")
 
 # HIP's default GPU_MAX_HW_QUEUES.
 HIP_DEFAULT_QUEUES = 4
@@ -47,6 +51,8 @@ class CupyBackend:
         self._torch_cuda: Any = None  # torch.cuda, once PyTorch has started CUDA
         # Each stream's torch.cuda.ExternalStream, dropped with the stream.
         self._torch_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._fft_plans = cufft_plans.StreamPlanCaches(self.device_id)
+        self._fft_warned = False
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -99,18 +105,29 @@ class CupyBackend:
     def isolate_thread(self) -> Callable[[], None]:
         # A cached cuFFT plan owns one work area and is keyed without the stream, so two
         # same-shape FFTs launched from this thread on two streams would share it while both
-        # run (cupy#8079). Without the cache, each call makes its plan, whose work area comes
-        # from the pool on the task's stream and goes back to it in stream order.
+        # run (cupy#8079). This thread gets one plan cache per stream instead
+        # (cufft_plans); where CuPy's FFT modules are not as expected, no cache: each call
+        # then makes its plan, whose work area comes from the task's stream's pool.
+        problem = cufft_plans.installable()
+        if problem is None:
+            return self._fft_plans.use()
         with cupy.cuda.Device(self.device_id):
             cache = cupy.fft.config.get_plan_cache()
             size = cache.get_size()
             cache.set_size(0)
+        if not self._fft_warned:
+            self._fft_warned = True
+            logger.warning("gpustreams: cuFFT plan cache off while launching: %s", problem)
 
         def restore() -> None:
             with cupy.cuda.Device(self.device_id):
                 cache.set_size(size)
 
         return restore
+
+    def fft_plans(self) -> dict[int, int]:
+        """Stream handle -> cuFFT plans cached for it by launching threads (isolate_thread)."""
+        return self._fft_plans.plans()
 
     def use_stream(self, stream: cupy.cuda.Stream, key: Any = None) -> AbstractContextManager:
         """``stream`` current for CuPy and, once PyTorch has started CUDA, for PyTorch.

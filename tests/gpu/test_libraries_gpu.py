@@ -74,10 +74,6 @@ def jittered_fft2(x, ms):
     return cupy.fft.fft2(x)
 
 
-def plan_cache_size(_):
-    return cupy.fft.config.get_plan_cache().get_size()
-
-
 def fft_tiles(seed):
     rng = np.random.default_rng(seed)
     tiles = [cupy.asarray(rng.standard_normal(FFT_SHAPE)) for _ in range(TILES)]
@@ -106,19 +102,25 @@ def test_same_shape_ffts_on_pool_streams_are_exact(route):
     """48 same-shape fft2 tasks on 8 streams, each behind a kernel of random length.
 
     The launcher runs them all from one thread, the threaded route from 8;
-    every thread that launches on several streams plans each FFT anew
-    (``isolate_thread``), so no two running FFTs share a work area.
+    every thread that launches on several streams caches one plan per stream
+    (``isolate_thread``, ``backends.cufft_plans``), so no two running FFTs share
+    a work area, and plans are still reused.
     """
+    from dask_gpustreams import get_runtime
+
     rng, tiles, alone = fft_tiles(11)
     work = work_area_bytes(tiles[0])
-    before = cupy.fft.config.get_plan_cache().get_size()
+    own = cupy.fft.config.get_plan_cache()
+    before = own.get_size(), own.get_curr_size()
     for _ in range(4):
-        *got, sizes = compute(route, *fft_graph(tiles, rng), delayed(plan_cache_size)(0))
-        errors = fft_errors(got, alone)
+        errors = fft_errors(compute(route, *fft_graph(tiles, rng)), alone)
         assert max(errors) < RACE, f"work area {work} B, errors {errors}"
-        assert sizes == 0  # the plan cache of the thread that ran that task is off
-    if route == "launcher":  # this thread launched: its cache is as it was
-        assert cupy.fft.config.get_plan_cache().get_size() == before
+    with dask.config.set(ROUTES[route][0]):
+        plans = get_runtime().backend.fft_plans()
+    assert 0 < len([n for n in plans.values() if n]) <= STREAMS, plans  # 0: planned per call
+    assert max(plans.values()) == 1, plans  # one shape: one plan per stream
+    if route == "launcher":  # this thread launched: its own cache is as it was
+        assert (own.get_size(), own.get_curr_size()) == before
 
 
 def test_same_shape_ffts_race_with_the_plan_cache_on_control():
