@@ -44,6 +44,8 @@ _KNOWN = frozenset(KEYS)
 MAX_STREAMS = 128
 #: Largest ``gpustreams.copy-streams``: CUDA's maximum of ``CUDA_DEVICE_MAX_CONNECTIONS``.
 MAX_COPY_STREAMS = 32
+#: Largest ``gpustreams.block-size``.
+MAX_BLOCK_SIZE = 100_000
 #: Smallest byte size of ``pinned-pool-size`` and ``launch-ahead``.
 MIN_SIZE = 1 << 20
 
@@ -145,6 +147,8 @@ class StreamsConfig:
     #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``
     #: not (YAML reads a bare ``off`` as False, which means ``off`` too).
     blocks: str = "off"
+    #: The most tasks in one stream block, from 2 to :data:`MAX_BLOCK_SIZE`.
+    block_size: int = 64
 
     def __post_init__(self) -> None:
         from dask_gpustreams.runtime.policies import policy_names
@@ -162,6 +166,7 @@ class StreamsConfig:
         normalized = {
             "streams": _parse_int("streams", self.streams, 1, MAX_STREAMS),
             "copy_streams": _parse_int("copy-streams", self.copy_streams, 1, MAX_COPY_STREAMS),
+            "block_size": _parse_int("block-size", self.block_size, 2, MAX_BLOCK_SIZE),
             "pinned_pool_size": None if auto else _parse_size("pinned-pool-size", size, _PINNED),
             "launch_ahead": _parse_size("launch-ahead", self.launch_ahead, _AHEAD),
         }

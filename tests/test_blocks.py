@@ -121,6 +121,13 @@ def formed(client):
     return tuple(client.run_on_scheduler(read))
 
 
+def largest(client):
+    """Tasks in the largest block formed so far."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["gpustreams-blocks"].largest
+    )
+
+
 def executed(client):
     return sum(client.run(lambda dask_worker: dask_worker.state.executed_count).values())
 
@@ -157,7 +164,7 @@ def shape(name, rng, width=4, depth=6, delay=0.004):
 # --- the grouping ---------------------------------------------------------------------------
 
 
-def _partition(edges, n_workers, candidates=None):
+def _partition(edges, n_workers, candidates=None, max_tasks=64):
     deps: dict = {}
     for a, b in edges:
         deps.setdefault(b, []).append(a)
@@ -176,6 +183,8 @@ def _partition(edges, n_workers, candidates=None):
         dependents.__getitem__,
         level,
         n_workers,
+        max_tasks,
+        str,
     )
     return sorted(sorted(g) for g in groups)
 
@@ -206,6 +215,68 @@ def test_a_block_runs_on_the_host_without_a_runtime():
     np.testing.assert_array_equal(sim.asnumpy(y), host_mix(1, np.arange(N) + 1.0))
     expected = host_mix(2, host_mix(1, np.arange(N) + 1.0), np.arange(N) + 1.0)
     np.testing.assert_array_equal(sim.asnumpy(z), expected)
+
+
+def test_no_group_has_more_tasks_than_the_block_size():
+    chain = [(f"c{i:02}", f"c{i + 1:02}") for i in range(9)]  # 10 tasks
+    assert _partition(chain, 1, max_tasks=4) == [
+        ["c00", "c01", "c02"],
+        ["c03", "c04", "c05"],
+        ["c06", "c07", "c08", "c09"],
+    ]
+    # A wide part on one worker: pieces in dependency order, every task in one.
+    diamond = [("r", f"x{i}") for i in range(6)] + [(f"x{i}", "j") for i in range(6)]
+    groups = _partition(diamond + [("j", "t")], 1, max_tasks=3)
+    assert max(len(g) for g in groups) == 3
+    assert sorted(k for g in groups for k in g) == sorted({k for e in diamond for k in e} | {"t"})
+    assert _partition(diamond, 1, max_tasks=64) == [sorted({k for e in diamond for k in e})]
+
+
+def test_the_block_size_is_a_checked_setting():
+    from dask_gpustreams import StreamsConfig
+
+    assert StreamsConfig().block_size == 64 == dask.config.get("gpustreams.block-size")
+    with pytest.raises(ValueError, match=r"gpustreams.block-size=1 is invalid"):
+        StreamsConfig(block_size=1)
+
+
+def test_a_block_drops_its_intermediates_as_the_launcher_does():
+    """Inside a block, an intermediate that no output is goes once its readers are done: a
+    task at the end of a chain (its streams synchronized) finds the earlier ones gone."""
+    import gc
+    import weakref
+
+    refs = {}
+
+    def kept(name, a):
+        out = mix(1, a)
+        refs[name] = weakref.ref(out)
+        return out
+
+    def probe(a):
+        runtime = active_task()[0]
+        for slot in runtime.pool.slots:
+            runtime.backend.synchronize_stream(slot.stream)
+        runtime.pool.collect_all()
+        gc.collect()
+        refs["alive at the end"] = sorted(k for k, r in refs.items() if r() is not None)
+        return a
+
+    nodes = [Task("k0", kept, "k0", TaskRef("x"))]
+    for i in range(1, 5):
+        nodes.append(Task(f"k{i}", kept, f"k{i}", TaskRef(f"k{i - 1}")))
+    nodes.append(Task("end", probe, TaskRef("k4")))
+    block = StreamBlock(nodes, ["x"], ["end", "k1"])  # k1 is an output too
+    with dask.config.set(CONFIG):
+        runtime = get_runtime()
+    end, k1 = block.launch(runtime, {"x": sim.asarray(np.arange(N) + 0.0)})
+    assert refs["alive at the end"] == ["k1", "k4"]  # an output, and the probe's input
+    ref = np.arange(N) + 0.0
+    for i in range(5):
+        ref = host_mix(1, ref)
+        if i == 1:
+            np.testing.assert_array_equal(sim.asnumpy(k1), ref)
+    np.testing.assert_array_equal(sim.asnumpy(end), ref)
 
 
 # --- on a cluster ---------------------------------------------------------------------------
@@ -383,6 +454,26 @@ def test_a_graph_submitted_again_while_its_block_lives_is_quiet_and_leaves_no_ta
     finally:
         scheduler_log.removeHandler(collisions)
     assert collisions.messages == []
+
+
+def test_blocks_hold_no_more_tasks_than_the_block_size():
+    """A chain of 12 tasks in blocks of at most 4 (so each holds at most 4 outputs until it
+    ends), and a wide graph on one worker, which would be one block, in blocks of at most 5."""
+    with cluster(1, config={"gpustreams.block-size": 4}) as client:
+        t, r = delayed(source)(0, 0.001), np.arange(N) + 0.0
+        for i in range(11):
+            t, r = delayed(mix)(i, t, delay=0.001), host_mix(i, r)
+        np.testing.assert_array_equal(sim.asnumpy(t.compute()), r)
+        assert formed(client) == (3, 12)
+        assert largest(client) == 4
+    with cluster(1, config={"gpustreams.block-size": 5}) as client:
+        outs = shape("chainlink", np.random.default_rng(3), width=4, depth=6)
+        got = client.compute([t for t, _ in outs], sync=True)
+        for value, (_, ref) in zip(got, outs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        blocks, grouped = formed(client)
+        assert grouped == 28 and blocks >= 6
+        assert largest(client) <= 5
 
 
 def test_blocks_off_runs_a_task_per_key():

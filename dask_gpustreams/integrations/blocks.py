@@ -116,6 +116,8 @@ def partition(
     dependents: Callable[[Hashable], Iterable[Hashable]],
     level: Mapping[Hashable, int],
     n_workers: int,
+    max_tasks: int = 64,
+    order: Callable[[Hashable], Any] | None = None,
 ) -> list[list[Hashable]]:
     """The groups of ``candidates`` worth a block each (two tasks or more); the estimate.
 
@@ -135,6 +137,13 @@ def partition(
     A part that a path leaves and re-enters (through a task that is not a
     candidate) would depend on itself: it falls back to its chains. Chains
     never do (only their last task has dependents outside).
+
+    No group has more than ``max_tasks`` tasks: a larger one is cut into
+    pieces of about equal size, in the order of ``(level, order(key))`` (a
+    dependency order; ``order`` is e.g. the scheduler's priority), so each
+    piece reads only earlier pieces of its group. Should the blocks still
+    depend on each other in a cycle (through tasks that are not candidates),
+    only the chains are grouped.
     """
     members = set(candidates)
     parent = {k: k for k in members}
@@ -166,7 +175,59 @@ def partition(
     else:
         for part in parts.values():
             groups.extend(_chains(part, members, dependencies, dependents))
-    return groups
+    sort_key = (lambda k: (level[k], order(k))) if order is not None else level.__getitem__
+    pieces = [p for g in groups for p in _cut(g, max_tasks, sort_key)]
+    if len(pieces) > len(groups) and not _acyclic(pieces, level, dependencies):
+        chains = [
+            c for part in parts.values() for c in _chains(part, members, dependencies, dependents)
+        ]
+        pieces = [p for c in chains for p in _cut(c, max_tasks, sort_key)]
+    return pieces
+
+
+def _cut(group: list[Hashable], max_tasks: int, sort_key: Callable) -> list[list[Hashable]]:
+    """``group`` in pieces of at most ``max_tasks`` (of two tasks or more), in dependency order."""
+    if len(group) <= max_tasks:
+        return [group]
+    ordered = sorted(group, key=sort_key)
+    n = -(-len(ordered) // max_tasks)
+    bounds = [len(ordered) * i // n for i in range(n + 1)]
+    pieces = [ordered[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [p for p in pieces if len(p) >= 2]
+
+
+def _acyclic(
+    groups: list[list[Hashable]],
+    level: Mapping[Hashable, int],
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+) -> bool:
+    """Whether the graph of ``level``'s keys, each group one node, has no cycle."""
+    unit: dict[Hashable, Any] = {k: k for k in level}
+    for i, group in enumerate(groups):
+        for k in group:
+            unit[k] = ("group", i)
+    into: dict[Any, set] = {}
+    indegree: dict[Any, int] = dict.fromkeys(unit.values(), 0)
+    for k in level:
+        u = unit[k]
+        for d in dependencies(k):
+            v = unit.get(d)
+            if v is None or v == u:
+                continue
+            edges = into.setdefault(v, set())
+            if u not in edges:
+                edges.add(u)
+                indegree[u] += 1
+    ready = [u for u, n in indegree.items() if n == 0]
+    seen = 0
+    while ready:
+        v = ready.pop()
+        seen += 1
+        for u in into.get(v, ()):
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                ready.append(u)
+    return seen == len(indegree)
 
 
 def _convex(

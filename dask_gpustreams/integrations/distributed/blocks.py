@@ -15,6 +15,8 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
   (``gpustreams-block-<token>``), and each output a getter task that picks
   its value out of the block's tuple, under the output's own key.
 - The other keys of the group are forgotten: nothing outside needs them.
+- No block has more than ``gpustreams.block-size`` tasks (the smallest that
+  the workers say), so none holds more outputs than that until it ends.
 
 The block is then an ordinary task: work stealing, retries (the most of its
 tasks'), worker loss (it is recomputed whole) and errors (the first task
@@ -47,12 +49,16 @@ from typing import Any
 from dask._task_spec import Alias, Task, TaskRef
 from distributed import SchedulerPlugin
 
+from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.integrations.blocks import StreamBlock, partition
 
 logger = logging.getLogger("dask_gpustreams")
 
 #: Annotations that do not change where or how a task runs (a block may hold such tasks).
 _NEUTRAL_ANNOTATIONS = frozenset({"span", "priority", "retries", "fuse"})
+
+#: ``gpustreams.block-size`` where no worker said (the YAML default).
+DEFAULT_BLOCK_SIZE = StreamsConfig.block_size
 
 #: Prefix of the keys of blocks with several outputs.
 BLOCK_PREFIX = "gpustreams-block"
@@ -67,24 +73,38 @@ class StreamBlocks(SchedulerPlugin):
     def __init__(self) -> None:
         #: worker address -> its ``gpustreams.blocks`` setting, while its plugin is active.
         self.modes: dict[str, str] = {}
+        #: worker address -> its ``gpustreams.block-size`` (the most tasks in one block).
+        self.sizes: dict[str, int] = {}
         #: Blocks formed, and tasks they stand for, since the scheduler started (diagnostics).
         self.blocks_formed = 0
         self.tasks_grouped = 0
+        self.largest = 0  # tasks in the largest block formed
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.handlers["gpustreams_blocks"] = self.set_mode
         logging.getLogger("distributed.scheduler").addFilter(_quiet_block_collisions)
 
-    def set_mode(self, worker: str, mode: str | None) -> None:
-        """Handler: ``worker``'s plugin has ``gpustreams.blocks`` = ``mode`` (None: removed)."""
+    def set_mode(self, worker: str, mode: str | None, size: int | None = None) -> None:
+        """Handler: ``worker``'s plugin has ``gpustreams.blocks`` = ``mode`` (None: removed)
+        and ``gpustreams.block-size`` = ``size``."""
         if mode is None:
             self.modes.pop(worker, None)
+            self.sizes.pop(worker, None)
         else:
             self.modes[worker] = mode
+            if size is not None:
+                self.sizes[worker] = size
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         self.modes.pop(worker, None)
+        self.sizes.pop(worker, None)
+
+    def block_size(self) -> int:
+        """The most tasks in one block: the smallest ``gpustreams.block-size`` of the workers."""
+        sizes = self.sizes
+        known = [sizes[w] for w in self.scheduler.workers if w in sizes]
+        return min(known) if known else DEFAULT_BLOCK_SIZE
 
     def active(self) -> bool:
         """Whether blocks are formed now: every worker has the plugin with ``blocks: auto``."""
@@ -156,6 +176,8 @@ class StreamBlocks(SchedulerPlugin):
             lambda k: [d.key for d in tasks[k].dependents],
             level,
             len(self.scheduler.workers),
+            self.block_size(),
+            lambda k: tasks[k].priority,
         )
         plan.blocks = [_block_plan([tasks[k] for k in group]) for group in groups]
         return plan
@@ -187,6 +209,7 @@ class StreamBlocks(SchedulerPlugin):
         for block in plan.blocks:
             self.blocks_formed += 1
             self.tasks_grouped += len(block.members)
+            self.largest = max(self.largest, len(block.members))
             forget.update(block.forget)
         if forget:
             self.scheduler.transitions(forget, stimulus_id)

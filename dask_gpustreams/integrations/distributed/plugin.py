@@ -323,7 +323,9 @@ class StreamsPlugin(WorkerPlugin):
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(StreamBlocks()), name=StreamBlocks.name, idempotent=True
             )
-            await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=self.config.blocks)
+            await worker.scheduler.gpustreams_blocks(
+                worker=worker.address, mode=self.config.blocks, size=self.config.block_size
+            )
         except Exception as e:
             logger.warning(
                 "gpustreams: could not install %s on the scheduler (%r); no stream blocks",
