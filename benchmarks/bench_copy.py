@@ -11,32 +11,35 @@ downloads are staged through it into pageable memory), beside
 ``ideal``: the same work written by hand on three streams (upload, compute,
 download) with a ring of pinned buffers, no Dask. The ideal overlap bound, the
 largest of total upload, total download and total compute time measured in
-isolation, is printed beside each mode. Every sample is checked exactly.
+isolation, is printed beside each mode. Every sample is checked exactly; a wrong result
+marks the mode FAILED (exit 1).
 
-    python benchmarks/bench_copy.py                       # GPU if visible, else sim
-    python benchmarks/bench_copy.py --backend sim --chunks 16 --chunk-mib 4
+Outputs in ``--out`` (default ``benchmarks/results/copy-<backend>-<timestamp>/``, never
+overwritten): ``results.json`` (meta; one row per mode with every sample, median, min, max
+and IQR), ``results.csv`` and ``copy.png``. Runs before the suite (``h200-copy*/``) wrote
+the same rows as ``copy.json`` and ``copy.csv``::
+
+    python -m benchmarks.bench_copy                       # GPU if visible, else sim
+    python -m benchmarks.bench_copy --backend sim --chunks 16 --chunk-mib 4
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import copy_kernels
 import dask
 import dask.array as da
 import numpy as np
-import report
 
 import dask_gpustreams
+from benchmarks import copy_kernels, report
 from dask_gpustreams.backends import gpu_visible, host_device_count
 
 
@@ -52,6 +55,9 @@ class Row:
     speedup_vs_off: float = float("nan")
     of_ideal: float = float("nan")
     correct: bool = True
+    iqr_ms: float = 0.0
+    walls_ms: list[float] = field(default_factory=list)
+    status: str = "ok"
 
 
 class CupyOps:
@@ -229,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "cupy" if gpu_visible()[0] else "sim"
+    out_dir = args.out or Path("benchmarks/results") / (
+        f"copy-{backend}-{datetime.now():%Y%m%d-%H%M%S}"
+    )
+    if out_dir.exists() and any(out_dir.iterdir()):
+        parser.error(f"--out {out_dir} is not empty: results are never overwritten")
+    out_dir.mkdir(parents=True, exist_ok=True)
     n = int(args.chunk_mib * 2**20) // 4
     rng = np.random.default_rng(0)
     host = rng.integers(0, 1000, size=(args.chunks, n)).astype(np.float32)
@@ -271,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
             times, ok = measure(run, expected, args.samples, args.warmup)
         med = statistics.median(times)
         gbps = nbytes / med / 1e6
-        rows.append(Row(mode, med, min(times), max(times), gbps, bound, bound / med, correct=ok))
+        row = Row(mode, med, min(times), max(times), gbps, bound, bound / med, correct=ok)
+        row.iqr_ms = report.summarize(times)["wall_iqr_ms"]
+        row.walls_ms = times
+        row.status = "ok" if ok else "FAILED"
+        rows.append(row)
     off = next(r for r in rows if r.mode == "off").median_ms
     ideal_ms = next(r for r in rows if r.mode == "ideal").median_ms
     for r in rows:
@@ -295,12 +311,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{'yes' if r.correct else 'FAILED'}"
         )
 
-    out_dir = args.out or Path("benchmarks/results") / (
-        f"copy-{backend}-{datetime.now():%Y%m%d-%H%M%S}"
-    )
-    out_dir.mkdir(parents=True, exist_ok=False)
+    command = sys.argv[1:] if argv is None else argv
     meta = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join(
+            [os.path.basename(sys.executable), "-m", "benchmarks.bench_copy", *command]
+        ),
         "backend": backend,
         "chunks": args.chunks,
         "chunk_mib": args.chunk_mib,
@@ -317,13 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         "dask": dask.__version__,
         "source_digest": report.source_digest(),
     }
-    (out_dir / "copy.json").write_text(
-        json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2)
-    )
-    with open(out_dir / "copy.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    dicts = [asdict(r) for r in rows]
+    report.write_json(str(out_dir / "results.json"), meta, dicts)
+    report.write_csv(str(out_dir / "results.csv"), dicts, [f for f in dicts[0] if f != "walls_ms"])
     plot(rows, bound, out_dir / "copy.png", meta)
     print(f"wrote {out_dir}")
     return 0 if all(r.correct for r in rows) else 1

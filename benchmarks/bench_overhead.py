@@ -8,8 +8,11 @@ second, and the difference to plain Dask's synchronous scheduler: for the
 plugin on the synchronous scheduler that difference is the runtime's own
 cost. Two graphs: ``wide`` (every task reads one source array) and
 ``chains`` (chains of 20 tasks, so event waits and stream reuse are
-exercised). ``--profile`` reruns the launcher on the ``chains`` graph under
-cProfile and prints where the time goes::
+exercised). Every run is checked: each output must be the source array itself
+(a no-op task returns its input), else the row is FAILED. ``--profile`` reruns the launcher
+on the ``chains`` graph under cProfile and prints where the time goes. ``--out DIR`` also
+writes ``results.json`` (meta; one row per graph and mode, with every sample) and
+``rows.jsonl`` (rows as they complete), the files ``python -m benchmarks run`` reads::
 
     python -m benchmarks.bench_overhead --backend sim
     python -m benchmarks.bench_overhead --backend cupy --tasks 20000 --profile
@@ -19,9 +22,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import io
+import json
+import os
 import pstats
 import statistics
+import sys
 import time
 
 import dask
@@ -29,7 +36,7 @@ import dask.local
 import dask.threaded
 
 import dask_gpustreams
-from benchmarks import kernels
+from benchmarks import kernels, report
 from dask_gpustreams.backends import resolve_backend
 from dask_gpustreams.runtime.policies import policy_names
 
@@ -61,18 +68,28 @@ SCHEDULERS = {
 }
 
 
-def timed(get, dsk: dict, keys: list, config: dict, threads: int, repeats: int) -> float:
-    """Median seconds of ``repeats`` runs (after one warm-up)."""
+def sampled(
+    get, dsk: dict, keys: list, config: dict, threads: int, repeats: int
+) -> tuple[list[float], str | None]:
+    """Seconds of each of ``repeats`` runs (after one warm-up), and the first wrong output.
+
+    Every output of a no-op graph is its source array itself: anything else is wrong.
+    """
     walls = []
+    problem = None
     kwargs = {"num_workers": threads} if get is dask.threaded.get else {}
     for i in range(repeats + 1):
         with dask.config.set(config):
             t0 = time.perf_counter()
-            get(dsk, keys, **kwargs)
+            results = get(dsk, keys, **kwargs)
             wall = time.perf_counter() - t0
+        if problem is None:
+            wrong = [j for j, r in enumerate(results) if r is not dsk["src"]]
+            if len(results) != len(keys) or wrong:
+                problem = f"run {i}: {len(wrong)} of {len(keys)} outputs are not the source"
         if i:
             walls.append(wall)
-    return statistics.median(walls)
+    return walls, problem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeline", action="store_true", help="also measure with the timeline on")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=None, help="also write results.json and rows.jsonl here")
     args = p.parse_args(argv)
     backend = resolve_backend(args.backend)
     policies = [x for x in args.policies.split(",") if x]
@@ -93,6 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--policies {','.join(bad)} is invalid: allowed values are {policy_names()}")
     source = kernels.to_device(backend, kernels.source(0, 256))
+    out = None if args.out is None else report.out_dir(args, f"overhead-{backend}")
+    command = sys.argv[1:] if argv is None else argv
+    meta = {
+        "argv": [sys.executable, "-m", "benchmarks.bench_overhead", *command],
+        "args": vars(args),
+        "backend": backend,
+        "started": datetime.datetime.now().isoformat(),
+        **report.environment(backend),
+    }
+    results: list[dict] = []
     print(
         f"backend {backend}, {args.tasks} no-op tasks, {args.streams} streams, threaded "
         f"scheduler with {args.threads} threads; median of {args.repeats} runs; "
@@ -119,15 +147,37 @@ def main(argv: list[str] | None = None) -> int:
             tl = {**rows[-1][2], "gpustreams.timeline": True}
             rows.append((rows[-1][0] + " +timeline", dask_gpustreams.get, tl))
         for label, get, config in rows:
-            wall = timed(get, dsk, keys, config, args.threads, args.repeats)
+            walls, problem = sampled(get, dsk, keys, config, args.threads, args.repeats)
+            wall = statistics.median(walls)
             base = wall if base is None else base
             print(
                 f"{kind:<7} {label:<30} {wall / n * 1e6:8.1f} {n / wall:9.0f} "
-                f"{(wall - base) / n * 1e6:14.1f}"
+                f"{(wall - base) / n * 1e6:14.1f}" + (f"  FAILED: {problem}" if problem else ""),
+                flush=True,
             )
+            row = {
+                "graph": kind,
+                "mode": label,
+                "backend": backend,
+                "n_tasks": n,
+                "samples": len(walls),
+                "walls_ms": [w * 1e3 for w in walls],
+                **report.summarize([w * 1e3 for w in walls]),
+                "us_per_task": wall / n * 1e6,
+                "us_per_task_vs_plain_sync": (wall - base) / n * 1e6,
+                "status": "FAILED" if problem else "ok",
+                "error": problem or "",
+            }
+            results.append(row)
+            if out is not None:
+                with open(os.path.join(out, "rows.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    if out is not None:
+        report.write_json(os.path.join(out, "results.json"), meta, results)
+        print(f"results in {out}")
     if args.profile:
         profile(backend, args, policies[0])
-    return 0
+    return 1 if any(r["status"] != "ok" for r in results) else 0
 
 
 def profile(backend: str, args: argparse.Namespace, policy: str) -> None:

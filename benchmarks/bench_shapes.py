@@ -40,7 +40,6 @@ import argparse
 import datetime
 import itertools
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -53,6 +52,7 @@ import numpy as np
 
 import dask_gpustreams
 from benchmarks import kernels, report
+from benchmarks.report import environment, out_dir  # bench_shapes.out_dir, .environment too
 from benchmarks.shapes import WIDE, dagger_shape, wide_shape
 from benchmarks.workloads import (
     IDEAL_ASSIGNMENTS,
@@ -749,55 +749,6 @@ def set_defaults(args: argparse.Namespace, backend: str) -> None:
         args.tile = 1024 if backend == "cupy" else 64
     if args.matrix % args.tile:
         raise SystemExit(f"--matrix {args.matrix} is not a multiple of --tile {args.tile}")
-
-
-def out_dir(args: argparse.Namespace, backend: str) -> str:
-    """A new directory: ``--out`` or the default, with a suffix if it exists already."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = args.out or os.path.join(REPO, "benchmarks", "results", f"{backend}-{stamp}")
-    path, i = base, 1
-    while os.path.exists(path) and os.listdir(path):
-        path, i = f"{base}-{i}", i + 1
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def environment(backend: str) -> dict:
-    import distributed
-
-    env = {
-        "python": platform.python_version(),
-        "dask": dask.__version__,
-        "distributed": distributed.__version__,
-        "numpy": np.__version__,
-        "dask_gpustreams": dask_gpustreams.__version__,
-        "host": platform.node(),
-        "env": {
-            k: v
-            for k, v in os.environ.items()
-            if k.startswith(("CUDA_DEVICE_MAX", "CUPY_", "DASK_GPUSTREAMS"))
-        },
-    }
-    env["source_digest"] = report.source_digest()
-    try:
-        env["commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-    except Exception:
-        env["commit"] = None
-    if backend == "cupy":
-        import cupy
-
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        env["cupy"] = cupy.__version__
-        env["device"] = (
-            props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        )
-        env["sms"] = props["multiProcessorCount"]
-        env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
-    else:
-        env["device"] = "dask_gpustreams.sim"
-    return env
 
 
 def estimate(args: argparse.Namespace, backend: str) -> float:

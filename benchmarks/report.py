@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
+import datetime
 import hashlib
 import json
 import math
+import os
+import platform
 import statistics
+import subprocess
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +31,61 @@ def source_digest(root: Path = REPO) -> str:
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+def out_dir(args: argparse.Namespace, backend: str) -> str:
+    """A new directory: ``--out`` or the default, with a suffix if it exists already."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = args.out or str(REPO / "benchmarks" / "results" / f"{backend}-{stamp}")
+    path, i = base, 1
+    while os.path.exists(path) and os.listdir(path):
+        path, i = f"{base}-{i}", i + 1
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def environment(backend: str) -> dict:
+    """Versions, host, CUDA/CuPy/gpustreams environment variables, source digest, commit and
+    device of a run (``backend``: ``cupy`` queries the current device)."""
+    import dask
+    import distributed
+    import numpy as np
+
+    import dask_gpustreams
+
+    env = {
+        "python": platform.python_version(),
+        "dask": dask.__version__,
+        "distributed": distributed.__version__,
+        "numpy": np.__version__,
+        "dask_gpustreams": dask_gpustreams.__version__,
+        "host": platform.node(),
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("CUDA_DEVICE_MAX", "CUPY_", "DASK_GPUSTREAMS"))
+        },
+    }
+    env["source_digest"] = source_digest()
+    try:
+        env["commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except Exception:
+        env["commit"] = None
+    if backend == "cupy":
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        env["cupy"] = cupy.__version__
+        env["device"] = (
+            props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        )
+        env["sms"] = props["multiProcessorCount"]
+        env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    else:
+        env["device"] = "dask_gpustreams.sim"
+    return env
 
 
 MODE_ORDER = ("serial", "serial-sync", "ptds-sync", "gpustreams", "launcher", "ideal")
