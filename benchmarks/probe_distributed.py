@@ -36,6 +36,7 @@ import argparse
 import statistics
 import sys
 import time
+from unittest import mock
 
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
@@ -140,6 +141,7 @@ def _install_hook_timers(dask_worker):
     from dask_gpustreams.runtime.runtime import StreamRuntime
 
     times = dask_worker._hook_times = defaultdict(list)
+    patches = dask_worker._hook_patches = []
 
     def timed(cls, name):
         original = getattr(cls, name)
@@ -152,7 +154,9 @@ def _install_hook_timers(dask_worker):
             finally:
                 times[label].append(time.perf_counter() - t0)
 
-        setattr(cls, name, wrapper)
+        patch = mock.patch.object(cls, name, wrapper)
+        patch.start()
+        patches.append(patch)
 
     targets = [
         (StreamsPlugin, "transition"),
@@ -170,6 +174,13 @@ def _install_hook_timers(dask_worker):
         timed(cls, name)
 
 
+def _remove_hook_timers(dask_worker):
+    """Restore what ``_install_hook_timers`` wrapped (in-process workers share the classes)."""
+    for patch in reversed(dask_worker._hook_patches):
+        patch.stop()
+    dask_worker._hook_patches.clear()
+
+
 def _take_hook_times(dask_worker):
     times = {k: list(v) for k, v in dask_worker._hook_times.items()}
     dask_worker._hook_times.clear()
@@ -180,6 +191,14 @@ def hook_times(dist, loads, shapes: str, reps: int) -> None:
     """Per shape: calls per task, median and mean us per call, ms per run of each hook."""
     client = dist.client
     client.run(_install_hook_timers)
+    try:
+        _hook_rows(dist, loads, shapes, reps)
+    finally:
+        client.run(_remove_hook_timers)
+
+
+def _hook_rows(dist, loads, shapes: str, reps: int) -> None:
+    client = dist.client
     print(f"{'shape':10} {'call':28} {'per task':>8} {'median us':>10} {'mean us':>8} ms/run")
     for name in shapes.split(","):
         wl = loads.get("distributed", "wide", name)
@@ -267,8 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     dist.use_streams(8, "auto", blocks=a.blocks)
     if a.hook_times:
         client.run(_set_worker, batch=None, profile=True, switch=a.switch)
-        hook_times(dist, loads, a.shapes, a.reps)
-        dist.close()
+        try:
+            hook_times(dist, loads, a.shapes, a.reps)
+        finally:
+            client.run(_set_worker, batch=None, profile=True, switch=0.005)
+            dist.close()
         return 0
     if a.profile_loop:
         for name in a.shapes.split(","):

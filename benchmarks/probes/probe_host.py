@@ -1,5 +1,10 @@
 """Where a threaded-scheduler run loses time against the hand launch (diagnostic probe).
 
+Answered (H200, 3e07a1e to ca67efd; ``docs/guide.md``, "Host launch rate", "Start-up"): on
+the threaded scheduler the host's launch rate bounds the wide shapes: 235-265 us per task with
+the runtime, Python work under the GIL of 8 threads rather than CUDA calls (``--stubs``), and
+neither one launch lock nor Dask's ``chunksize`` helps.
+
 For each wide shape, runs the graph with the plugin on (timeline on) and logs,
 per task, the host times of ``StreamRuntime.run`` (enter, exit) and the device
 start and end of its kernel on one clock (a reference event synchronized at
@@ -7,14 +12,18 @@ the start). Prints: wall, time to the first launch, median host cost per
 task, how many kernels started within 50 us of their launch (the stream was
 waiting for the host), and when the last launch happened.
 
-    python -m benchmarks.probe_host --threads 8,4,2
-    python -m benchmarks.probe_host --stubs --shapes linear,tangled
-    python -m benchmarks.probe_host --launch-lock --chunksizes 1,8
-    python -m benchmarks.probe_host --startup --backend sim
+    python -m benchmarks.probes.probe_host --threads 8,4,2
+    python -m benchmarks.probes.probe_host --stubs --shapes linear,tangled
+    python -m benchmarks.probes.probe_host --launch-lock --chunksizes 1,8
+    python -m benchmarks.probes.probe_host --startup --backend sim
 
 ``--launch-lock`` adds rows where every ``StreamRuntime.run`` holds one
 process-wide lock: launches serialized per task, as ``chunksize`` serializes
 them per batch, to see what the threads' contention costs.
+
+The library methods it times or stubs (``StreamRuntime.run``, ``LocalSchedulerHook._start``,
+``CupyBackend.done`` and ``create_event``) are patched with ``unittest.mock.patch.object``
+inside each mode and restored when it ends, also on an exception.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import statistics
 import sys
 import threading
 import time
+from unittest import mock
 
 import dask
 import dask.threaded
@@ -109,18 +119,22 @@ def stub_calls(a) -> int:
         wl = spin_workload(wide_shape(name, 8, 16, 0), "cupy", spin, 0.001)
         for stubs in ("", "query", "create", "query+create"):
             made = [real_create(None) for _ in range(40 * len(wl.shape.nodes))]
-            CupyBackend.done = (lambda self, e: False) if "query" in stubs else real_done
+            done = (lambda self, e: False) if "query" in stubs else real_done
+            create = real_create
             if "create" in stubs:
-                CupyBackend.create_event = lambda self, timing=False, _pop=made.pop: _pop()
+                create = lambda self, timing=False, _pop=made.pop: _pop()  # noqa: E731
             walls = []
             cfg = bs.gpustreams_config("cupy", a.streams, "auto")
-            for rep in range(30):
-                dsk, keys = wl.graph(("stub", rep, stubs))
-                with dask.config.set(cfg):
-                    t0 = time.perf_counter()
-                    res = dask.threaded.get(dsk, keys, num_workers=8)
-                    walls.append(time.perf_counter() - t0)
-            CupyBackend.done, CupyBackend.create_event = real_done, real_create
+            with (
+                mock.patch.object(CupyBackend, "done", done),
+                mock.patch.object(CupyBackend, "create_event", create),
+            ):
+                for rep in range(30):
+                    dsk, keys = wl.graph(("stub", rep, stubs))
+                    with dask.config.set(cfg):
+                        t0 = time.perf_counter()
+                        res = dask.threaded.get(dsk, keys, num_workers=8)
+                        walls.append(time.perf_counter() - t0)
             err = wl.check(list(res))
             us = statistics.median(walls[2:]) / len(wl.shape.nodes) * 1e6
             print(
@@ -183,12 +197,7 @@ def startup(a) -> int:
     start callback, the callback (wrapping every task), from there to the first
     ``StreamRuntime.run``, and ``dask.order`` timed alone on the same graph.
     """
-    from dask._task_spec import convert_legacy_graph
-    from dask.order import order
 
-    from benchmarks import kernels
-    from benchmarks.shapes import wide_shape
-    from benchmarks.workloads import spin_workload
     from dask_gpustreams.integrations import local
 
     marks: dict[str, float] = {}
@@ -203,8 +212,21 @@ def startup(a) -> int:
         marks.setdefault("first", time.perf_counter())
         return _orig_run(self, key, fn, inputs, registry, critical)
 
-    local.LocalSchedulerHook._start = timed_start  # looked up at each compute
-    rt.StreamRuntime.run = first_run
+    with (
+        mock.patch.object(local.LocalSchedulerHook, "_start", timed_start),  # looked up per compute
+        mock.patch.object(rt.StreamRuntime, "run", first_run),
+    ):
+        return _startup(a, marks)
+
+
+def _startup(a, marks: dict) -> int:
+    from dask._task_spec import convert_legacy_graph
+    from dask.order import order
+
+    from benchmarks import kernels
+    from benchmarks.shapes import wide_shape
+    from benchmarks.workloads import spin_workload
+
     spin = kernels.Spin(a.backend, kernels.default_blocks(a.backend), 100, 0.0005)
     print(f"{'shape':10} to callback ms  wrapping ms  to first run ms  (dask.order alone ms)")
     for name in a.shapes.split(","):
@@ -258,7 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     args = bs.parse_args(["--backend", "cupy", "--schedulers", "threaded", "--families", "wide"])
     bs.set_defaults(args, "cupy")
     loads = bs.Workloads(args, "cupy", bs.calibrate(args, "cupy"))
-    rt.StreamRuntime.run = _logged_run
+    default_switch = sys.getswitchinterval()
+    try:
+        with mock.patch.object(rt.StreamRuntime, "run", _logged_run):
+            return _host_rows(a, loads, default_switch)
+    finally:
+        sys.setswitchinterval(default_switch)
+        LOCKED[0] = False
+
+
+def _host_rows(a, loads, default_switch: float) -> int:
     switches = [None] + [float(s) for s in a.switch.split(",") if s]
     chunksizes = [int(c) for c in a.chunksizes.split(",")]
     locks = (False, True) if a.launch_lock else (False,)
@@ -266,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{'shape':10} {'policy':13} thr chunk lock switch   wall ms  first ms  last ms  "
         "host us/task  waited  gpu-first  sat"
     )
-    default_switch = sys.getswitchinterval()
     for name in a.shapes.split(","):
         wl = loads.get("threaded", "wide", name)
         ideal_ms = wl.kernel_ms * len(wl.shape.nodes)
@@ -286,7 +316,6 @@ def main(argv: list[str] | None = None) -> int:
                         + (f"  ERR {m['errors'][0]}" if m["errors"] else ""),
                         flush=True,
                     )
-    sys.setswitchinterval(default_switch)
     return 0
 
 

@@ -1,0 +1,15 @@
+"""One-off probes: each answered a question of a past session; its docstring says which.
+
+They are kept to rerun that question on a new machine or commit, not as benchmarks: they
+print text, check their results where they compute any, and are not part of
+``python -m benchmarks run``. A probe that patches a library method restores it when it ends
+(``unittest.mock.patch.object``).
+
+- ``probe_host``: where a threaded-scheduler run loses time against the hand launch
+  (``python -m benchmarks.probes.probe_host``);
+- ``probe_copy``: the copy pipeline's chunks against Dask's final concatenation
+  (``python -m benchmarks.probes.probe_copy``).
+
+The diagnostics still run at each GPU session stay at the top of ``benchmarks/``:
+``probe_distributed`` (``--hook-times`` in ``h200_cluster.sh``) and ``probe_diagnostics``.
+"""
