@@ -1,12 +1,15 @@
-"""One cuFFT plan cache per stream, for a thread that launches onto several streams.
+"""cuFFT plan caches per thread and stream, for threads that launch onto several streams.
 
 CuPy caches cuFFT plans per thread and device, keyed without the stream, and each
 plan owns one work area (cupy#8079): two same-shape FFTs that one thread launches
-onto two streams share it while both run. Turning the cache off makes every call
-plan anew (5x slower on the H200 for 1024² tiles). Instead, a thread inside
-:meth:`StreamPlanCaches.use` gets one CuPy ``PlanCache`` per stream: a plan, and
-its work area, then only ever runs on the stream that made it, in that stream's
-order, and is reused by the stream's later FFTs.
+onto two streams share it while both run. Nor may two host threads execute one
+plan at once ("cuFFT APIs are thread safe as long as different host threads
+execute FFTs using different plans", cuFFT docs; on the H200 at 14b8bc9, caches
+per stream shared by 8 threads gave a wrong tile). Turning the cache off makes
+every call plan anew (5x slower on the H200 for 1024² tiles). Instead, a thread
+inside :meth:`StreamPlanCaches.use` gets one CuPy ``PlanCache`` of its own per
+stream: a plan, and its work area, then only ever runs from that thread on the
+stream that made it, in that stream's order, and is reused by its later FFTs there.
 
 CuPy's FFT functions find their cache through the module global ``get_plan_cache``
 of ``cupy.fft._fft`` and ``cupyx.scipy.fftpack._fft``. :func:`_install` replaces
@@ -28,7 +31,8 @@ from cupy.fft import _cache
 #: The modules whose global ``get_plan_cache`` CuPy's FFTs call.
 PLAN_CACHE_USERS = ("cupy.fft._fft", "cupyx.scipy.fftpack._fft")
 
-_thread = threading.local()  # .caches: the StreamPlanCaches of this thread, if any
+#: .caches: (the StreamPlanCaches in use by this thread, its stream handle -> PlanCache)
+_thread = threading.local()
 _install_lock = threading.Lock()
 _installed = False
 
@@ -38,7 +42,12 @@ def _plan_cache() -> Any:
     caches = getattr(_thread, "caches", None)
     if caches is None:
         return _cache.get_plan_cache()
-    return caches.for_stream(cupy.cuda.get_current_stream().ptr)
+    owner, mine = caches
+    stream = cupy.cuda.get_current_stream().ptr
+    cache = mine.get(stream)
+    if cache is None:
+        cache = mine[stream] = owner.new_cache()
+    return cache
 
 
 def installable() -> str | None:
@@ -64,21 +73,22 @@ def _install() -> None:
 
 
 class StreamPlanCaches:
-    """The cuFFT plan caches of one device's streams, one ``PlanCache`` per stream.
+    """The cuFFT plan caches of one device, one ``PlanCache`` per (thread, stream).
 
     Each cache has the size and memory limit of the CuPy cache of the thread that
     first uses this object. The caches live as long as this object (the backend's),
-    so plans are reused from one compute to the next.
+    so plans are reused from one compute to the next; those of a thread that has
+    ended go to the next thread given its identifier.
     """
 
     def __init__(self, device_id: int):
         self.device_id = device_id
-        self._caches: dict[int, Any] = {}
+        self._threads: dict[int, dict[int, Any]] = {}  # thread id -> stream handle -> cache
         self._limits: tuple[int, int] | None = None
         self._lock = threading.Lock()
 
     def use(self) -> Callable[[], None]:
-        """Make this thread's FFTs use these caches; returns the function that stops it.
+        """Make this thread's FFTs use its caches here; returns the function that stops it.
 
         Only where :func:`installable` says None.
         """
@@ -87,33 +97,23 @@ class StreamPlanCaches:
             with cupy.cuda.Device(self.device_id):
                 own = _cache.get_plan_cache()
                 self._limits = (own.get_size(), own.get_memsize())
+        with self._lock:
+            mine = self._threads.setdefault(threading.get_ident(), {})
         previous = getattr(_thread, "caches", None)
-        _thread.caches = self
+        _thread.caches = (self, mine)
 
         def restore() -> None:
             _thread.caches = previous
 
         return restore
 
-    def for_stream(self, stream_ptr: int) -> Any:
-        """The plan cache of the stream whose handle is ``stream_ptr`` (made on first use)."""
-        cache = self._caches.get(stream_ptr)
-        if cache is None:
-            with self._lock:
-                cache = self._caches.get(stream_ptr)
-                if cache is None:
-                    size, memsize = self._limits or (16, -1)
-                    cache = _cache.PlanCache(size=size, memsize=memsize, dev=self.device_id)
-                    self._caches[stream_ptr] = cache
-        return cache
+    def new_cache(self) -> Any:
+        """An empty ``PlanCache`` for this device, with the limits taken by :meth:`use`."""
+        size, memsize = self._limits or (16, -1)
+        return _cache.PlanCache(size=size, memsize=memsize, dev=self.device_id)
 
-    def plans(self) -> dict[int, int]:
-        """Stream handle -> number of cached plans (for tests and diagnostics)."""
-        return {ptr: cache.get_curr_size() for ptr, cache in list(self._caches.items())}
-
-    def clear(self) -> None:
-        """Drop every cached plan (their work areas go back to their streams' pools)."""
+    def plans(self) -> dict[tuple[int, int], int]:
+        """(thread id, stream handle) -> number of cached plans (tests, diagnostics)."""
         with self._lock:
-            caches, self._caches = self._caches, {}
-        for cache in caches.values():
-            cache.clear()
+            threads = [(t, list(c.items())) for t, c in self._threads.items()]
+        return {(t, s): cache.get_curr_size() for t, caches in threads for s, cache in caches}

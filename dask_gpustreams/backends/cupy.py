@@ -105,9 +105,10 @@ class CupyBackend:
     def isolate_thread(self) -> Callable[[], None]:
         # A cached cuFFT plan owns one work area and is keyed without the stream, so two
         # same-shape FFTs launched from this thread on two streams would share it while both
-        # run (cupy#8079). This thread gets one plan cache per stream instead
-        # (cufft_plans); where CuPy's FFT modules are not as expected, no cache: each call
-        # then makes its plan, whose work area comes from the task's stream's pool.
+        # run (cupy#8079). This thread gets plan caches of its own, one per stream, instead
+        # (cufft_plans: nor may two threads run one plan at once). Where CuPy's FFT modules
+        # are not as expected, no cache: each call then makes its plan, whose work area
+        # comes from the pool on the task's stream.
         problem = cufft_plans.installable()
         if problem is None:
             return self._fft_plans.use()
@@ -125,8 +126,8 @@ class CupyBackend:
 
         return restore
 
-    def fft_plans(self) -> dict[int, int]:
-        """Stream handle -> cuFFT plans cached for it by launching threads (isolate_thread)."""
+    def fft_plans(self) -> dict[tuple[int, int], int]:
+        """(thread id, stream handle) -> cuFFT plans cached there (see isolate_thread)."""
         return self._fft_plans.plans()
 
     def use_stream(self, stream: cupy.cuda.Stream, key: Any = None) -> AbstractContextManager:

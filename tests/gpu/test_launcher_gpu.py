@@ -78,7 +78,7 @@ def test_same_shape_ffts_on_many_streams_are_exact():
 
     1000 x 1000 (not a power of two) needs a cuFFT work area. Each tile's
     round trip must equal the one computed alone on the default stream. The
-    launching thread caches one plan per stream (``backends.cufft_plans``),
+    launching thread caches plans per stream (``backends.cufft_plans``),
     reused from round to round; its own CuPy cache is left as it was.
     """
     rng = np.random.default_rng(3)
