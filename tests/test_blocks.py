@@ -232,6 +232,38 @@ def test_no_group_has_more_tasks_than_the_block_size():
     assert _partition(diamond, 1, max_tasks=64) == [sorted({k for e in diamond for k in e})]
 
 
+def test_a_connected_part_too_large_for_one_worker_is_cut_into_bands_of_one_block_a_worker():
+    """Tangled (width 16, one part) on two workers: bands of levels, two blocks each of about
+    equal size and independent of each other (bins 0 and 1), rather than one block."""
+    from benchmarks.shapes import wide_shape
+
+    graph = wide_shape("tangled", width=16, depth=8)
+    edges = [(a, n.key) for n in graph.nodes for a in n.args if a not in graph.sources]
+    deps: dict = {n.key: [] for n in graph.nodes}
+    for a, b in edges:
+        deps[b].append(a)
+    dependents: dict = {k: [] for k in deps}
+    for a, b in edges:
+        dependents[a].append(b)
+    bands: list = []
+    groups = partition(
+        list(deps), deps.__getitem__, dependents.__getitem__, graph.depth, 2, 64, str, bands
+    )
+    by_band: dict = {}
+    for group, tag in zip(groups, bands, strict=True):
+        if tag is not None:
+            by_band.setdefault(tag[0], {})[tag[1]] = set(group)
+    assert by_band and sum(len(g) for b in by_band.values() for g in b.values()) >= 64
+    for bins in by_band.values():
+        assert sorted(bins) == [0, 1]
+        small, large = sorted(len(g) for g in bins.values())
+        assert 2 * small * 2 >= small + large  # the smaller at least half the mean
+        a, b = bins.values()
+        assert not any(d in b for k in a for d in deps[k]) and not any(
+            d in a for k in b for d in deps[k]
+        )
+
+
 def test_the_block_size_is_a_checked_setting():
     from dask_gpustreams import StreamsConfig
 
@@ -474,6 +506,48 @@ def test_blocks_hold_no_more_tasks_than_the_block_size():
         blocks, grouped = formed(client)
         assert grouped == 28 and blocks >= 6
         assert largest(client) <= 5
+
+
+def counted_mix(salt, *arrays, delay=0.0):
+    """``mix``, counted on the worker's runtime when it runs inside a block (the launcher)."""
+    from dask_gpustreams.runtime.context import task_state
+
+    if getattr(task_state, "launching", False):
+        active_task()[0].__dict__.setdefault("tasks_in_blocks", []).append(salt)
+    return mix(salt, *arrays, delay=delay)
+
+
+def test_a_wide_graph_on_two_workers_runs_its_blocks_on_both():
+    """The benchmark's tangled shape (width 16, one connected part) and a small chain beside
+    it: grouped into bands of blocks meant for one worker each, so each worker runs at least
+    a quarter of the tasks inside blocks. Before, the two parts were two blocks, and one
+    worker ran the whole tangled part."""
+    from benchmarks.shapes import wide_shape
+
+    rng = np.random.default_rng(16)
+    graph = wide_shape("tangled", width=16, depth=8)
+    tasks = {
+        k: (delayed(source)(seed, 0.0), np.arange(N) + float(seed))
+        for k, seed in graph.sources.items()
+    }
+    for node in graph.nodes:
+        args = [tasks[a] for a in node.args]
+        task = delayed(counted_mix)(node.salt, *(t for t, _ in args), delay=rng.random() * 0.002)
+        tasks[node.key] = (task, host_mix(node.salt, *(r for _, r in args)))
+    side = delayed(counted_mix)(0, delayed(source)(99, 0.0))
+    wanted = [tasks[k] for k in graph.outputs] + [(side, host_mix(0, np.arange(N) + 99.0))]
+    with cluster(2, config={"gpustreams.streams": 8}) as client:
+        got = client.compute([t for t, _ in wanted], sync=True)
+        for value, (_, ref) in zip(got, wanted, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        ran = client.run(
+            lambda dask_worker: len(
+                getattr(dask_worker.plugins["gpustreams"].runtime, "tasks_in_blocks", ())
+            )
+        )
+        total = sum(ran.values())
+        assert total >= len(graph.nodes) // 2, ran  # most of the graph ran in blocks
+        assert min(ran.values()) >= total / 4, ran
 
 
 def test_blocks_off_runs_a_task_per_key():

@@ -118,6 +118,7 @@ def partition(
     n_workers: int,
     max_tasks: int = 64,
     order: Callable[[Hashable], Any] | None = None,
+    bands: list | None = None,
 ) -> list[list[Hashable]]:
     """The groups of ``candidates`` worth a block each (two tasks or more); the estimate.
 
@@ -127,10 +128,14 @@ def partition(
     and costs the parallelism of its tasks across workers and the wait for all
     its inputs before it starts. So:
 
-    - when the candidates fall into at least ``n_workers`` independent parts
-      (weakly connected components), every part is a block: the workers still
-      have a part each, and nothing is serialized that was not on one worker;
-    - otherwise only *chains* are: runs of tasks where each one's only
+    - every part (weakly connected component of the candidates) that is no
+      larger than one worker's share (the grouped tasks over ``n_workers``) is
+      a block: on one worker, every part;
+    - a larger part, on several workers, is cut into bands of levels whose
+      independent pieces pack into ``n_workers`` groups of about equal size
+      (:func:`_bands`): each group a block, one per worker, so the part still
+      runs on every worker;
+    - among the rest, *chains* are: runs of tasks where each one's only
       dependent is the next, and the next's only candidate dependency is it;
       a chain runs one task at a time anyway.
 
@@ -144,6 +149,10 @@ def partition(
     piece reads only earlier pieces of its group. Should the blocks still
     depend on each other in a cycle (through tasks that are not candidates),
     only the chains are grouped.
+
+    ``bands``, if given, gets one entry per group returned: ``(band, bin)``
+    for the groups of a part cut into bands (see :func:`_bands`), whose bins
+    ``0 .. n_workers - 1`` are meant for one worker each, else None.
     """
     members = set(candidates)
     parent = {k: k for k in members}
@@ -163,26 +172,135 @@ def partition(
     parts: dict[Hashable, list[Hashable]] = {}
     for k in members:
         parts.setdefault(find(k), []).append(k)
-    groups: list[list[Hashable]] = []
-    if len(parts) >= max(1, n_workers):
-        for part in parts.values():
-            if len(part) < 2:
-                continue
-            if _convex(part, dependents, level):
-                groups.append(part)
-            else:
-                groups.extend(_chains(part, members, dependencies, dependents))
-    else:
-        for part in parts.values():
-            groups.extend(_chains(part, members, dependencies, dependents))
     sort_key = (lambda k: (level[k], order(k))) if order is not None else level.__getitem__
-    pieces = [p for g in groups for p in _cut(g, max_tasks, sort_key)]
-    if len(pieces) > len(groups) and not _acyclic(pieces, level, dependencies):
+    workers = max(1, n_workers)
+    grouped = [part for part in parts.values() if len(part) >= 2]
+    share = sum(map(len, grouped)) / workers  # the tasks each worker should get
+    groups: list[tuple[list[Hashable], Any]] = []  # (keys, (band, bin) or None)
+    for part in grouped:
+        if len(part) <= share and _convex(part, dependents, level):
+            groups.append((part, None))  # one worker's share at most: the whole part
+            continue
+        left: list[Hashable] = part
+        if workers > 1 and len(part) > share:
+            first = 1 + max((t[0] for _, t in groups if t is not None), default=-1)
+            banded, left = _bands(part, members, dependencies, level, workers, sort_key, first)
+            groups.extend(banded)
+        groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
+    pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, sort_key)]
+    if not _acyclic([p for p, _ in pieces], level, dependencies):
         chains = [
             c for part in parts.values() for c in _chains(part, members, dependencies, dependents)
         ]
-        pieces = [p for c in chains for p in _cut(c, max_tasks, sort_key)]
-    return pieces
+        pieces = [(p, None) for c in chains for p in _cut(c, max_tasks, sort_key)]
+    if bands is not None:
+        bands.extend(tag for _, tag in pieces)
+    return [p for p, _ in pieces]
+
+
+def _bands(
+    part: list[Hashable],
+    members: set,
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    level: Mapping[Hashable, int],
+    workers: int,
+    sort_key: Callable,
+    first: int = 0,
+) -> tuple[list[tuple[list[Hashable], tuple[int, int]]], list[Hashable]]:
+    """``part``, too large for one worker, as ``workers`` groups per band of levels.
+
+    A band is a run of levels whose tasks fall into independent pieces (weakly
+    connected within the band) that pack into ``workers`` groups of about equal
+    size (the smallest at least half the mean): those groups can run on every
+    worker at once, and a band is as deep as that allows. A level narrower than
+    ``workers`` joins no band, and a band of one level makes no groups (there is
+    no dependency step inside to save, and each output of a block with several
+    costs a getter task's round trip). Returns the groups (of two tasks or
+    more), each with its ``(band, bin)`` (bands numbered from ``first``), and
+    the tasks left over (for chains).
+    """
+    by_level: dict[int, list[Hashable]] = {}
+    for k in part:
+        by_level.setdefault(level[k], []).append(k)
+    groups: list[tuple[list[Hashable], tuple[int, int]]] = []
+    left: list[Hashable] = []
+    number = [first]
+    parent: dict[Hashable, Hashable] = {}
+    size: dict[Hashable, int] = {}
+    band: list[Hashable] = []
+
+    def find(k: Hashable) -> Hashable:
+        while parent[k] != k:
+            k = parent[k]
+        return k
+
+    def close() -> None:
+        if len({level[k] for k in band}) < 2:  # no dependency step inside: nothing saved
+            left.extend(band)  # (and each output would cost a getter's round trip)
+            return
+        pieces: dict[Hashable, list[Hashable]] = {}
+        for k in band:
+            pieces.setdefault(find(k), []).append(k)
+        for i, group in enumerate(_pack(list(pieces.values()), workers, sort_key)):
+            if len(group) >= 2:
+                groups.append((group, (number[0], i)))
+            else:
+                left.extend(group)
+        number[0] += 1
+
+    for lv in sorted(by_level):
+        keys = by_level[lv]
+        joined: list[tuple[Hashable, Hashable]] = []  # (root merged, into root): undone if refused
+        for k in keys:
+            parent[k] = k
+            size[k] = 1
+        for k in keys:
+            for d in dependencies(k):
+                if d in parent and d in members:
+                    a, b = find(k), find(d)
+                    if a != b:
+                        if size[a] > size[b]:
+                            a, b = b, a
+                        parent[a] = b
+                        size[b] += size[a]
+                        joined.append((a, b))
+        roots = {find(k) for k in band} | {find(k) for k in keys}
+        if _balanced([size[r] for r in roots], workers):
+            band.extend(keys)
+            continue
+        for a, b in reversed(joined):  # refused: the band ends before this level
+            parent[a] = a
+            size[b] -= size[a]
+        for k in keys:
+            del parent[k], size[k]
+        close()
+        parent = {k: k for k in keys}
+        size = dict.fromkeys(keys, 1)
+        band = list(keys)
+        if not _balanced([1] * len(keys), workers):  # narrower than the workers: no band
+            left.extend(keys)
+            parent, size, band = {}, {}, []
+    close()
+    return groups, left
+
+
+def _balanced(sizes: list[int], workers: int) -> bool:
+    """Whether pieces of ``sizes`` pack into ``workers`` bins, the smallest >= half the mean."""
+    if len(sizes) < workers:
+        return False
+    loads = [0] * workers
+    for n in sorted(sizes, reverse=True):
+        loads[loads.index(min(loads))] += n
+    return 2 * min(loads) * workers >= sum(sizes)
+
+
+def _pack(pieces: list[list[Hashable]], workers: int, sort_key: Callable) -> list[list[Hashable]]:
+    """``pieces`` in ``workers`` bins of about equal size, largest piece first."""
+    bins: list[list[Hashable]] = [[] for _ in range(workers)]
+    pieces.sort(key=lambda p: (-len(p), min(map(sort_key, p))))
+    for piece in pieces:
+        min(bins, key=len).extend(piece)
+    return [b for b in bins if b]
 
 
 def _cut(group: list[Hashable], max_tasks: int, sort_key: Callable) -> list[list[Hashable]]:

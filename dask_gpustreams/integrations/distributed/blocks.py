@@ -65,7 +65,7 @@ BLOCK_PREFIX = "gpustreams-block"
 
 
 class StreamBlocks(SchedulerPlugin):
-    """Group the chains (and, on small clusters, the parts) of each graph into block tasks."""
+    """Group the chains, parts and bands of each graph into block tasks (see ``partition``)."""
 
     name = "gpustreams-blocks"
     idempotent = True
@@ -170,6 +170,7 @@ class StreamBlocks(SchedulerPlugin):
         if len(candidates) < 2:
             return plan
         level = _levels(touched, new)
+        bands: list = []
         groups = partition(
             candidates,
             lambda k: [d.key for d in tasks[k].dependencies],
@@ -178,9 +179,61 @@ class StreamBlocks(SchedulerPlugin):
             len(self.scheduler.workers),
             self.block_size(),
             lambda k: tasks[k].priority,
+            bands,
         )
-        plan.blocks = [_block_plan([tasks[k] for k in group]) for group in groups]
+        places = self._spread(groups, bands)
+        plan.blocks = [
+            _block_plan([tasks[k] for k in group], place)
+            for group, place in zip(groups, places, strict=True)
+        ]
         return plan
+
+    def _spread(self, groups: list[list], bands: list) -> list[str | None]:
+        """The worker each group of a band is meant for (None: distributed decides).
+
+        The bins of one band (see :func:`partition`) go to different workers, each
+        to the one that holds, or is meant to compute, most of its inputs
+        (ties: the worker given the fewest tasks so far). Distributed would put
+        them all where their inputs are: on the worker of the first band.
+        """
+        places: list[str | None] = [None] * len(groups)
+        workers = sorted(self.scheduler.workers)
+        if len(workers) < 2:
+            return places
+        tasks = self.scheduler.tasks
+        by_band: dict[int, dict[int, list[int]]] = {}
+        for i, tag in enumerate(bands):
+            if tag is not None:
+                by_band.setdefault(tag[0], {}).setdefault(tag[1], []).append(i)
+        where: dict[Hashable, str] = {}
+        given = dict.fromkeys(workers, 0)
+        for band in sorted(by_band):
+            bins = by_band[band]
+            score: dict[int, dict[str, int]] = {}
+            for b, indices in bins.items():
+                votes = score[b] = dict.fromkeys(workers, 0)
+                for i in indices:
+                    inside = set(groups[i])
+                    for k in groups[i]:
+                        for d in tasks[k].dependencies:
+                            if d.key in inside:
+                                continue
+                            if d.key in where:
+                                votes[where[d.key]] += 1
+                            for ws in d.who_has or ():
+                                if ws.address in votes:
+                                    votes[ws.address] += 1
+            free = list(workers)
+            size = {b: sum(len(groups[i]) for i in bins[b]) for b in bins}
+            for b in sorted(bins, key=lambda b: (-size[b], b)):
+                votes = score[b]
+                best = max(free, key=lambda w: (votes[w], -given[w]))
+                free.remove(best)
+                given[best] += size[b]
+                for i in bins[b]:
+                    places[i] = best
+                    where.update(dict.fromkeys(groups[i], best))
+        return places
 
     def _apply(self, plan: _Plan, stimulus_id: str) -> None:
         """Make ``plan``'s blocks, then forget the keys they replace.
@@ -217,11 +270,9 @@ class StreamBlocks(SchedulerPlugin):
     def _form(self, block: _BlockPlan, undo: list[Callable[[], None]]) -> None:
         """Relink the scheduler's tasks as ``block`` says; append to ``undo`` what reverts it."""
         for ts in block.members:
-            old_deps, old_spec = set(ts.dependencies), ts.run_spec
-            old_priority, old_retries = ts.priority, ts.retries
-            undo.append(
-                functools.partial(_restore, ts, old_deps, old_spec, old_priority, old_retries)
-            )
+            old = (ts.run_spec, ts.priority, ts.retries, ts.worker_restrictions)
+            old_deps, loose = set(ts.dependencies), ts.loose_restrictions
+            undo.append(functools.partial(_restore, ts, old_deps, *old, loose))
             for d in old_deps:
                 ts.dependencies.discard(d)
                 d.dependents.discard(ts)
@@ -237,6 +288,9 @@ class StreamBlocks(SchedulerPlugin):
                 ts.add_dependency(head)
         head.priority = block.priority
         head.retries = block.retries
+        if block.worker is not None:  # a bin of a band: meant for this worker, else any
+            head.worker_restrictions = {block.worker}
+            head.loose_restrictions = True
         for d in block.inputs:
             head.add_dependency(d)
 
@@ -278,6 +332,7 @@ class _BlockPlan:
     priority: Any
     retries: int
     forget: dict = field(default_factory=dict)  # the members no one outside needs
+    worker: str | None = None  # the worker a bin of a band is meant for
 
 
 @dataclass
@@ -286,7 +341,7 @@ class _Plan:
     blocks: list[_BlockPlan]
 
 
-def _block_plan(members: list) -> _BlockPlan:
+def _block_plan(members: list, worker: str | None = None) -> _BlockPlan:
     """The block of ``members`` (TaskStates): its inputs, outputs, task and getters."""
     members = sorted(members, key=operator.attrgetter("priority"))
     inside = set(members)
@@ -320,11 +375,21 @@ def _block_plan(members: list) -> _BlockPlan:
         members[0].priority,
         max(ts.retries for ts in members),
         {ts.key: "forgotten" for ts in members if ts not in kept},
+        worker,
     )
 
 
-def _restore(ts: Any, dependencies: set, run_spec: Any, priority: Any, retries: int) -> None:
-    """Undo: give ``ts`` back the dependencies, run_spec, priority and retries it had."""
+def _restore(
+    ts: Any,
+    dependencies: set,
+    run_spec: Any,
+    priority: Any,
+    retries: int,
+    restrictions: set | None,
+    loose: bool,
+) -> None:
+    """Undo: give ``ts`` back the dependencies, run_spec, priority, retries and
+    worker restrictions it had."""
     for d in list(ts.dependencies):
         ts.dependencies.discard(d)
         d.dependents.discard(ts)
@@ -332,6 +397,7 @@ def _restore(ts: Any, dependencies: set, run_spec: Any, priority: Any, retries: 
         ts.dependencies.add(d)
         d.dependents.add(ts)
     ts.run_spec, ts.priority, ts.retries = run_spec, priority, retries
+    ts.worker_restrictions, ts.loose_restrictions = restrictions, loose
 
 
 def _forgotten_with(orphans: list) -> set:
