@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,8 @@ from cupy.fft import _cache
 #: The modules whose global ``get_plan_cache`` CuPy's FFTs call.
 PLAN_CACHE_USERS = ("cupy.fft._fft", "cupyx.scipy.fftpack._fft")
 
-#: .caches: (the StreamPlanCaches in use by this thread, its stream handle -> PlanCache)
+#: .caches: (the StreamPlanCaches in use by this thread, its _ThreadCaches), while in use;
+#: .kept: StreamPlanCaches -> its _ThreadCaches for this thread, for the life of both.
 _thread = threading.local()
 _install_lock = threading.Lock()
 _installed = False
@@ -72,18 +74,26 @@ def _install() -> None:
             _installed = True
 
 
+class _ThreadCaches(dict):
+    """Stream handle -> ``PlanCache`` of one thread (a dict that can be weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
+
+
 class StreamPlanCaches:
     """The cuFFT plan caches of one device, one ``PlanCache`` per (thread, stream).
 
     Each cache has the size and memory limit of the CuPy cache of the thread that
-    first uses this object. The caches live as long as this object (the backend's),
-    so plans are reused from one compute to the next; those of a thread that has
-    ended go to the next thread given its identifier.
+    first uses this object. A thread's caches live in that thread (a thread local),
+    so plans are reused from one compute to the next and go with the thread: the
+    launcher's host threads come and go, and must not leave plans behind.
     """
 
     def __init__(self, device_id: int):
         self.device_id = device_id
-        self._threads: dict[int, dict[int, Any]] = {}  # thread id -> stream handle -> cache
+        self._threads: weakref.WeakValueDictionary[int, _ThreadCaches] = (
+            weakref.WeakValueDictionary()
+        )
         self._limits: tuple[int, int] | None = None
         self._lock = threading.Lock()
 
@@ -97,8 +107,14 @@ class StreamPlanCaches:
             with cupy.cuda.Device(self.device_id):
                 own = _cache.get_plan_cache()
                 self._limits = (own.get_size(), own.get_memsize())
-        with self._lock:
-            mine = self._threads.setdefault(threading.get_ident(), {})
+        kept = _thread.__dict__.get("kept")
+        if kept is None:
+            kept = _thread.kept = weakref.WeakKeyDictionary()
+        mine = kept.get(self)
+        if mine is None:
+            mine = kept[self] = _ThreadCaches()
+            with self._lock:
+                self._threads[threading.get_ident()] = mine
         previous = getattr(_thread, "caches", None)
         _thread.caches = (self, mine)
 
@@ -113,7 +129,7 @@ class StreamPlanCaches:
         return _cache.PlanCache(size=size, memsize=memsize, dev=self.device_id)
 
     def plans(self) -> dict[tuple[int, int], int]:
-        """(thread id, stream handle) -> number of cached plans (tests, diagnostics)."""
+        """(thread id, stream handle) -> plans cached, for live threads (tests, diagnostics)."""
         with self._lock:
             threads = [(t, list(c.items())) for t, c in self._threads.items()]
         return {(t, s): cache.get_curr_size() for t, caches in threads for s, cache in caches}

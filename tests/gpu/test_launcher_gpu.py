@@ -93,10 +93,12 @@ def test_same_shape_ffts_on_many_streams_are_exact():
             for g, a in zip(got, alone, strict=True):
                 np.testing.assert_array_equal(cupy.asnumpy(g), a)
         plans = get_runtime().backend.fft_plans()
-    # Plans per stream that ran a tile (fft2's and ifft2's), reused over the rounds, where
-    # planning on every call (the cache off) would cache none.
-    assert 0 < len([n for n in plans.values() if n]) <= 8, plans
-    assert max(plans.values()) <= 2, plans
+    # Plans per (thread, stream) that ran a tile (fft2's and ifft2's; this thread or the
+    # launcher's host threads), reused over the rounds, where planning on every call (the
+    # cache off) would cache none.
+    cached = [n for n in plans.values() if n]
+    assert cached, plans
+    assert max(cached) <= 2, plans
     assert (own.get_size(), own.get_curr_size()) == before  # the caller's, as it was
 
 

@@ -117,10 +117,10 @@ def test_same_shape_ffts_on_pool_streams_are_exact(route):
         assert max(errors) < RACE, f"work area {work} B, errors {errors}"
     with dask.config.set(ROUTES[route][0]):
         plans = get_runtime().backend.fft_plans()
-    threads = 1 if route == "launcher" else STREAMS
-    cached = [n for n in plans.values() if n]  # none: planned per call
-    assert 0 < len(cached) <= threads * STREAMS, plans
-    assert max(plans.values()) == 1, plans  # one shape: one plan per (thread, stream)
+    # Live threads' plans: the launcher's (and its host threads'), or the threaded route's.
+    cached = [n for n in plans.values() if n]
+    assert cached, plans  # none: planned per call
+    assert max(cached) == 1, plans  # one shape: one plan per (thread, stream)
     if route == "launcher":  # this thread launched: its own cache is as it was
         assert (own.get_size(), own.get_curr_size()) == before
 
