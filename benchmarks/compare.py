@@ -106,6 +106,11 @@ def render(lines: list[dict], old: dict, new: dict, threshold: float) -> str:
             x, y = (x or {}).get("name"), (y or {}).get("name")
         if x != y:
             out.append(f"note: the {what} differs ({x} against {y}): ratios mix it in")
+    if old.get("quick") or new.get("quick"):
+        out.append(
+            "note: a --quick run: toy sizes and 2 samples, made to check that each benchmark "
+            "runs and is right; its times are not measurements"
+        )
     out.append(
         f"{'benchmark':<10} {'case':<30} {'mode':<34} {'old ms':>9} {'new ms':>9} "
         f"{'noise':>7} {'ratio':>6}  verdict"
