@@ -24,7 +24,7 @@ from dask._task_spec import Task, TaskRef
 from distributed import Client, LocalCluster, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, sim
-from dask_gpustreams.integrations.blocks import StreamBlock, partition
+from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock, partition
 from dask_gpustreams.runtime.context import active_task
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -417,7 +417,7 @@ def test_a_block_on_a_stream_left_in_error_by_another_failure_runs_again():
 def test_a_block_runs_again_only_for_new_errors_of_other_keys():
     """Its own key's error is raised at once; another key's (a task that synced on a stream
     left in error by another failure) relaunches it, never twice for one error, at most
-    ``StreamBlock.relaunches`` times."""
+    ``StreamBlock.relaunches`` times, and then it raises BlockSkipped, never that error."""
     calls = []
 
     def outcome(error):
@@ -431,15 +431,48 @@ def test_a_block_runs_again_only_for_new_errors_of_other_keys():
         calls.clear()
         with dask.config.set(CONFIG):
             runtime = get_runtime()
-        with pytest.raises(KernelError) as info:
+        with pytest.raises((KernelError, BlockSkipped)) as info:
             block.launch(runtime, {"x": sim.asarray(np.arange(N) + 0.0)})
-        return info.value.key, len(calls)
+        return type(info.value).__name__, _failed_key(info.value), len(calls)
 
-    assert outcome(lambda: KernelError("y", "boom")) == ("y", 1)
+    assert outcome(lambda: KernelError("y", "boom")) == ("KernelError", "y", 1)
     same = KernelError("elsewhere", "boom")
-    assert outcome(lambda: same) == ("elsewhere", 2)
+    assert outcome(lambda: same) == ("BlockSkipped", "elsewhere", 2)
     fresh = outcome(lambda: KernelError("elsewhere", "boom"))
-    assert fresh == ("elsewhere", 1 + StreamBlock.relaunches)
+    assert fresh == ("BlockSkipped", "elsewhere", 1 + StreamBlock.relaunches)
+
+
+def _failed_key(exc):
+    return exc.key if isinstance(exc, KernelError) else exc.error.key
+
+
+def skipped_by_others(path, times, a):
+    """Raises a fresh ``KernelError`` of a key outside the block on its first ``times`` calls
+    (counted in the file ``path``), as a kernel skipped by another task's failure would."""
+    n = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(n + 1))
+    if n < times:
+        raise KernelError("elsewhere", f"skipped, call {n}")
+    return a
+
+
+def test_a_block_skipped_by_other_failures_past_its_relaunches_is_recomputed_not_failed(
+    tmp_path,
+):
+    """Skipped on each of its launches on a worker (1 + ``relaunches``), the block is
+    rescheduled and computed again, exactly; the client never sees the other key's error.
+    Before, it raised that KernelError (of a key not in the graph) on the block's keys."""
+    calls = tmp_path / "calls"
+    times = 1 + StreamBlock.relaunches
+    with cluster(1) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        a = delayed(mix)(1, s, dask_key_name="first")
+        b = delayed(skipped_by_others)(calls, times, a, dask_key_name="skipped")
+        c = delayed(mix)(2, b, dask_key_name="last")
+        got = client.compute(c).result(timeout=30)
+        np.testing.assert_array_equal(sim.asnumpy(got), host_mix(2, host_mix(1, np.arange(N))))
+        assert int(calls.read_text()) == times + 1
+        assert formed(client) == (1, 3)
 
 
 class Collisions(logging.Handler):

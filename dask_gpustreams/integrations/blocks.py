@@ -13,7 +13,9 @@ A block returns its outputs (one value, or a tuple in :attr:`StreamBlock.outputs
 order) once their work has completed, as ``compute`` does: a kernel failure
 inside it raises the :class:`~dask_gpustreams.KernelError` naming the inner key
 whose kernel failed, and one of another task, which left a stream in error
-under the block's kernels, launches the block again. Intermediates are dropped
+under the block's kernels, launches the block again (and past
+:attr:`StreamBlock.relaunches`, raises :class:`BlockSkipped`, which
+reschedules it on distributed). Intermediates are dropped
 once their consumers inside the block are launched, as the launcher does.
 Without a stream runtime (a worker without the plugin, a process pool) it runs
 its tasks in priority order on the host, as Dask would.
@@ -21,6 +23,7 @@ its tasks in priority order on the host, as Dask would.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +34,27 @@ from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.launcher import launch_plan
 from dask_gpustreams.runtime import StreamRuntime
 from dask_gpustreams.runtime.launcher import GraphLauncher
+
+
+class BlockSkipped(Exception):  # noqa: N818 - it is not an error of the block's
+    """A block's kernels were skipped by other tasks' failures each time: run it again later.
+
+    :meth:`StreamBlock.launch` raises it, with the last such ``KernelError``
+    as :attr:`error`, after :attr:`StreamBlock.relaunches` launches again (or
+    when one error comes back after it was reported). It is not a
+    ``KernelError``: the block's inputs are good and none of its own kernels
+    failed, so no error of another key is reported under the block's keys. On
+    distributed the worker reschedules the block (``distributed.Reschedule``).
+    """
+
+    def __init__(self, error: KernelError):
+        super().__init__(
+            f"the block's kernels were skipped by the failure of {error.key!r} (another task)"
+        )
+        self.error = error
+
+    def __reduce__(self):
+        return BlockSkipped, (self.error,)
 
 
 class StreamBlock:
@@ -91,10 +115,12 @@ class StreamBlock:
 
         A ``KernelError`` of a key outside the block comes from another task
         whose failure left a stream in error under the block's kernels, which
-        were then skipped: the inputs are good, so the block is launched again
-        (once that error is reported, the device clears it before later work),
-        at most :attr:`relaunches` times, and never for an error seen before.
-        A CUDA error (sticky, of no key) is raised as is.
+        were then skipped: the inputs are good, so the block is launched again,
+        once every stream of ``runtime`` has been synchronized (which reports
+        such failures, so the device clears them before later work), at most
+        :attr:`relaunches` times. Past that, or when one such error comes back,
+        it raises :class:`BlockSkipped`, never the other key's error. A CUDA
+        error (sticky, of no key) is raised as is.
         """
         tasks, dependencies, host = launch_plan(self.nodes, type(runtime.backend))
         priority = {node.key: i for i, node in enumerate(self.nodes)}
@@ -105,9 +131,28 @@ class StreamBlock:
             try:
                 return self._result(GraphLauncher(*args, check=True).run())
             except KernelError as e:
-                if e.key in tasks or len(seen) >= self.relaunches or any(e is s for s in seen):
-                    raise
+                if e.key in tasks:
+                    raise  # one of the block's own kernels failed: the error names it
+                if len(seen) >= self.relaunches or any(e is s for s in seen):
+                    raise BlockSkipped(e) from None
                 seen.append(e)
+                _report_failures(runtime)
+
+
+def _report_failures(runtime: StreamRuntime) -> None:
+    """Synchronize every stream of ``runtime`` (compute and copy), ignoring their errors.
+
+    Reports the failures no sync has reported yet, so that work launched later
+    on the streams they reached runs. Their events keep the errors: the
+    results they corrupted are still found.
+    """
+    transfers = getattr(runtime, "transfers", None)
+    for pool in (runtime.pool, getattr(transfers, "h2d", None), getattr(transfers, "d2h", None)):
+        if pool is None or not pool.started():
+            continue
+        for slot in pool.slots:
+            with contextlib.suppress(Exception):
+                runtime.backend.synchronize_stream(slot.stream)
 
 
 def partition(

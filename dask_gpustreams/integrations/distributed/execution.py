@@ -13,9 +13,10 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from dask._task_spec import GraphNode, Task, TaskRef
+from distributed import Reschedule
 
 from dask_gpustreams.diagnostics.fine_metrics import launch_meter
-from dask_gpustreams.integrations.blocks import StreamBlock
+from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
 
@@ -88,8 +89,11 @@ class WorkerStreamTask(StreamTask):
         if type(node) is Task and type(node.func) is StreamBlock:
             if pending:  # its tasks launch on other streams: the inputs' work must be done
                 provenance.wait_inputs(tuple(self._dependencies))
-            with launch_meter():
-                return node.func.launch(self.runtime, values)
+            try:
+                with launch_meter():
+                    return node.func.launch(self.runtime, values)
+            except BlockSkipped:  # no failure of its own: recompute, report no other key's
+                raise Reschedule() from None
         if pending:
             provenance.taint[self.key] = pending
         with launch_meter():
