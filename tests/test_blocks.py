@@ -381,6 +381,25 @@ def test_a_kernel_error_inside_a_block_names_the_inner_key():
         )
 
 
+def test_a_kernel_error_inside_a_block_fails_only_the_outputs_that_derive_from_it():
+    """One block of three outputs: two derive from a different failed kernel each, and get
+    that key's KernelError; the third does not, and gets its value, as task per key."""
+    with cluster(1) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        a = delayed(mix)(1, s, delay=0.002, dask_key_name="shared")
+        out1 = delayed(mix)(2, delayed(bad)(a, dask_key_name="fail-1"), dask_key_name="out-1")
+        out2 = delayed(mix)(3, delayed(bad)(a, dask_key_name="fail-2"), dask_key_name="out-2")
+        out3 = delayed(mix)(4, a, delay=0.002, dask_key_name="out-3")
+        futures = client.compute([out1, out2, out3])
+        for future, key in zip(futures[:2], ["fail-1", "fail-2"], strict=True):
+            with pytest.raises(KernelError, match="boom in a block") as info:
+                future.result(timeout=30)
+            assert info.value.key == key
+        expected = host_mix(4, host_mix(1, np.arange(N)))
+        np.testing.assert_array_equal(sim.asnumpy(futures[2].result(timeout=30)), expected)
+        assert formed(client) == (1, 6)
+
+
 def test_a_kernel_error_reported_first_elsewhere_still_fails_its_block():
     """The failure inside the block is reported by a sync outside it (the worker's clear of
     its streams' errors) before the block's own syncs, which then say nothing."""

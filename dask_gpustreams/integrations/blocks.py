@@ -107,11 +107,18 @@ class StreamBlock:
         """Launch the block onto ``runtime``'s streams; return once its outputs are complete.
 
         ``values`` holds the inputs, whose work must be complete and good (the
-        worker checks them first). Raises the first task exception, or the
-        ``KernelError`` of the inner key whose kernel failed. Every event of
-        the block is checked, so its outputs are known good when it returns
+        worker checks them first). Raises the first task exception. Every event
+        of the block is checked, so its outputs are known good when it returns
         (they need no event nor taint), even where a sync elsewhere reported
         the failure first.
+
+        A kernel failure of an inner key fails the outputs that derive from it,
+        as task per key would, and only those: the block is launched again
+        without the tasks that derive from the failed one, for its other
+        outputs. With one output, the ``KernelError`` naming the inner key is
+        raised; with several, each failed output's slot of the tuple holds its
+        error, which :func:`block_output` (its getter) raises, and the tuple is
+        returned.
 
         A ``KernelError`` of a key outside the block comes from another task
         whose failure left a stream in error under the block's kernels, which
@@ -122,14 +129,39 @@ class StreamBlock:
         it raises :class:`BlockSkipped`, never the other key's error. A CUDA
         error (sticky, of no key) is raised as is.
         """
-        tasks, dependencies, host = launch_plan(self.nodes, type(runtime.backend))
-        priority = {node.key: i for i, node in enumerate(self.nodes)}
+        nodes: Sequence[GraphNode] = self.nodes
+        wanted = self.outputs
+        failed: dict[Hashable, KernelError] = {}
+        got: Mapping[Hashable, Any] = {}
+        while wanted:
+            try:
+                got = self._launch(runtime, values, nodes, wanted)
+                break
+            except KernelError as e:  # of one of the block's own tasks
+                bad = _downstream(nodes, e.key)
+                if len(self.outputs) == 1 and self.outputs[0] in bad:
+                    raise
+                failed.update((k, e) for k in wanted if k in bad)
+                wanted = tuple(k for k in wanted if k not in bad)
+                nodes = _upstream(nodes, wanted)
+        return self._result({**got, **{k: _Failed(e) for k, e in failed.items()}})
+
+    def _launch(
+        self,
+        runtime: StreamRuntime,
+        values: Mapping[Hashable, Any],
+        nodes: Sequence[GraphNode],
+        wanted: Sequence[Hashable],
+    ) -> Mapping[Hashable, Any]:
+        """``nodes`` launched for ``wanted``, again after other tasks' failures (:meth:`launch`)."""
+        tasks, dependencies, host = launch_plan(nodes, type(runtime.backend))
+        priority = {node.key: i for i, node in enumerate(nodes)}
         seen: list[KernelError] = []
         while True:
             cache = {k: values[k] for k in self.inputs}
-            args = (runtime, tasks, dependencies, priority, self.outputs, cache, host, key_split)
+            args = (runtime, tasks, dependencies, priority, wanted, cache, host, key_split)
             try:
-                return self._result(GraphLauncher(*args, check=True).run())
+                return GraphLauncher(*args, check=True).run()
             except KernelError as e:
                 if e.key in tasks:
                     raise  # one of the block's own kernels failed: the error names it
@@ -137,6 +169,58 @@ class StreamBlock:
                     raise BlockSkipped(e) from None
                 seen.append(e)
                 _report_failures(runtime)
+
+
+class _Failed:
+    """The slot of a block's output whose work failed: its getter raises :attr:`error`."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: KernelError):
+        self.error = error
+
+    def __reduce__(self):
+        return _Failed, (self.error,)
+
+    def __repr__(self) -> str:
+        return f"_Failed({self.error!r})"
+
+
+def block_output(values: Sequence[Any], i: int) -> Any:
+    """The getter of a block's output ``i``: its value, or the error of its failed work."""
+    value = values[i]
+    if type(value) is _Failed:
+        raise value.error.with_traceback(None)  # shared: not the frames of an earlier raise
+    return value
+
+
+def _downstream(nodes: Sequence[GraphNode], key: Hashable) -> set[Hashable]:
+    """``key`` and the keys of ``nodes`` that derive from it."""
+    readers: dict[Hashable, list[Hashable]] = {}
+    for node in nodes:
+        for d in node.dependencies:
+            readers.setdefault(d, []).append(node.key)
+    bad = {key}
+    stack = [key]
+    while stack:
+        for k in readers.get(stack.pop(), ()):
+            if k not in bad:
+                bad.add(k)
+                stack.append(k)
+    return bad
+
+
+def _upstream(nodes: Sequence[GraphNode], keys: Iterable[Hashable]) -> list[GraphNode]:
+    """The ``nodes`` that ``keys`` derive from (and theirs), in their order."""
+    by_key = {node.key: node for node in nodes}
+    need = set(keys)
+    stack = list(need)
+    while stack:
+        for d in by_key[stack.pop()].dependencies:
+            if d in by_key and d not in need:
+                need.add(d)
+                stack.append(d)
+    return [node for node in nodes if node.key in need]
 
 
 def _report_failures(runtime: StreamRuntime) -> None:

@@ -20,12 +20,13 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
 
 The block is then an ordinary task: work stealing, retries (the most of its
 tasks'), worker loss (it is recomputed whole) and errors (the first task
-exception, or the ``KernelError`` naming the inner key) behave as for any
-task. Only new tasks in ``released`` state, with no restrictions, no
-annotations that change where or how they run and no erred inputs, are
-grouped. The scheduler cannot tell a GPU task from one that blocks the host:
-inside a block, the launcher learns such task groups (more than 5 ms of host
-time a call) and runs them on its host threads.
+exception; a kernel failure errs the outputs that derive from it, with the
+``KernelError`` naming the inner key) behave as for any task. Only new
+tasks in ``released`` state, with no restrictions, no annotations that
+change where or how they run and no erred inputs, are grouped. The
+scheduler cannot tell a GPU task from one that blocks the host: inside a
+block, the launcher learns such task groups (more than 5 ms of host time a
+call) and runs them on its host threads.
 
 Why here and not in the graph optimization (``delayed_optimize`` /
 ``array_optimize``): see ``docs/cluster.md``. In short, the optimization hook
@@ -50,7 +51,7 @@ from dask._task_spec import Alias, Task, TaskRef
 from distributed import SchedulerPlugin
 
 from dask_gpustreams.config import StreamsConfig
-from dask_gpustreams.integrations.blocks import StreamBlock, partition
+from dask_gpustreams.integrations.blocks import StreamBlock, block_output, partition
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -363,7 +364,7 @@ def _block_plan(members: list, worker: str | None = None) -> _BlockPlan:
     else:
         key = (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0)
         spec = Task(key, block, *refs)
-        getters = [Task(ts.key, operator.getitem, TaskRef(key), i) for i, ts in enumerate(outputs)]
+        getters = [Task(ts.key, block_output, TaskRef(key), i) for i, ts in enumerate(outputs)]
     kept = set(outputs)
     return _BlockPlan(
         members,
