@@ -12,7 +12,7 @@ import numpy as np
 from dask.sizeof import sizeof
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from dask_gpustreams.sim import _functions, _ops
+from dask_gpustreams.sim import _functions, _ops, _routines
 from dask_gpustreams.sim._device import Device
 from dask_gpustreams.sim._memory import MemoryPool, poison
 
@@ -229,6 +229,14 @@ class SimArray(NDArrayOperatorsMixin):
 
     def flatten(self, order: str = "C") -> SimArray:
         return np.ravel(self, order=order)
+
+    def view(self, dtype: Any = None) -> SimArray:
+        """The bytes read as ``dtype``: a copy made by a kernel, not a view."""
+        return _routines.view(self, dtype)
+
+    def sort(self, axis: int = -1) -> None:
+        """Sort in place along ``axis`` (a kernel on the current stream)."""
+        _routines.sort(self, axis)
 
     def fill(self, value: Any) -> None:
         """Set every element to ``value`` (a kernel on the current stream)."""

@@ -178,7 +178,7 @@ def _structural(func: Callable, rule: str, *args: Any, **kwargs: Any) -> Any:
     data, params = (args, ()) if rule == EACH else (args[:1], args[1:])
     if rule == SAME and not isinstance(data[0], (_array.SimArray, np.ndarray)):
         return NotImplemented
-    if func is not np.take and any(_ops.sim_operands((params, kwargs))):
+    if func is not np.take and _ops.has_sim_operand((params, kwargs)):
         return NotImplemented  # a device array as a parameter (repeats...) would set shapes
     meta_kwargs = {k: v for k, v in kwargs.items() if k not in ("dtype", "casting")}
     meta = func(
@@ -436,10 +436,17 @@ def _created(func: Callable, *args: Any, **kwargs: Any) -> Any:
             dtype = value.dtype if isinstance(value, _array.SimArray) else np.asarray(value).dtype
         return _filled(params["shape"], dtype, value)
     obj = next(iter(params.values()))
+    if _ops._nested(obj) and _ops.has_sim_operand(obj):  # array([x, y]), as CuPy takes it
+        obj = _stacked(obj)
     if isinstance(obj, _array.SimArray):  # array(x), asarray(x): a device copy or conversion
         copy = params.get("copy", func is np.array)
         return _ops.astype(obj, obj.dtype if dtype is None else dtype, copy=bool(copy))
     return _ops.upload(func(*bound.args, **bound.kwargs))
+
+
+def _stacked(obj: Any) -> Any:
+    """Nested lists of device arrays (and numbers) as one array, stacked on the device."""
+    return np.stack([_stacked(item) for item in obj]) if _ops._nested(obj) else obj
 
 
 _register(_filled_like, (np.empty_like,), None)

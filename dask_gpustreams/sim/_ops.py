@@ -71,6 +71,11 @@ def sim_operands(obj: Any) -> Iterator[_array.SimArray]:
             yield from sim_operands(item)
 
 
+def has_sim_operand(obj: Any) -> bool:
+    """Whether ``obj`` holds a device array (not ``any(sim_operands(obj))``: that syncs)."""
+    return next(sim_operands(obj), None) is not None
+
+
 def map_arrays(obj: Any, on_sim: Callable, on_host: Callable | None = None) -> Any:
     """``obj`` with its device arrays replaced by ``on_sim(x)``, host arrays by ``on_host(x)``."""
     if isinstance(obj, _array.SimArray):
@@ -378,6 +383,8 @@ def getitem(x: _array.SimArray, key: Any) -> _array.SimArray:
 def setitem(x: _array.SimArray, key: Any, value: Any) -> None:
     """``x[key] = value`` as a kernel writing into ``x``'s buffer."""
     parts = _index(key)
+    if _nested(value):  # a sequence of numbers, as NumPy reads it (not device arrays in it)
+        value = np.asarray(value)
     if not is_operand(value):
         raise TypeError(f"cannot assign a {type(value).__name__} to a SimArray")
     if not _device_mask(parts):  # a device mask's selection is only known on the device
