@@ -225,7 +225,11 @@ def test_critical_path_creates_high_priority_streams(streams, high):
     assert [slot.stream.priority for slot in rt.pool.slots] == priorities
 
 
-def test_critical_path_places_critical_tasks_on_high_priority_streams(gpustreams):
+@pytest.mark.parametrize("scheduler", ["gpustreams", "threads"])
+def test_critical_path_places_critical_tasks_on_high_priority_streams(gpustreams, scheduler):
+    """On the launcher and on the threaded route. (The launcher once told the policy no
+    task's place on the critical path, and side tasks took the high-priority streams.)"""
+
     def make(*_):
         out = sim.empty(2)
         sim.launch(lambda o: o.fill(1.0), out)
@@ -236,7 +240,7 @@ def test_critical_path_places_critical_tasks_on_high_priority_streams(gpustreams
         b = delayed(make)(a, dask_key_name="b")
         c = delayed(make)(b, dask_key_name="c")
         side = [delayed(make)(a, dask_key_name=f"side-{i}") for i in range(3)]
-        dask.compute(delayed(make)(c, *side, dask_key_name="end"))
+        dask.compute(delayed(make)(c, *side, dask_key_name="end"), scheduler=scheduler)
         rt = get_runtime()
     slots = {r.key: r.slot.index for r in rt.timeline}
     high = {k for k, i in slots.items() if i < rt.pool.n_high_priority}

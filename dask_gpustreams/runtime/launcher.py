@@ -25,7 +25,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dask_gpustreams.runtime.context import task_state
-from dask_gpustreams.runtime.policies import TaskInfo
+from dask_gpustreams.runtime.policies import TaskInfo, critical_keys
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 
 if TYPE_CHECKING:
@@ -140,6 +140,8 @@ class GraphLauncher:
         hooks = self.hooks
         timeline = runtime.timeline
         width = pool.n_streams
+        # Once per graph, for policies that place the longest path apart (critical-path).
+        critical = critical_keys(dependencies) if runtime.policy.needs_critical_path else None
 
         dependents: dict[Hashable, list[Hashable]] = {k: [] for k in tasks}
         missing: dict[Hashable, int] = {}
@@ -188,7 +190,8 @@ class GraphLauncher:
                         continue
                     producers = [r for d in deps if (r := get_record(d)) is not None]
                     with assign_lock:
-                        slot = select(TaskInfo(key, producers, registry), pool)
+                        on_path = None if critical is None else key in critical
+                        slot = select(TaskInfo(key, producers, registry, on_path), pool)
                         pool.assign(slot)
                     stream = slot.stream
                     start = None
