@@ -5,9 +5,11 @@ The pipeline is what users write today::
     da.from_array(host, chunks=...).map_blocks(cupy.asarray).map_blocks(kernel)
       .map_blocks(cupy.asnumpy)
 
-and is run unchanged with the plugin off and on (threaded scheduler; ``on``: the default
-settings, ``pinned-pool-size: auto``; ``on-small``: a pinned pool of 8 chunks, so most
-downloads are staged through it into pageable memory), beside
+and is run unchanged with the plugin off (Dask's threaded scheduler) and on
+(``gpustreams.enabled``, which now runs it on the stream launcher, as ``docs/launcher.md``
+says; the H200 runs cited in the docs ran it on the threaded scheduler. ``on``: the
+default settings, ``pinned-pool-size: auto``; ``on-small``: a pinned pool of 8 chunks, so
+most downloads are staged through it into pageable memory), beside
 ``ideal``: the same work written by hand on three streams (upload, compute,
 download) with a ring of pinned buffers, no Dask. The ideal overlap bound, the
 largest of total upload, total download and total compute time measured in

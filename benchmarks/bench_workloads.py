@@ -13,7 +13,8 @@ Modes, all in one run, on the same persisted inputs:
 - ``sync``: plain Dask, ``scheduler="sync"``;
 - ``launcher``: the stream launcher, ``scheduler="gpustreams"`` (SKIPPED where this
   ``dask_gpustreams`` does not register it);
-- ``enabled-threads``: the plugin by config, ``gpustreams.enabled: True``, default scheduler.
+- ``enabled-threads``: the plugin by config, ``gpustreams.enabled: True``, with
+  ``scheduler="threads"`` named (without it, ``gpustreams.enabled`` runs the launcher).
 
 Backends: ``cupy`` (CuPy chunks), ``sim`` (chunks on the simulated device, uploaded with
 ``map_blocks(sim.asarray)``; the slicing stencil of ``numpy`` instead of ``ndimage``) and
@@ -510,8 +511,8 @@ def mode_settings(mode: str) -> tuple[dict, dict]:
         return OFF, {"scheduler": "sync"}
     if mode == "launcher":
         return OFF, {"scheduler": "gpustreams"}
-    if mode == "enabled-threads":
-        return {"gpustreams.enabled": True}, {}
+    if mode == "enabled-threads":  # named: enabled alone runs the launcher
+        return {"gpustreams.enabled": True}, {"scheduler": "threads"}
     return OFF, {}
 
 

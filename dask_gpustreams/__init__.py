@@ -1,8 +1,10 @@
 """Run Dask task graphs on pools of GPU streams, ordered by device-side events.
 
-Compute with ``scheduler="gpustreams"`` (the stream launcher: one thread
-enqueues the whole graph), or switch the threaded scheduler and distributed
-workers over with ``dask.config.set({"gpustreams.enabled": True})``.
+Switch on with ``dask.config.set({"gpustreams.enabled": True})``: local computes
+that name no scheduler then run on the stream launcher (one thread enqueues the
+whole graph; also ``scheduler="gpustreams"``), a named ``scheduler="threads"``
+runs each task through the runtime in Dask's threads, and distributed workers
+take the plugin.
 """
 
 import dask.base

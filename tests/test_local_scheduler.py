@@ -1,5 +1,9 @@
 """The local threaded scheduler through the stream runtime, on the simulated device.
 
+Every test here names the threaded scheduler (the ``scheduler`` config key, below):
+with ``gpustreams.enabled`` and no scheduler named, a compute runs on the stream
+launcher instead (``tests/test_enabling.py``).
+
 Kernels sleep for seeded random times before they write, and freshly
 allocated memory is NaN, so a consumer that is not ordered after its producer,
 or an input block reused while still read, shows up as a wrong value.
@@ -32,6 +36,14 @@ META = np.array((), dtype="float64")
 MAX_DELAY = 0.002
 
 device = sim.get_device()
+
+
+@pytest.fixture(autouse=True)
+def _threaded_scheduler():
+    """The threaded route: Dask's threaded scheduler, named (see the module's docstring)."""
+    with dask.config.set(scheduler="threads"):
+        yield
+
 
 #: The policies shipped with the package (another test module may register more).
 BUILTIN_POLICIES = tuple(

@@ -1,6 +1,16 @@
 """The local (threaded or synchronous) scheduler: each compute's graph goes through the runtime.
 
-:func:`install` (run at import of :mod:`dask_gpustreams`) puts
+While ``gpustreams.enabled`` is true, a compute that names no scheduler (neither
+``scheduler=`` nor the ``scheduler`` config key) and whose collections default to
+Dask's threaded scheduler runs on the stream launcher instead
+(``scheduler="gpustreams"``, :mod:`.launcher`): :func:`install` puts
+:func:`get_scheduler` in place of ``dask.base.get_scheduler``, which
+``dask.compute`` and ``persist`` look up as a module global at call time. A
+scheduler the user names is kept: ``scheduler="threads"`` (or ``"sync"``) with
+``gpustreams.enabled`` runs each task through the runtime in Dask's own threads,
+as below.
+
+:func:`install` also puts
 :func:`local_callbacks` in place of ``dask.local.local_callbacks``, the context
 manager through which ``dask.local.get_async`` (behind ``dask.threaded.get``,
 ``get_sync`` and ``dask.multiprocessing.get``) resolves its callbacks at the
@@ -46,10 +56,14 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import dask.base
 import dask.callbacks
+import dask.config
 import dask.local
+import dask.threaded
 
 from dask_gpustreams.config import enabled
+from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.integrations.tasks import wrap_task
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.policies import critical_keys
@@ -126,23 +140,46 @@ def local_callbacks(callbacks: Sequence[tuple] | None = None) -> Iterator[Sequen
         yield hook.callbacks(resolved) if enabled() else resolved
 
 
-def install() -> None:
-    """Make ``dask.local.get_async`` resolve its callbacks through :func:`local_callbacks`.
+def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
+    """Dask's ``get_scheduler``; the stream launcher for the threaded default while enabled."""
+    schedule = _wrapped_get_scheduler(
+        get=get, scheduler=scheduler, collections=collections, cls=cls
+    )
+    if (
+        schedule is dask.threaded.get
+        and scheduler is None
+        and enabled()
+        and not dask.config.get("scheduler", None)
+    ):
+        return launcher_get
+    return schedule
 
-    Idempotent: the function it replaces (Dask's, or another wrapper of it) is
-    the one :func:`local_callbacks` calls, and :func:`uninstall` puts it back.
+
+def install() -> None:
+    """Make local computes reach the runtime while enabled (see the module's docstring).
+
+    Idempotent: the functions it replaces (Dask's, or other wrappers of them) are
+    the ones :func:`local_callbacks` and :func:`get_scheduler` call, and
+    :func:`uninstall` puts them back.
     """
-    global _wrapped
+    global _wrapped, _wrapped_get_scheduler
     if dask.local.local_callbacks is not local_callbacks:
         _wrapped = dask.local.local_callbacks
         dask.local.local_callbacks = local_callbacks
+    if dask.base.get_scheduler is not get_scheduler:
+        _wrapped_get_scheduler = dask.base.get_scheduler
+        dask.base.get_scheduler = get_scheduler
 
 
 def uninstall() -> None:
     """Undo :func:`install`: local computes bypass the runtime, even while enabled."""
     if dask.local.local_callbacks is local_callbacks:
         dask.local.local_callbacks = _wrapped
+    if dask.base.get_scheduler is get_scheduler:
+        dask.base.get_scheduler = _wrapped_get_scheduler
 
 
 #: The ``local_callbacks`` that :func:`local_callbacks` wraps (Dask's until :func:`install`).
 _wrapped: Any = dask.callbacks.local_callbacks
+#: The ``get_scheduler`` that :func:`get_scheduler` wraps (Dask's until :func:`install`).
+_wrapped_get_scheduler: Any = dask.base.get_scheduler

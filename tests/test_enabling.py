@@ -1,0 +1,85 @@
+"""``gpustreams.enabled`` reaches the stream launcher when the compute names no scheduler.
+
+A compute whose collections default to Dask's threaded scheduler runs on the launcher
+(one thread launches every task); a scheduler the user names is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import dask
+import dask.array as da
+import dask.base
+import dask.threaded
+import numpy as np
+import pytest
+from dask import delayed
+
+import dask_gpustreams
+from dask_gpustreams import sim
+from dask_gpustreams.integrations import local
+
+
+def _thread_of(_: object) -> int:
+    return threading.get_ident()
+
+
+def _threads(**compute_kwargs) -> set[int]:
+    """The threads that ran 16 independent tasks (and the tasks' result, checked)."""
+    parts = [delayed(_thread_of)(i, dask_key_name=f"where-{i}") for i in range(16)]
+    return set(dask.compute(*parts, **compute_kwargs))
+
+
+def test_enabled_without_a_named_scheduler_runs_on_the_launcher(gpustreams):
+    a = np.arange(64.0).reshape(8, 8)
+    x = da.from_array(a, chunks=4).map_blocks(sim.asarray)
+    with gpustreams():
+        assert dask.base.get_scheduler(collections=[x]) is dask_gpustreams.get
+        got = sim.asnumpy(((x + 1) * x).sum(axis=0).compute())
+        assert _threads() == {threading.get_ident()}  # launched from this thread
+        persisted = (x * 2).persist()
+    np.testing.assert_array_equal(got, ((a + 1) * a).sum(axis=0))
+    np.testing.assert_array_equal(sim.asnumpy(persisted.compute(scheduler="sync")), a * 2)
+
+
+@pytest.mark.parametrize("named", ["argument", "config"])
+def test_a_named_scheduler_is_kept(gpustreams, named):
+    with gpustreams():
+        if named == "argument":
+            assert dask.base.get_scheduler(scheduler="threads") is dask.threaded.get
+            threads = _threads(scheduler="threads", num_workers=4)
+        else:
+            with dask.config.set(scheduler="threads", num_workers=4):
+                assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
+                threads = _threads()
+    assert threading.get_ident() not in threads  # Dask's pool threads, not the caller's
+
+
+def test_disabled_keeps_dask_s_default(gpustreams):
+    with gpustreams(), dask.config.set({"gpustreams.enabled": False}):
+        assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
+
+
+def test_a_distributed_client_wins():
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+        dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}),
+    ):
+        schedule = dask.base.get_scheduler(collections=[delayed(1)])
+        assert schedule is not dask_gpustreams.get
+        assert getattr(schedule, "__self__", None) is client
+
+
+def test_uninstall_puts_dask_s_get_scheduler_back(gpustreams):
+    local.uninstall()
+    try:
+        assert dask.base.get_scheduler is not local.get_scheduler
+        with gpustreams():
+            assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
+    finally:
+        local.install()
+    assert dask.base.get_scheduler is local.get_scheduler
