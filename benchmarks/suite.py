@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -123,7 +124,7 @@ def overhead_rows(meta: dict, raw: dict) -> dict | None:
 
 
 def copy_rows(meta: dict, raw: dict) -> dict | None:
-    case = f"{meta.get('chunks')}x{meta.get('chunk_mib'):g}MiB"
+    case = f"{meta.get('chunks')}x{meta.get('chunk_mib', 0):g}MiB"
     row = _row(
         case,
         raw["mode"],
@@ -303,11 +304,16 @@ def run_one(bench: Benchmark, backend: str, quick: bool, raw: Path, timeout: flo
     print(f"== {bench.name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.monotonic()
     with open(log, "w") as f:
+        # A session of its own: past the timeout, its whole process group goes (bench_shapes'
+        # ptds-sync child, a cluster's workers), not the module's process alone.
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            rc: int | str = subprocess.run(
-                cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
-            ).returncode
+            rc: int | str = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
     seconds = time.monotonic() - t0
     meta, raw_rows = read_raw(raw)
