@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import json
 import re
 import sys
@@ -61,19 +62,30 @@ def listed_paths() -> list[str]:
     return out
 
 
+@functools.cache
+def _globs(text: str) -> tuple[str, ...]:
+    """The run-name globs a doc names, such as ``h200-copy-*``."""
+    return tuple(re.findall(r"(?<![\w-])((?:h200|sim|cpu)-[\w-]*\*)", text))
+
+
 def citations(entry: dict, texts: dict[str, str]) -> dict[str, list[str]]:
     """``cited_by`` and ``commit_named_in`` of ``entry`` in ``texts``."""
     name = entry["path"].rstrip("/")
     exact = re.compile(r"(?<![\w.-])" + re.escape(name) + r"(?![\w-])")
     cited = []
     for doc, text in texts.items():
-        globs = re.findall(r"(?<![\w-])((?:h200|sim|cpu)-[\w-]*\*)", text)
-        if exact.search(text) or any(fnmatch.fnmatch(name, g) for g in globs):
+        if (
+            name in text
+            and exact.search(text)
+            or any(fnmatch.fnmatch(name, g) for g in _globs(text))
+        ):
             cited.append(doc)
     commit = entry.get("commit")
-    named = (
-        [doc for doc, text in texts.items() if re.search(rf"\b{commit}\b", text)] if commit else []
-    )
+    named = [
+        doc
+        for doc, text in texts.items()
+        if commit and commit in text and re.search(rf"\b{commit}\b", text)
+    ]
     return {"cited_by": cited, "commit_named_in": named}
 
 
