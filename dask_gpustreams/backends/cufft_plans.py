@@ -32,8 +32,8 @@ from cupy.fft import _cache
 #: The modules whose global ``get_plan_cache`` CuPy's FFTs call.
 PLAN_CACHE_USERS = ("cupy.fft._fft", "cupyx.scipy.fftpack._fft")
 
-#: .caches: (the StreamPlanCaches in use by this thread, its _ThreadCaches), while in use;
-#: .kept: StreamPlanCaches -> its _ThreadCaches for this thread, for the life of both.
+#: .caches: (the StreamPlanCaches in use by this thread, its stream handle -> PlanCache),
+#: while in use; .kept: StreamPlanCaches -> those caches of this thread, for the life of both.
 _thread = threading.local()
 _install_lock = threading.Lock()
 _installed = False
@@ -74,28 +74,18 @@ def _install() -> None:
             _installed = True
 
 
-class _ThreadCaches(dict):
-    """Stream handle -> ``PlanCache`` of one thread (a dict that can be weakly referenced)."""
-
-    __slots__ = ("__weakref__",)
-
-
 class StreamPlanCaches:
     """The cuFFT plan caches of one device, one ``PlanCache`` per (thread, stream).
 
     Each cache has the size and memory limit of the CuPy cache of the thread that
     first uses this object. A thread's caches live in that thread (a thread local),
-    so plans are reused from one compute to the next and go with the thread: the
-    launcher's host threads come and go, and must not leave plans behind.
+    so plans are reused from one compute to the next and go with the thread (the
+    launcher's host threads come and go) or with this object (the backend).
     """
 
     def __init__(self, device_id: int):
         self.device_id = device_id
-        self._threads: weakref.WeakValueDictionary[int, _ThreadCaches] = (
-            weakref.WeakValueDictionary()
-        )
         self._limits: tuple[int, int] | None = None
-        self._lock = threading.Lock()
 
     def use(self) -> Callable[[], None]:
         """Make this thread's FFTs use its caches here; returns the function that stops it.
@@ -112,9 +102,7 @@ class StreamPlanCaches:
             kept = _thread.kept = weakref.WeakKeyDictionary()
         mine = kept.get(self)
         if mine is None:
-            mine = kept[self] = _ThreadCaches()
-            with self._lock:
-                self._threads[threading.get_ident()] = mine
+            mine = kept[self] = {}
         previous = getattr(_thread, "caches", None)
         _thread.caches = (self, mine)
 
@@ -127,9 +115,3 @@ class StreamPlanCaches:
         """An empty ``PlanCache`` for this device, with the limits taken by :meth:`use`."""
         size, memsize = self._limits or (16, -1)
         return _cache.PlanCache(size=size, memsize=memsize, dev=self.device_id)
-
-    def plans(self) -> dict[tuple[int, int], int]:
-        """(thread id, stream handle) -> plans cached, for live threads (tests, diagnostics)."""
-        with self._lock:
-            threads = [(t, list(c.items())) for t, c in self._threads.items()]
-        return {(t, s): cache.get_curr_size() for t, caches in threads for s, cache in caches}

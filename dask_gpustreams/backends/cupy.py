@@ -126,10 +126,6 @@ class CupyBackend:
 
         return restore
 
-    def fft_plans(self) -> dict[tuple[int, int], int]:
-        """(thread id, stream handle) -> cuFFT plans cached there (see isolate_thread)."""
-        return self._fft_plans.plans()
-
     def use_stream(self, stream: cupy.cuda.Stream, key: Any = None) -> AbstractContextManager:
         """``stream`` current for CuPy and, once PyTorch has started CUDA, for PyTorch.
 
