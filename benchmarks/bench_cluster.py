@@ -200,15 +200,7 @@ class ClusterRunner(bench_workloads.Runner):
             return
         for r in rows:
             r.update(n_tasks=tasks, n_keys=keys, status="ok", walls_ms=[], memory=[])
-        samples = self.args.samples
-        rounds = min(self.args.rounds, samples)
-        for k in range(rounds):  # modes interleaved: drift and order effects hit them alike
-            share = samples // rounds + (k < samples % rounds)
-            for r in rows:
-                if r["status"] == "ok":
-                    self.measure(r, wl, collections, ref, share)
-        for r in rows:
-            self._summarize(r)
+        self.interleave(rows, lambda r, n: self.measure(r, wl, collections, ref, n))
         self.arrays.persisted.clear()  # the inputs go once their futures are dropped
 
     def measure(self, row: dict, wl: Workload, collections: tuple, ref: list, samples: int) -> None:
@@ -255,14 +247,6 @@ class ClusterRunner(bench_workloads.Runner):
         finally:
             if on:
                 client.unregister_worker_plugin(StreamsPlugin.name)
-
-    def _summarize(self, row: dict) -> None:
-        walls, memory = row["walls_ms"], row["memory"]
-        row["samples"] = len(walls)
-        row.update(report.summarize(walls))
-        for key in ("peak_held", "peak_used", "base_bytes"):
-            row[key] = max((m[key] for m in memory), default=None)
-        self._done(row)
 
 
 def derive(rows: list[dict]) -> dict:

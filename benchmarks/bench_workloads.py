@@ -7,7 +7,9 @@ Run from the repository root (see ``benchmarks/README.md``)::
     python -m benchmarks.bench_workloads --backend cupy --dry-run   # task counts, no run
     python -m benchmarks.bench_workloads --workloads rechunk --set rechunk.n=16384
 
-Modes, all in one run, on the same persisted inputs:
+Modes, all in one run, on the same persisted inputs, in turn, ``--rounds`` times (default 2),
+each round with its warm-up and its share of ``--samples`` (the H200's host times drift:
+plain sync's std took 260 to 438 ms within 5 samples at 71dc3df):
 
 - ``threads``: plain Dask's default threaded scheduler (``gpustreams.enabled: False``);
 - ``sync``: plain Dask, ``scheduler="sync"``;
@@ -600,28 +602,52 @@ class Runner:
             for r in rows:
                 self._done(dict(r, status=status, error=f"reference: {type(e).__name__}: {e}"))
             return
+        measured = []
         for r in rows:
-            r.update(n_tasks=tasks, n_keys=keys)
+            r.update(n_tasks=tasks, n_keys=keys, status="ok", memory=[])
             if r["mode"] == "launcher" and self.launcher is not None:
-                self._done(dict(r, error=self.launcher))
-                continue
-            self.measure(r, wl, collections, ref, peaks)
+                self._done(dict(r, status="SKIPPED", error=self.launcher))
+            else:
+                measured.append(r)
+        self.interleave(measured, lambda r, n: self.measure(r, wl, collections, ref, peaks, n))
+
+    def interleave(self, rows: list[dict], measure: Callable[[dict, int], None]) -> None:
+        """``measure(row, samples)`` for each row in turn, ``--rounds`` times, then summaries.
+
+        ``--samples`` are shared out over the rounds, so that drift and the order of the
+        modes weigh on all of them alike.
+        """
+        samples = self.args.samples
+        rounds = min(self.args.rounds, samples)
+        for k in range(rounds):
+            share = samples // rounds + (k < samples % rounds)
+            for r in rows:
+                if r["status"] == "ok":
+                    measure(r, share)
+        for r in rows:
+            self._summarize(r)
 
     def measure(
-        self, row: dict, wl: Workload, collections: tuple, ref: tuple, peaks: PoolPeaks | None
+        self,
+        row: dict,
+        wl: Workload,
+        collections: tuple,
+        ref: tuple,
+        peaks: PoolPeaks | None,
+        samples: int,
     ) -> None:
-        """Warm-ups then samples, each between device syncs and checked against ``ref``."""
+        """One round of ``row``'s mode: warm-ups, then ``samples`` samples, each between
+        device syncs and checked against ``ref``."""
         args = self.args
         config, kw = mode_settings(row["mode"])
-        walls: list[float] = []
-        memory: list[dict] = []
+        walls, memory = row["walls_ms"], row["memory"]
         try:
-            for i in range(args.warmup + args.samples):
+            for i in range(args.warmup + samples):
                 self.arrays.synchronize()
                 if peaks is not None:
-                    # Cold pool before a mode's first run only: the timed runs find it warm,
-                    # as a user's repeated computes do (a cold pool's cudaMalloc calls would
-                    # serialize the device, per stream arena).
+                    # Cold pool before a mode's first run of a round only: the timed runs
+                    # find it warm, as a user's repeated computes do (a cold pool's
+                    # cudaMalloc calls would serialize the device, per stream arena).
                     peaks.reset(free=i == 0)
                 t0 = time.perf_counter()
                 with dask.config.set(config):
@@ -643,14 +669,13 @@ class Runner:
                     walls.append(wall)
                     if mem is not None:
                         memory.append(mem)
-            else:
-                row["status"] = "ok"
         except Exception as e:  # a broken mode must not end the whole run
             row["status"], row["error"] = "ERROR", f"{type(e).__name__}: {e}"
             traceback.print_exc()
-        row["walls_ms"] = walls
+
+    def _summarize(self, row: dict) -> None:
+        walls, memory = row["walls_ms"], row["memory"]
         row["samples"] = len(walls)
-        row["memory"] = memory
         row.update(report.summarize(walls))
         for key in ("peak_held", "peak_used", "base_bytes"):
             row[key] = max((m[key] for m in memory), default=None)
@@ -825,7 +850,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", type=_list, default=list(WORKLOADS))
     p.add_argument("--modes", type=_list, default=list(MODES))
     p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1, help="warm-up runs per mode and round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of all modes in turn (at most --samples); --samples are shared out",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds on the sim)")
     p.add_argument(
         "--set",
@@ -845,8 +876,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad = [v for v in values if v not in allowed]
         if bad:
             p.error(f"--{name} {','.join(bad)} is invalid: allowed values are {','.join(allowed)}")
-    if args.samples < 1 or args.warmup < 0:
-        p.error(f"--samples {args.samples} must be >= 1 and --warmup {args.warmup} >= 0")
+    if args.samples < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error(
+            f"--samples {args.samples} and --rounds {args.rounds} must be >= 1 and "
+            f"--warmup {args.warmup} >= 0"
+        )
     return args
 
 
