@@ -7,22 +7,30 @@ plan at once ("cuFFT APIs are thread safe as long as different host threads
 execute FFTs using different plans", cuFFT docs; on the H200 at 14b8bc9, caches
 per stream shared by 8 threads gave a wrong tile). Turning the cache off makes
 every call plan anew (5x slower on the H200 for 1024² tiles). Instead, a thread
-inside :meth:`StreamPlanCaches.use` gets one CuPy ``PlanCache`` of its own per
-stream: a plan, and its work area, then only ever runs from that thread on the
+after :func:`use` gets CuPy ``PlanCache`` objects of its own, one per (device,
+stream): a plan, and its work area, then only ever runs from that thread on the
 stream that made it, in that stream's order, and is reused by its later FFTs there.
 
 CuPy's FFT functions find their cache through the module global ``get_plan_cache``
-of ``cupy.fft._fft`` and ``cupyx.scipy.fftpack._fft``. :func:`_install` replaces
-those names once (per process) with a function that returns the per-stream cache
-of the calling thread when it has one, and CuPy's own cache otherwise, so other
-threads and the public ``cupy.fft.config.get_plan_cache()`` are unchanged.
+of ``cupy.fft._fft`` and ``cupyx.scipy.fftpack._fft``. :func:`use` replaces those
+names once (per process) with a function that returns the calling thread's cache
+for its current device and stream when the thread uses them, and CuPy's own cache
+otherwise, so other threads and the public ``cupy.fft.config.get_plan_cache()``
+are unchanged.
+
+A new cache takes the size and memory limit of the thread's own CuPy cache on that
+device at the time (``cupy.fft.config.get_plan_cache().set_size(0)`` before a
+compute turns new ones off). A thread keeps the caches of at most
+:data:`MAX_CACHES` streams, dropping the least recently used; they end with the
+thread. Multi-GPU plans (``cupy.fft.config.set_cufft_gpus``) go into CuPy's own
+caches, as CuPy adds them there, and are made anew on each call.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -31,24 +39,30 @@ from cupy.fft import _cache
 
 #: The modules whose global ``get_plan_cache`` CuPy's FFTs call.
 PLAN_CACHE_USERS = ("cupy.fft._fft", "cupyx.scipy.fftpack._fft")
+#: The (device, stream) caches a thread keeps at most (a pool's streams, with room).
+MAX_CACHES = 64
 
-#: .caches: (the StreamPlanCaches in use by this thread, its stream handle -> PlanCache),
-#: while in use; .kept: StreamPlanCaches -> those caches of this thread, for the life of both.
+#: .on: whether this thread's FFTs use its own caches; .caches: (device, stream handle)
+#: -> PlanCache, least recently used first.
 _thread = threading.local()
 _install_lock = threading.Lock()
 _installed = False
 
 
 def _plan_cache() -> Any:
-    """``get_plan_cache`` for CuPy's FFTs: this thread's cache for its current stream."""
-    caches = getattr(_thread, "caches", None)
-    if caches is None:
+    """``get_plan_cache`` for CuPy's FFTs: this thread's cache for its device and stream."""
+    if not getattr(_thread, "on", False):
         return _cache.get_plan_cache()
-    owner, mine = caches
-    stream = cupy.cuda.get_current_stream().ptr
-    cache = mine.get(stream)
-    if cache is None:
-        cache = mine[stream] = owner.new_cache()
+    caches = _thread.caches
+    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+    cache = caches.get(key)
+    if cache is not None:
+        caches.move_to_end(key)
+        return cache
+    own = _cache.get_plan_cache()  # this thread's CuPy cache on this device: its limits
+    cache = caches[key] = _cache.PlanCache(own.get_size(), own.get_memsize(), key[0])
+    if len(caches) > MAX_CACHES:
+        caches.popitem(last=False)  # its plans go; their work areas return in stream order
     return cache
 
 
@@ -74,44 +88,18 @@ def _install() -> None:
             _installed = True
 
 
-class StreamPlanCaches:
-    """The cuFFT plan caches of one device, one ``PlanCache`` per (thread, stream).
+def use() -> Callable[[], None]:
+    """Make this thread's FFTs use its own caches per stream; returns the function that stops it.
 
-    Each cache has the size and memory limit of the CuPy cache of the thread that
-    first uses this object. A thread's caches live in that thread (a thread local),
-    so plans are reused from one compute to the next and go with the thread (the
-    launcher's host threads come and go) or with this object (the backend).
+    Only where :func:`installable` says None.
     """
+    _install()
+    if getattr(_thread, "caches", None) is None:
+        _thread.caches = OrderedDict()
+    previous = getattr(_thread, "on", False)
+    _thread.on = True
 
-    def __init__(self, device_id: int):
-        self.device_id = device_id
-        self._limits: tuple[int, int] | None = None
+    def restore() -> None:
+        _thread.on = previous
 
-    def use(self) -> Callable[[], None]:
-        """Make this thread's FFTs use its caches here; returns the function that stops it.
-
-        Only where :func:`installable` says None.
-        """
-        _install()
-        if self._limits is None:
-            with cupy.cuda.Device(self.device_id):
-                own = _cache.get_plan_cache()
-                self._limits = (own.get_size(), own.get_memsize())
-        kept = _thread.__dict__.get("kept")
-        if kept is None:
-            kept = _thread.kept = weakref.WeakKeyDictionary()
-        mine = kept.get(self)
-        if mine is None:
-            mine = kept[self] = {}
-        previous = getattr(_thread, "caches", None)
-        _thread.caches = (self, mine)
-
-        def restore() -> None:
-            _thread.caches = previous
-
-        return restore
-
-    def new_cache(self) -> Any:
-        """An empty ``PlanCache`` for this device, with the limits taken by :meth:`use`."""
-        size, memsize = self._limits or (16, -1)
-        return _cache.PlanCache(size=size, memsize=memsize, dev=self.device_id)
+    return restore

@@ -51,7 +51,6 @@ class CupyBackend:
         self._torch_cuda: Any = None  # torch.cuda, once PyTorch has started CUDA
         # Each stream's torch.cuda.ExternalStream, dropped with the stream.
         self._torch_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._fft_plans = cufft_plans.StreamPlanCaches(self.device_id)
         self._fft_warned = False
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
@@ -111,7 +110,7 @@ class CupyBackend:
         # comes from the pool on the task's stream.
         problem = cufft_plans.installable()
         if problem is None:
-            return self._fft_plans.use()
+            return cufft_plans.use()
         with cupy.cuda.Device(self.device_id):
             cache = cupy.fft.config.get_plan_cache()
             size = cache.get_size()

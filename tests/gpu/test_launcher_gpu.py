@@ -1,5 +1,6 @@
 """The stream launcher (``scheduler="gpustreams"``) on a real GPU: exact under random timing."""
 
+import threading
 import time
 
 import dask
@@ -74,9 +75,29 @@ def fft_roundtrip(x):
 
 
 def fft_roundtrip_cached(x):
-    """The round trip, and the plans in the cache its thread and stream used (0: none)."""
+    """The round trip, and where it ran: (thread, stream), the plan cache CuPy's FFTs used
+    there (its id, its plans) and the id of the thread's own CuPy cache."""
     out = fft_roundtrip(x)
-    return out, cupy.fft._fft.get_plan_cache().get_curr_size()
+    used = cupy.fft._fft.get_plan_cache()
+    place = (threading.get_ident(), cupy.cuda.get_current_stream().ptr)
+    return out, (place, id(used), used.get_curr_size(), id(cupy.fft.config.get_plan_cache()))
+
+
+def check_plan_caches(runs, threads=None):
+    """Each FFT used a cache holding plans that is not its thread's own CuPy cache (shared by
+    the thread's streams). In ``threads`` (default: all; threads that live through the test,
+    so that thread and object ids are not reused), one cache per (thread, stream), kept from
+    call to call, and none shared between places."""
+    by_place = {}
+    for place, cache, plans, own in runs:
+        assert cache != own, "the thread's own CuPy cache, shared across its streams"
+        assert plans >= 1, "no plan cached: planned on every call"
+        if threads is None or place[0] in threads:
+            by_place.setdefault(place, set()).add(cache)
+    assert by_place, "no FFT ran in the threads checked"
+    assert all(len(c) == 1 for c in by_place.values()), by_place  # reused, not remade
+    caches = [next(iter(c)) for c in by_place.values()]
+    assert len(set(caches)) == len(caches), by_place  # none shared between places
 
 
 def test_same_shape_ffts_on_many_streams_are_exact():
@@ -92,16 +113,15 @@ def test_same_shape_ffts_on_many_streams_are_exact():
     alone = [cupy.asnumpy(fft_roundtrip(t)) for t in tiles]
     own = cupy.fft.config.get_plan_cache()
     before = own.get_size(), own.get_curr_size()
+    runs = []
     with dask.config.set(CONFIG):
         for _ in range(3):
             ffts = [delayed(fft_roundtrip_cached)(t) for t in tiles]
             got = dask.compute(*ffts, scheduler="gpustreams")
             for (g, _), a in zip(got, alone, strict=True):
                 np.testing.assert_array_equal(cupy.asnumpy(g), a)
-            # The plans (fft2's and ifft2's) of the cache of the thread and stream that ran
-            # each tile, which later tiles there reuse; planning on every call (the cache
-            # off) would cache none.
-            assert {n for _, n in got} <= {1, 2}, [n for _, n in got]
+            runs += [info for _, info in got]
+    check_plan_caches(runs, threads={threading.get_ident()})  # host threads end when idle
     assert (own.get_size(), own.get_curr_size()) == before  # the caller's, as it was
 
 
