@@ -7,6 +7,7 @@ A compute whose collections default to Dask's threaded scheduler runs on the lau
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import dask
 import dask.array as da
@@ -43,14 +44,18 @@ def test_enabled_without_a_named_scheduler_runs_on_the_launcher(gpustreams):
     np.testing.assert_array_equal(sim.asnumpy(persisted.compute(scheduler="sync")), a * 2)
 
 
-@pytest.mark.parametrize("named", ["argument", "config"])
+@pytest.mark.parametrize("named", ["argument", "config", "pool"])
 def test_a_named_scheduler_is_kept(gpustreams, named):
     with gpustreams():
         if named == "argument":
             assert dask.base.get_scheduler(scheduler="threads") is dask.threaded.get
             threads = _threads(scheduler="threads", num_workers=4)
-        else:
+        elif named == "config":
             with dask.config.set(scheduler="threads", num_workers=4):
+                assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
+                threads = _threads()
+        else:
+            with ThreadPoolExecutor(4) as pool, dask.config.set(pool=pool):
                 assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
                 threads = _threads()
     assert threading.get_ident() not in threads  # Dask's pool threads, not the caller's

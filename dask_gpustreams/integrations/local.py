@@ -6,9 +6,11 @@ Dask's threaded scheduler runs on the stream launcher instead
 (``scheduler="gpustreams"``, :mod:`.launcher`): :func:`install` puts
 :func:`get_scheduler` in place of ``dask.base.get_scheduler``, which
 ``dask.compute`` and ``persist`` look up as a module global at call time. A
-scheduler the user names is kept: ``scheduler="threads"`` (or ``"sync"``) with
-``gpustreams.enabled`` runs each task through the runtime in Dask's own threads,
-as below.
+scheduler the user names is kept, and so is a thread pool set as Dask's ``pool``
+config: ``scheduler="threads"`` (or ``"sync"``) with ``gpustreams.enabled`` runs
+each task through the runtime in Dask's own threads, as below. (A compute's
+``num_workers=`` is not seen here: with ``gpustreams.enabled`` and no scheduler
+named, it is ignored, as the launcher launches from one thread.)
 
 :func:`install` also puts
 :func:`local_callbacks` in place of ``dask.local.local_callbacks``, the context
@@ -150,6 +152,7 @@ def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
         and scheduler is None
         and enabled()
         and not dask.config.get("scheduler", None)
+        and dask.config.get("pool", None) is None  # a thread pool of the user's: theirs
     ):
         return launcher_get
     return schedule
