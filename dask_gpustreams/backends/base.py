@@ -17,6 +17,8 @@ class Backend(Protocol):
 
     name: str
     device_id: int
+    #: Whether the device is AMD's, run through HIP (ROCm); False for CUDA and the sim.
+    is_hip: bool
     #: Functions that copy host data to this device / device data to the host, which
     #: integrations may replace by the runtime's staged copies (``cupy.asarray``, ...).
     #: The first upload function also converts device arrays between dtypes.
@@ -88,6 +90,16 @@ class Backend(Protocol):
 
     def hardware_queues(self) -> int | None:
         """How many streams the device runs without false serialization, if bounded."""
+
+    def hardware_queues_variable(self) -> str:
+        """The environment variable that sets :meth:`hardware_queues` before the device starts."""
+
+    def on_device(self) -> AbstractContextManager:
+        """Make this backend's device the current one in this thread, inside.
+
+        For objects whose device is the current one when they are made
+        (CuPy's events); streams and arrays of this backend need none.
+        """
 
     def alloc_pinned(self, nbytes: int) -> Any:
         """``nbytes`` of page-locked host memory as a NumPy ``uint8`` array."""

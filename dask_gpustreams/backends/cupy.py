@@ -173,6 +173,12 @@ class CupyBackend:
             return int(os.environ.get("GPU_MAX_HW_QUEUES", HIP_DEFAULT_QUEUES))
         return cuda_connections()
 
+    def hardware_queues_variable(self) -> str:
+        return "GPU_MAX_HW_QUEUES" if self.is_hip else "CUDA_DEVICE_MAX_CONNECTIONS"
+
+    def on_device(self) -> cupy.cuda.Device:
+        return cupy.cuda.Device(self.device_id)
+
     def alloc_pinned(self, nbytes: int) -> np.ndarray:
         return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ class SimBackend:
     """Streams, events and arrays of :func:`dask_gpustreams.sim.get_device`."""
 
     name = "sim"
+    is_hip = False
     upload_functions = (sim.asarray,)
     download_functions = (sim.asnumpy,)
 
@@ -75,6 +76,14 @@ class SimBackend:
 
     def hardware_queues(self) -> int | None:
         return None
+
+    def hardware_queues_variable(self) -> str:
+        """CUDA's: the simulated device stands for a CUDA one (its queues are unbounded)."""
+        return "CUDA_DEVICE_MAX_CONNECTIONS"
+
+    def on_device(self) -> AbstractContextManager:
+        """Nothing to make current: the simulated device is the only one."""
+        return nullcontext()
 
     def alloc_pinned(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)

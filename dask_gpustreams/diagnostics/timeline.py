@@ -22,7 +22,6 @@ them, then transforms and presents them, in three separate steps:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -131,7 +130,7 @@ def _runtime_records(runtime: Any, snapshot: list, timeout: float) -> list[dict]
         return []
     # Anchor the device clock to the host's: an event recorded now, on an idle
     # stream, completes when the host sees it done (to a few microseconds).
-    with _on_device(backend):
+    with backend.on_device():  # CuPy creates events on the current device
         # A stream of its own (dropped after), so reading the clock never waits
         # behind the work queued on the pool's streams.
         stream = backend.create_stream()
@@ -162,15 +161,6 @@ def _runtime_records(runtime: Any, snapshot: list, timeout: float) -> list[dict]
         }
         for r in finished
     ]
-
-
-def _on_device(backend: Any) -> contextlib.AbstractContextManager:
-    """Make the backend's device current (CuPy creates events on the current device)."""
-    if backend.name == "cupy":
-        import cupy
-
-        return cupy.cuda.Device(backend.device_id)
-    return contextlib.nullcontext()
 
 
 def _track(record: dict) -> tuple:

@@ -311,8 +311,7 @@ def fit_hardware_queues(backend: Backend, n_streams: int, copies: int) -> int:
     queues = backend.hardware_queues()
     if queues is None or n_streams + copies <= queues:
         return n_streams
-    hip = getattr(backend, "is_hip", False)
-    variable = "GPU_MAX_HW_QUEUES" if hip else "CUDA_DEVICE_MAX_CONNECTIONS"
+    variable = backend.hardware_queues_variable()
     if n_streams > queues:
         warnings.warn(
             f"gpustreams.streams={n_streams} exceeds the device's {queues} hardware "
