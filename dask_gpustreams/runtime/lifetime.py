@@ -33,6 +33,7 @@ from dask_gpustreams.backends import (
     create_backend,
     current_device,
     reserve_hardware_queues,
+    reserves_queues,
     resolve_backend,
 )
 from dask_gpustreams.config import StreamsConfig
@@ -143,7 +144,7 @@ class Runtimes:
         """The backend ``config.backend`` stands for in this process (resolved once). Locked."""
         resolved = self._resolved.get(config.backend)
         if resolved is None:
-            if config.backend != "sim":  # before anything here starts CUDA, which reads it once
+            if reserves_queues(config.backend):  # before anything here starts CUDA (read once)
                 reserve_hardware_queues(config.streams + 2 * config.copy_streams)
             resolved = self._resolved[config.backend] = resolve_backend(config.backend)
         return resolved
