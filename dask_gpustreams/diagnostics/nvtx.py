@@ -80,7 +80,7 @@ def annotate(backend: Any, pool: Any) -> None:
     def category(stream: Any) -> str:
         name = names.get(id(stream))
         if name is None:
-            names.update((id(s.stream), f"stream {s.index}") for s in pool.slots)
+            names.update((id(stream), f"stream {index}") for index, stream in pool.streams())
             name = names.get(id(stream), "other stream")
         return name
 

@@ -60,10 +60,10 @@ class DeviceBusy:
 
     def update(self) -> dict[int, float]:
         """``stream index -> busy seconds`` so far."""
-        timeline = self.runtime.timeline
-        if timeline is None:
+        runtime = self.runtime
+        if runtime.timeline is None:
             return self.seconds
-        snapshot = list(timeline)
+        snapshot = runtime.timeline_snapshot()
         new = snapshot
         if self._last is not None:
             for i in range(len(snapshot) - 1, -1, -1):
@@ -72,20 +72,17 @@ class DeviceBusy:
                     break
         if snapshot:
             self._last = snapshot[-1]
-        backend = self.runtime.backend
-        done = backend.done
-        elapsed = backend.elapsed_ms
+        done = runtime.done
+        elapsed = runtime.elapsed_ms
         pending = []
         for record in (*self._pending, *new):
             if record.start is None:
                 continue
-            if not done(record.event):
+            if not done(record):
                 pending.append(record)
                 continue
-            index = record.slot.index
-            self.seconds[index] = (
-                self.seconds.get(index, 0.0) + elapsed(record.start, record.event) / 1e3
-            )
+            index = record.stream_index
+            self.seconds[index] = self.seconds.get(index, 0.0) + elapsed(record) / 1e3
         self._pending = pending[-self.max_pending :]
         return self.seconds
 

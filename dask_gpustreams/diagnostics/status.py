@@ -194,32 +194,22 @@ def _configured(plugin: Any) -> dict:
 
 def runtime_counts(runtime: Any) -> dict:
     """A runtime's settings and counters (no locks taken, nothing released or created)."""
-    pool = runtime.pool
-    transfers = runtime.transfers
-    pinned = transfers.pinned
-    done = runtime.backend.done
+    pinned = runtime.transfers.pinned
     tasks_run = waits = in_flight = 0
     held: dict[int, int] = {}
-    if pool.started():
-        for slot in pool.slots:
-            tasks_run += slot.seq
-            waits += slot.waits
-            in_flight += slot.pending
-            entries = tuple(slot.inflight)  # a copy under the GIL: no lock
-            in_flight += sum(1 for event, _ in entries if not done(event))
-            for _, refs in entries:
-                _held_arrays(refs, held)
-    for copies in (transfers.h2d, transfers.d2h):
-        if copies.started():
-            for slot in copies.slots:
-                for _, refs in tuple(slot.inflight):
-                    _held_arrays(refs, held)
+    for stream in runtime.stream_stats():
+        if stream.kind == "compute":
+            tasks_run += stream.recorded
+            waits += stream.waits
+            in_flight += stream.launching + stream.in_flight
+        for refs in stream.held:
+            _held_arrays(refs, held)
     limit = pinned.limit
     return {
         "started": True,
         "backend": runtime.backend.name,
         "device": runtime.backend.device_id,
-        "streams": pool.n_streams,
+        "streams": runtime.pool.n_streams,
         "policy": runtime.config.policy,
         "settings": _settings(runtime.config),
         "tasks_run": tasks_run,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -117,49 +116,32 @@ def _collect_process(timeout: float = 10.0) -> dict:
 
     records: list[dict] = []
     for runtime in live_runtimes():
-        if runtime.timeline is not None and runtime.pool.started():
-            records.extend(_runtime_records(runtime, list(runtime.timeline), timeout))
+        records.extend(_runtime_records(runtime, runtime.timeline_snapshot(), timeout))
     return {"host": socket.gethostname(), "pid": os.getpid(), "worker": None, "records": records}
 
 
 def _runtime_records(runtime: Any, snapshot: list, timeout: float) -> list[dict]:
-    backend = runtime.backend
-    done = backend.done
-    finished = [r for r in snapshot if r.start is not None and done(r.event)]
-    if not finished:
+    """The records of ``snapshot`` (``runtime``'s) timed and completed, on the host clock.
+
+    Warns and gives none if the runtime's clock anchor does not complete in ``timeout`` s.
+    """
+    try:
+        times = runtime.task_times(snapshot, timeout)
+    except TimeoutError as e:
+        warnings.warn(f"timeline: {e}", RuntimeWarning, stacklevel=3)
         return []
-    # Anchor the device clock to the host's: an event recorded now, on an idle
-    # stream, completes when the host sees it done (to a few microseconds).
-    with backend.on_device():  # CuPy creates events on the current device
-        # A stream of its own (dropped after), so reading the clock never waits
-        # behind the work queued on the pool's streams.
-        stream = backend.create_stream()
-        anchor = backend.create_event(timing=True)
-        backend.record(anchor, stream)
-    deadline = time.monotonic() + timeout
-    while not done(anchor):
-        if time.monotonic() > deadline:
-            warnings.warn(
-                f"timeline: the clock anchor of {runtime!r} did not complete within "
-                f"timeout={timeout} s; its {len(finished)} records are left out",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return []
-        time.sleep(0)
-    now = time.time()
-    elapsed = backend.elapsed_ms
+    device = runtime.backend.device_id
     pool = f"{runtime.config.policy}/{runtime.pool.n_streams}"
     return [
         {
             "key": r.key,
-            "device": backend.device_id,
+            "device": device,
             "pool": pool,
-            "stream": r.slot.index,
-            "start": now - elapsed(r.start, anchor) / 1e3,
-            "end": now - elapsed(r.event, anchor) / 1e3,
+            "stream": r.stream_index,
+            "start": start,
+            "end": end,
         }
-        for r in finished
+        for r, start, end in times
     ]
 
 

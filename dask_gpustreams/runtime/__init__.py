@@ -1,7 +1,7 @@
 """The scheduler-independent stream runtime: pools, event registry, lifetime, copies, policies."""
 
 from dask_gpustreams.runtime.lifetime import Runtimes
-from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+from dask_gpustreams.runtime.pool import StreamPool, StreamSlot, StreamStats
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 from dask_gpustreams.runtime.runtime import (
     StreamRuntime,
@@ -17,6 +17,7 @@ __all__ = [
     "StreamPool",
     "StreamRuntime",
     "StreamSlot",
+    "StreamStats",
     "TaskRecord",
     "acquire_runtime",
     "get_runtime",

@@ -6,6 +6,7 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dask_gpustreams.backends.base import Backend
@@ -61,6 +62,31 @@ class StreamSlot:
 
     def __repr__(self) -> str:
         return f"<StreamSlot {self.index} priority={self.priority} inflight={len(self.inflight)}>"
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """What one stream of a pool is doing, read at once (:meth:`StreamPool.stats`).
+
+    Counters are read as they are, without the slot's lock: a snapshot that
+    concurrent tasks may leave behind by a few.
+    """
+
+    #: ``"compute"``, ``"h2d"`` or ``"d2h"``: the pool the stream belongs to.
+    kind: str
+    #: The stream's index in its pool.
+    index: int
+    #: Events recorded on the stream: tasks run (compute) or copies (h2d, d2h).
+    recorded: int
+    #: Event waits enqueued on the stream for other streams' work.
+    waits: int
+    #: Tasks assigned to the stream whose event is not recorded yet.
+    launching: int
+    #: Recorded events not complete, asked of the device now; None where not asked.
+    in_flight: int | None
+    #: What the events not yet seen complete hold (each task's inputs and holds, in
+    #: stream order): released once the events are seen complete.
+    held: tuple
 
 
 class PoolView(Protocol):
@@ -130,6 +156,46 @@ class StreamPool:
     def started(self) -> bool:
         """Whether the streams exist yet."""
         return self._slots is not None
+
+    def streams(self) -> list[tuple[int, Any]]:
+        """``(index, stream)`` of each stream (created at the first call)."""
+        return [(slot.index, slot.stream) for slot in self.slots]
+
+    def stats(self, kind: str, query: bool = True) -> list[StreamStats]:
+        """A :class:`StreamStats` of each stream, none before they exist; takes no lock.
+
+        ``query``: ask the device which recorded events are complete (``in_flight``);
+        else ``in_flight`` is None. Releases nothing and creates no stream.
+        """
+        slots = self._slots
+        if slots is None:
+            return []
+        done = self.backend.done
+        stats = []
+        for slot in slots:
+            entries = tuple(slot.inflight)  # a copy under the GIL: no lock
+            in_flight = sum(1 for event, _ in entries if not done(event)) if query else None
+            stats.append(
+                StreamStats(
+                    kind,
+                    slot.index,
+                    slot.seq,
+                    slot.waits,
+                    slot.pending,
+                    in_flight,
+                    tuple(refs for _, refs in entries),
+                )
+            )
+        return stats
+
+    def synchronize_quietly(self) -> None:
+        """Block until every stream is idle, ignoring the errors of its work; none created.
+
+        Releases nothing: what the events hold goes at the next collect.
+        """
+        for slot in self._slots or ():
+            with contextlib.suppress(Exception):  # the error being cleared, or one an event has
+                self.backend.synchronize_stream(slot.stream)
 
     def collect(self, slot: StreamSlot) -> int:
         """Drop completed work from ``slot``'s in-flight queue; return how much is left."""

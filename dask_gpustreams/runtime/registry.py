@@ -23,6 +23,11 @@ class TaskRecord:
         self.claimed = False  # set by the first consumer that takes this stream (affinity)
         self.level = 0  # when the task ends, in task durations, as its policy planned (auto)
 
+    @property
+    def stream_index(self) -> int:
+        """The index, in its runtime's pool, of the stream the task ran on."""
+        return self.slot.index
+
     def __repr__(self) -> str:
         return f"<TaskRecord {self.key!r} stream={self.slot.index} seq={self.seq}>"
 

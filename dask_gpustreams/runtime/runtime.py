@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
@@ -26,7 +27,7 @@ from dask_gpustreams.runtime.hosttasks import HostTasks
 from dask_gpustreams.runtime.hostthreads import HostThreads
 from dask_gpustreams.runtime.lifetime import Runtimes
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
-from dask_gpustreams.runtime.pool import StreamPool, StreamSlot
+from dask_gpustreams.runtime.pool import StreamPool, StreamSlot, StreamStats
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 from dask_gpustreams.runtime.transfers import Transfers
 
@@ -223,6 +224,126 @@ class StreamRuntime:
     def collect(self) -> int:
         """Release what completed tasks and copies held; return the work still in flight."""
         return self.pool.collect_all() + self.transfers.collect()
+
+    # ------------------------------------------------------------------ records
+
+    # What integrations and diagnostics ask of the tasks run here: they hand in the
+    # records that run() registered and never touch events, streams or slots.
+
+    def state(self, record: TaskRecord) -> tuple[bool, BaseException | None]:
+        """``(completed, error of failed work before it)`` of ``record``'s task; never blocks.
+
+        The error, None while not completed, is returned every time it is asked
+        for, never raised; a query that fails itself (a CUDA error) counts as
+        completed with that error.
+        """
+        try:
+            return self.backend.event_state(record.event)
+        except Exception as e:  # a CUDA error from the query itself
+            return True, e
+
+    def done(self, record: TaskRecord) -> bool:
+        """Whether ``record``'s task has completed (a query, never blocks; may raise its error)."""
+        return self.backend.done(record.event)
+
+    def wait(self, record: TaskRecord) -> BaseException | None:
+        """Block until ``record``'s task completes; the error of failed work before it, or None.
+
+        Never raises it: a failed wait is returned as the error.
+        """
+        try:
+            return self.backend.event_error(record.event)
+        except Exception as e:
+            return e
+
+    def wait_all(self, records: Iterable[TaskRecord]) -> None:
+        """Block until the task of each of ``records`` completes; errors: see :meth:`state`."""
+        event_error = self.backend.event_error
+        for record in records:
+            with contextlib.suppress(Exception):
+                event_error(record.event)
+
+    def report(self, record: TaskRecord) -> None:
+        """Report the error of ``record``'s completed task to the device, now; raise nothing.
+
+        A sync of its event, which returns at once. On the simulated device the
+        streams a failure reached skip what is launched on them until a sync
+        reports it; the event keeps its error (:meth:`state` still gives it).
+        A CUDA error is sticky: nothing to report, the sync raises it again.
+        """
+        with contextlib.suppress(Exception):
+            self.backend.synchronize_event(record.event)
+
+    def clear_errors(self) -> None:
+        """Block until every stream, compute and copy, is idle, ignoring their errors.
+
+        Reports to the device the failures no sync has reported yet (see
+        :meth:`report`), so that work launched later on the streams they reached
+        runs again. Streams not created yet are left alone.
+        """
+        transfers = self.transfers
+        for pool in (self.pool, transfers.h2d, transfers.d2h):
+            pool.synchronize_quietly()
+
+    def stream_stats(self) -> list[StreamStats]:
+        """What each stream, compute and copy, is doing: a snapshot, no lock, nothing released.
+
+        The compute streams' ``in_flight`` is asked of the device; the copy
+        streams' is None. Empty for the streams not created yet.
+        """
+        transfers = self.transfers
+        return [
+            *self.pool.stats("compute"),
+            *transfers.h2d.stats("h2d", query=False),
+            *transfers.d2h.stats("d2h", query=False),
+        ]
+
+    def timeline_snapshot(self) -> list[TaskRecord]:
+        """The records of :attr:`timeline`, oldest first, as they are now.
+
+        Empty while it is off or before the streams exist (or once they are closed).
+        """
+        timeline = self.timeline
+        return list(timeline) if timeline is not None and self.pool.started() else []
+
+    def elapsed_ms(self, record: TaskRecord) -> float:
+        """Device milliseconds of ``record``'s task; it has timing events, and it completed."""
+        return self.backend.elapsed_ms(record.start, record.event)
+
+    def task_times(
+        self, records: Iterable[TaskRecord], timeout: float
+    ) -> list[tuple[TaskRecord, float, float]]:
+        """``(record, start, end)`` of those of ``records`` timed and completed, on the host clock.
+
+        ``start`` and ``end`` are ``time.time()`` seconds. The device clock is
+        anchored to the host's by an event recorded now on a stream of its own,
+        which completes when the host sees it done (to a few microseconds) and
+        never waits behind the pool's work. Raises ``TimeoutError`` if the
+        anchor has not completed after ``timeout`` seconds.
+        """
+        backend = self.backend
+        done = backend.done
+        finished = [r for r in records if r.start is not None and done(r.event)]
+        if not finished:
+            return []
+        with backend.on_device():  # CuPy creates events on the current device
+            stream = backend.create_stream()  # dropped after
+            anchor = backend.create_event(timing=True)
+            backend.record(anchor, stream)
+        deadline = time.monotonic() + timeout
+        while not done(anchor):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the clock anchor of {self!r} did not complete within "
+                    f"timeout={timeout} s; its {len(finished)} records are left out"
+                )
+            time.sleep(0)
+        now = time.time()
+        elapsed = backend.elapsed_ms
+        return [
+            (r, now - elapsed(r.start, anchor) / 1e3, now - elapsed(r.event, anchor) / 1e3)
+            for r in finished
+        ]
 
     # ------------------------------------------------------------------ lifetime
 

@@ -9,7 +9,6 @@ event loop for the evicted key only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Collection, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,6 @@ from distributed.metrics import context_meter
 from dask_gpustreams.diagnostics.fine_metrics import server_digest, wait_meter
 from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.distributed.provenance import Provenance
-from dask_gpustreams.runtime import TaskRecord
 
 
 def _zict_buffers(data: Any) -> list:
@@ -93,29 +91,23 @@ class Egress:
             sources = {
                 r.key: provenance.sources((r.key,)) for r in provenance.registry.records(keys)
             }
-            pending = [r for rs in sources.values() for r in rs if not provenance.state(r)[0]]
+            pending = provenance.pending(r for rs in sources.values() for r in rs)
             if not pending:
                 break
             waited = waited or time.perf_counter()
             with wait_meter():
-                await loop.run_in_executor(self.threads, self._wait_events, pending)
+                await loop.run_in_executor(self.threads, provenance.wait_all, pending)
         if waited is not None:
             self.waits += 1
             self.wait_seconds += time.perf_counter() - waited
         failed = {}
         for key, records in sources.items():
-            error = next(filter(None, (provenance.state(r)[1] for r in records)), None)
+            error = provenance.first_error(records)
             if error is not None:
                 failed[key] = error
             else:
                 provenance.taint.pop(key, None)  # all done and fine
         return failed
-
-    def _wait_events(self, records: list[TaskRecord]) -> None:
-        """Egress thread: block until each record's event has completed (errors read later)."""
-        for record in records:
-            with contextlib.suppress(Exception):
-                self.provenance.runtime.backend.event_error(record.event)
 
     def before_spill(self, key: Hashable, value: Any) -> None:
         """First ``on_evict`` callback: the key's work must be complete before it is serialized."""
@@ -123,13 +115,10 @@ class Egress:
         if provenance.runtime is None:
             return
         records = provenance.sources((key,))
-        backend = provenance.runtime.backend
-        if any(not backend.done(r.event) for r in records):
+        if provenance.any_running(records):
             started = time.perf_counter()
             with wait_meter():
-                for r in records:
-                    with contextlib.suppress(Exception):  # errors read below
-                        backend.event_error(r.event)  # blocks the loop
+                provenance.wait_all(records)  # blocks the loop; errors read below
             self.waits += 1
             self.wait_seconds += time.perf_counter() - started
         for record in records:

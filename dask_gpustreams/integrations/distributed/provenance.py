@@ -9,7 +9,6 @@ otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -86,44 +85,74 @@ class Provenance:
         return list(sources)
 
     def state(self, record: TaskRecord) -> tuple[bool, KernelError | None]:
-        """Whether ``record``'s event has completed, and its error if so (never blocks).
+        """Whether ``record``'s task has completed, and its error if so (never blocks).
 
         An error found is reported to the device at once (:meth:`_report`).
         """
-        try:
-            done, error = self.runtime.backend.event_state(record.event)
-        except Exception as e:  # a CUDA error from the query itself
-            done, error = True, e
+        done, error = self.runtime.state(record)
         if error is None:
             return done, None
-        self._report(record)
-        return done, as_kernel_error(record.key, error)
+        return done, self._failed(record, error)
+
+    def pending(self, records: Iterable[TaskRecord]) -> list[TaskRecord]:
+        """Those of ``records`` whose task has not completed (never blocks; errors reported)."""
+        state = None  # the runtime's, as :meth:`state` asks it, with no call added per record
+        pending = []
+        for record in records:
+            if state is None:  # bound at the first record: without any, no runtime is read
+                state = self.runtime.state
+            done, error = state(record)
+            if error is not None:
+                self._failed(record, error)
+            if not done:
+                pending.append(record)
+        return pending
+
+    def first_error(self, records: Iterable[TaskRecord]) -> KernelError | None:
+        """The error of the first of ``records`` whose task failed (reported), or None."""
+        state = None
+        for record in records:
+            if state is None:
+                state = self.runtime.state
+            error = state(record)[1]
+            if error is not None:
+                return self._failed(record, error)
+        return None
+
+    def any_running(self, records: Iterable[TaskRecord]) -> bool:
+        """Whether the task of any of ``records`` has not completed (a query each, no wait).
+
+        A query does not report errors; on CUDA one that finds a failure raises it.
+        """
+        return any(not self.runtime.done(r) for r in records)
 
     def wait(self, record: TaskRecord) -> KernelError | None:
-        """Block until ``record``'s event completes; its error (reported, see :meth:`_report`)."""
-        try:
-            error = self.runtime.backend.event_error(record.event)
-        except Exception as e:
-            error = e
+        """Block until ``record``'s task completes; its error (reported, see :meth:`_report`)."""
+        error = self.runtime.wait(record)
         if error is None:
             return None
+        return self._failed(record, error)
+
+    def wait_all(self, records: Iterable[TaskRecord]) -> None:
+        """Block until the task of each of ``records`` completes (errors: :meth:`state`)."""
+        self.runtime.wait_all(records)
+
+    def _failed(self, record: TaskRecord, error: BaseException) -> KernelError:
+        """The failure of ``record``'s completed task, reported (:meth:`_report`)."""
         self._report(record)
         return as_kernel_error(record.key, error)
 
     def _report(self, record: TaskRecord) -> None:
-        """Report the error of ``record``'s completed event to the device, now.
+        """Report the error of ``record``'s completed task to the device, now.
 
-        A sync of the event, which returns at once. On the simulated device, the
-        streams the failure reached skip what is launched on them until a sync
-        reports it: reported here, before the failure goes anywhere (a task's
-        error, a dropped key, the client), no task launched after that is
-        skipped for it, such as those of the user's next graph, which would
-        otherwise fail with this key's error. The event keeps its error, so
-        corrupt results are still found. A CUDA error is sticky: nothing to
-        report, the sync raises it again.
+        :meth:`StreamRuntime.report`, before the failure goes anywhere (a task's
+        error, a dropped key, the client): on the simulated device, the streams
+        the failure reached skip what is launched on them until it is reported,
+        and no task launched after this is skipped for it, such as those of the
+        user's next graph, which would otherwise fail with this key's error. The
+        task keeps its error, so corrupt results are still found.
         """
-        with contextlib.suppress(Exception):
-            self.runtime.backend.synchronize_event(record.event)
+        self.runtime.report(record)
 
     def input_states(
         self, dep_keys: Iterable[Hashable]
@@ -135,24 +164,27 @@ class Provenance:
         """
         get = self.registry.get
         taint = self.taint
+        state = None  # the runtime's, bound at the first record (none: no runtime yet)
         pending: list[TaskRecord] = []
         tainted = False
         for key in dep_keys:
             record = get(key)
             if record is None:
                 continue
-            done, error = self.state(record)
+            if state is None:  # not self.state for each: no call added per input
+                state = self.runtime.state
+            done, error = state(record)
             if error is not None:
-                return error, ()
+                return self._failed(record, error), ()
             if not done:
                 pending.append(record)
             more = taint.get(key)
             if more:
                 tainted = True
                 for other in more:
-                    done, error = self.state(other)
+                    done, error = state(other)
                     if error is not None:
-                        return error, ()
+                        return self._failed(other, error), ()
                     if not done:
                         pending.append(other)
         return None, tuple(dict.fromkeys(pending) if tainted else pending)
@@ -160,9 +192,9 @@ class Provenance:
     def wait_inputs(self, dep_keys: tuple[Hashable, ...]) -> None:
         """Worker thread: block until the work the inputs derive from is done; raise its error."""
         for record in self.sources(dep_keys):
-            error = self.wait(record)
+            error = self.runtime.wait(record)  # as :meth:`wait` does, with no call added
             if error is not None:
-                raise error
+                raise self._failed(record, error)
 
     def forget(self, key: Hashable) -> None:
         """Drop the entries of ``key``, which is no longer this worker's to serve."""
@@ -243,13 +275,4 @@ class Provenance:
         and waits for all queued work.
         """
         self._clearing = False
-        runtime = self.runtime
-        transfers = getattr(runtime, "transfers", None)
-        pools = (runtime.pool, getattr(transfers, "h2d", None), getattr(transfers, "d2h", None))
-        for pool in pools:
-            if pool is None or not pool.started():
-                continue
-            for slot in pool.slots:
-                # The error is the one being cleared, or one that an event recorded.
-                with contextlib.suppress(Exception):
-                    runtime.backend.synchronize_stream(slot.stream)
+        self.runtime.clear_errors()
