@@ -3,6 +3,11 @@
 Checked twice: statically (every import statement, including those inside
 functions) and dynamically (``sys.modules`` of a fresh interpreter that
 imports and uses a layer with the package's ``__init__`` left out).
+
+Integrations and diagnostics ask the runtime, in task records, and never reach
+through it: they import no backend module (nor CuPy), and no module outside
+``runtime/`` touches a pool's slots (``pool.slots``, ``record.slot``, a slot's
+bookkeeping), checked on the syntax tree of every module.
 """
 
 from __future__ import annotations
@@ -22,10 +27,32 @@ SCHEDULER_MODULES = ("distributed", "dask.local", "dask.threaded", "dask.multipr
 INTEGRATIONS = ("dask_gpustreams.integrations",)
 RUNTIME = ("dask_gpustreams.runtime",)
 
+BACKEND_MODULES = ("dask_gpustreams.backends", "cupy", "cupyx")
+
 FORBIDDEN = {
     "runtime": SCHEDULER_MODULES + INTEGRATIONS,
     "backends": SCHEDULER_MODULES + INTEGRATIONS + RUNTIME,
     "sim": SCHEDULER_MODULES + INTEGRATIONS + RUNTIME,
+    "integrations": BACKEND_MODULES,
+    "diagnostics": BACKEND_MODULES,
+}
+
+#: Imports a layer makes in spite of :data:`FORBIDDEN`, each with its reason.
+ALLOWED = {
+    # The NVTX library CuPy ships, the fallback where the nvtx package is missing: it
+    # pushes ranges on the host, whichever backend runs; no device is touched.
+    ("diagnostics/nvtx.py", "cupy.cuda"),
+    ("diagnostics/nvtx.py", "cupy.cuda.nvtx"),
+}
+
+#: Attributes that lead to a pool's slots, and the slots' own bookkeeping: only
+#: ``runtime/`` reads them (``StreamRuntime.stream_stats``, ``TaskRecord.stream_index``,
+#: ``StreamPool.streams`` answer the others).
+SLOT_ATTRIBUTES = frozenset({"slots", "slot", "inflight", "_assigned", "waited"})
+#: ``(file, function)`` that still reach the slots, each to move onto the runtime's API.
+KNOWN_SLOT_REACHES = {
+    # StreamRuntime.clear_errors() synchronizes the same streams the same way.
+    ("integrations/blocks.py", "_report_failures"),
 }
 
 
@@ -68,17 +95,122 @@ def _layer_files(layer: str) -> list[str]:
     return sorted(files)
 
 
+def forbidden_imports(layer: str, files: list[str] | None = None) -> dict[str, list[str]]:
+    """``file -> forbidden modules it imports`` for the modules of ``layer`` (or ``files``)."""
+    bad = {}
+    for path in _layer_files(layer) if files is None else files:
+        rel = os.path.relpath(path, PACKAGE)
+        found = sorted(
+            m
+            for m in imported_modules(path)
+            if _matches(m, FORBIDDEN[layer]) and (rel, m) not in ALLOWED
+        )
+        if found:
+            bad[rel] = found
+    return bad
+
+
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_layer_import_statements(layer):
-    files = _layer_files(layer)
-    assert files, f"no modules found under dask_gpustreams/{layer}"
-    bad = {
-        os.path.relpath(path, PACKAGE): sorted(
-            m for m in imported_modules(path) if _matches(m, FORBIDDEN[layer])
-        )
-        for path in files
+    assert _layer_files(layer), f"no modules found under dask_gpustreams/{layer}"
+    assert forbidden_imports(layer) == {}
+
+
+def test_integrations_and_diagnostics_import_no_backend_module():
+    """As the parametrized test checks them; here the rule itself is pinned down."""
+    for layer in ("integrations", "diagnostics"):
+        assert set(BACKEND_MODULES) <= set(FORBIDDEN[layer])
+        assert forbidden_imports(layer) == {}
+    allowed_files = {f for f, _ in ALLOWED}
+    assert allowed_files == {"diagnostics/nvtx.py"}
+
+
+def test_a_planted_backend_import_is_found(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import cupy\n"
+        "def f():\n"
+        "    from dask_gpustreams.backends.cupy import CupyBackend\n"
+        "    from dask_gpustreams import backends\n"
+    )
+    assert forbidden_imports("integrations", [str(sample)]) == {
+        os.path.relpath(str(sample), PACKAGE): [
+            "cupy",
+            "dask_gpustreams.backends",
+            "dask_gpustreams.backends.cupy",
+            "dask_gpustreams.backends.cupy.CupyBackend",
+        ]
     }
-    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def slot_reaches(path: str) -> list[str]:
+    """``file:line .attr`` of each read or write of :data:`SLOT_ATTRIBUTES` in ``path``.
+
+    Also an import of ``StreamSlot`` and a ``getattr`` of those names. Those inside
+    the functions of :data:`KNOWN_SLOT_REACHES` are left out.
+    """
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    rel = os.path.relpath(path, PACKAGE)
+    known = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (rel, node.name) in KNOWN_SLOT_REACHES
+        for inner in ast.walk(node)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in known:
+            continue
+        name = None
+        if isinstance(node, ast.Attribute) and node.attr in SLOT_ATTRIBUTES:
+            name = node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in SLOT_ATTRIBUTES
+        ):
+            name = node.args[1].value
+        elif isinstance(node, ast.ImportFrom) and any(a.name == "StreamSlot" for a in node.names):
+            name = "StreamSlot"
+        if name is not None:
+            found.append(f"{rel}:{node.lineno} .{name}")
+    return found
+
+
+def test_nothing_outside_the_runtime_touches_a_pool_slot():
+    outside = [
+        p
+        for p in _layer_files("")
+        if not os.path.relpath(p, PACKAGE).startswith("runtime" + os.sep)
+    ]
+    assert len(outside) > 20  # every module of the package but the runtime's
+    assert [hit for path in outside for hit in slot_reaches(path)] == []
+    assert len(KNOWN_SLOT_REACHES) <= 1  # only shrinks
+
+
+def test_a_planted_slot_reach_is_found(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from dask_gpustreams.runtime.pool import StreamSlot\n"
+        "def f(runtime, record):\n"
+        "    n = sum(s.seq for s in runtime.pool.slots)\n"
+        "    return n + record.slot.index + len(getattr(record, 'slot').inflight)\n"
+    )
+    rel = os.path.relpath(str(sample), PACKAGE)
+    assert sorted(slot_reaches(str(sample))) == sorted(
+        [
+            f"{rel}:1 .StreamSlot",
+            f"{rel}:3 .slots",
+            f"{rel}:4 .slot",
+            f"{rel}:4 .slot",
+            f"{rel}:4 .inflight",
+        ]
+    )
 
 
 def test_import_scanner_sees_imports_inside_functions(tmp_path):
