@@ -23,7 +23,6 @@ its tasks in priority order on the host, as Dask would.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -168,7 +167,7 @@ class StreamBlock:
                 if len(seen) >= self.relaunches or any(e is s for s in seen):
                     raise BlockSkipped(e) from None
                 seen.append(e)
-                _report_failures(runtime)
+                runtime.clear_errors()  # reports failures no sync has reported yet
 
 
 class _Failed:
@@ -221,22 +220,6 @@ def _upstream(nodes: Sequence[GraphNode], keys: Iterable[Hashable]) -> list[Grap
                 need.add(d)
                 stack.append(d)
     return [node for node in nodes if node.key in need]
-
-
-def _report_failures(runtime: StreamRuntime) -> None:
-    """Synchronize every stream of ``runtime`` (compute and copy), ignoring their errors.
-
-    Reports the failures no sync has reported yet, so that work launched later
-    on the streams they reached runs. Their events keep the errors: the
-    results they corrupted are still found.
-    """
-    transfers = getattr(runtime, "transfers", None)
-    for pool in (runtime.pool, getattr(transfers, "h2d", None), getattr(transfers, "d2h", None)):
-        if pool is None or not pool.started():
-            continue
-        for slot in pool.slots:
-            with contextlib.suppress(Exception):
-                runtime.backend.synchronize_stream(slot.stream)
 
 
 def partition(

@@ -84,19 +84,9 @@ class Provenance:
             sources.update(dict.fromkeys(self.taint.get(record.key, ())))
         return list(sources)
 
-    def state(self, record: TaskRecord) -> tuple[bool, KernelError | None]:
-        """Whether ``record``'s task has completed, and its error if so (never blocks).
-
-        An error found is reported to the device at once (:meth:`_report`).
-        """
-        done, error = self.runtime.state(record)
-        if error is None:
-            return done, None
-        return done, self._failed(record, error)
-
     def pending(self, records: Iterable[TaskRecord]) -> list[TaskRecord]:
         """Those of ``records`` whose task has not completed (never blocks; errors reported)."""
-        state = None  # the runtime's, as :meth:`state` asks it, with no call added per record
+        state = None  # the runtime's, asked once, with no call added per record
         pending = []
         for record in records:
             if state is None:  # bound at the first record: without any, no runtime is read
