@@ -1,0 +1,135 @@
+"""Answered in part: the cluster plugin (blocks off) against plugin-off depends on the order of
+the modes (H200 at 9d48fa7, benchmarks/results/h200-misc/cluster-cost-9d48fa7.txt: plugin-off's
+elementwise took 167 ms before a plugin round and 210 after), hence bench_cluster's --rounds;
+the worker thread's time per task was higher with the plugin (942-1099 against 587-787 us).
+
+    OUT=/tmp python -m benchmarks.probes.probe_cluster_cost elementwise,transpose 6
+
+Alternates off / on-noblocks twice per workload on one LocalCUDACluster worker, and per mode
+reports: median wall, tasks, the worker thread's mean compute time per task (task stream),
+and the worker's statistical profile (thread and event loop) leaves for the last round.
+"""
+
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+import dask
+from distributed import Client, get_task_stream, wait
+
+from benchmarks import bench_cluster, bench_workloads
+from benchmarks.bench_workloads import WORKLOADS, sizes_for
+from dask_gpustreams import StreamsPlugin
+
+OUT = os.environ.get("OUT", "/tmp")
+BACKEND = os.environ.get("BACKEND", "cupy")
+
+
+def leaves(tree, n=25):
+    """Flatten distributed's profile tree into (count, 'file:line func') of the deepest frames."""
+    counts = collections.Counter()
+
+    def walk(node, ident):
+        kids = node.get("children", {})
+        own = node["count"] - sum(c["count"] for c in kids.values())
+        if own > 0:
+            counts[ident] += own
+        for c in kids.values():
+            d = c.get("description", {})
+            fname = d.get("filename", "?").split("site-packages/")[-1]
+            walk(c, f"{fname}:{d.get('line_number', '?')} {d.get('name', '?')}")
+
+    walk(tree, "root")
+    total = tree.get("count", 0) or 1
+    return total, [(c, f"{100 * c / total:5.1f}%", k) for k, c in counts.most_common(n)]
+
+
+def main():
+    names = (
+        sys.argv[1].split(",")
+        if len(sys.argv) > 1
+        else ["elementwise", "transpose", "small-chunks"]
+    )
+    samples = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    dask.config.set(
+        {"distributed.worker.profile.interval": "1ms", "distributed.worker.profile.cycle": "100ms"}
+    )
+    cluster, desc = bench_cluster.make_cluster(BACKEND, 1)
+    client = Client(cluster)
+    print(desc, flush=True)
+    arrays = bench_cluster.ClusterInputs(bench_workloads.make_arrays(BACKEND), client)
+    sizes = sizes_for(BACKEND, BACKEND == "sim")
+    by_name = WORKLOADS if isinstance(WORKLOADS, dict) else {w.name: w for w in WORKLOADS}
+    report = {}
+    for name in names:
+        wl = by_name[name]
+        cols = wl.build(arrays, sizes[name])
+        ref = client.compute(list(cols), sync=True)
+        for rnd in range(2):
+            for mode in ("off", "on-noblocks"):
+                if mode != "off":
+                    client.register_plugin(StreamsPlugin(backend=BACKEND, blocks="off"))
+                walls, comp, ntask = [], [], 0
+                t_start = time.time()
+                for i in range(samples + 1):
+                    with get_task_stream(client) as ts:
+                        t0 = time.perf_counter()
+                        fs = client.compute(list(cols))
+                        wait(fs)
+                        client.run(bench_cluster._synchronize, BACKEND)
+                        w = (time.perf_counter() - t0) * 1e3
+                    got = client.gather(fs)
+                    del fs
+                    for j, (g, r) in enumerate(zip(got, ref, strict=True)):
+                        p = bench_workloads.problem(arrays.arrays, g, r, wl.tol)
+                        if p:
+                            print(f"  WRONG {name} {mode} output {j}: {p}", flush=True)
+                    if i:
+                        walls.append(w)
+                        c = [
+                            s["stop"] - s["start"]
+                            for r in ts.data
+                            for s in r["startstops"]
+                            if s["action"] == "compute"
+                        ]
+                        comp.extend(c)
+                        ntask = len(c)
+                t_stop = time.time()
+                prof_thr = client.profile(start=t_start, stop=t_stop)
+                prof_loop = client.profile(start=t_start, stop=t_stop, server=True)
+                if mode != "off":
+                    client.unregister_worker_plugin(StreamsPlugin.name)
+                med = statistics.median(walls)
+                mc = statistics.mean(comp) * 1e6
+                print(
+                    f"{name:<13} round {rnd} {mode:<12} tasks {ntask:<5} median {med:8.2f} ms "
+                    f"[{min(walls):.1f}-{max(walls):.1f}]  per task {1e3 * med / ntask:7.1f} us  "
+                    f"compute mean {mc:7.1f} us  thread-sum {mc * ntask / 1e3:7.1f} ms",
+                    flush=True,
+                )
+                key = f"{name}/{rnd}/{mode}"
+                tt, lt = leaves(prof_thr), leaves(prof_loop)
+                report[key] = {
+                    "walls": walls,
+                    "compute_us": mc,
+                    "tasks": ntask,
+                    "thread": tt,
+                    "loop": lt,
+                }
+                if rnd == 1:
+                    for label, (tot, rows) in (("worker thread", tt), ("event loop", lt)):
+                        print(f"   {label} samples {tot}:")
+                        for r in rows[:14]:
+                            print("     ", *r)
+        arrays.persisted.clear()
+    with open(os.path.join(OUT, "probe_cluster_cost.json"), "w") as f:
+        json.dump(report, f, default=str)
+    client.close()
+    cluster.close()
+
+
+if __name__ == "__main__":
+    main()
