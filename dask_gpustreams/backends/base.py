@@ -85,6 +85,9 @@ class Backend(Protocol):
     def current_stream(self) -> Any:
         """The stream current in this thread."""
 
+    def orders_before_pool(self, stream: Any) -> bool:
+        """Whether work on ``stream`` comes before later work on the pool's streams anyway."""
+
     def is_device_array(self, obj: Any) -> bool:
         """Whether ``obj`` is this backend's device memory."""
 

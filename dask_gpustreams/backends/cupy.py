@@ -165,6 +165,10 @@ class CupyBackend:
     def current_stream(self) -> cupy.cuda.Stream:
         return cupy.cuda.get_current_stream()
 
+    def orders_before_pool(self, stream: cupy.cuda.Stream) -> bool:
+        # The legacy default stream (handle 0): the pool's streams are blocking ones.
+        return stream.ptr == 0
+
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, cupy.ndarray)
 

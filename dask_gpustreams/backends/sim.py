@@ -71,6 +71,10 @@ class SimBackend:
     def current_stream(self) -> sim.Stream:
         return self.device.current_stream()
 
+    def orders_before_pool(self, stream: sim.Stream) -> bool:
+        """The sim's streams are never ordered with each other but by events."""
+        return False
+
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, sim.SimArray)
 

@@ -95,6 +95,7 @@ class LocalSchedulerHook:
 
     def _start(self, dsk: dict) -> None:
         runtime = acquire_runtime()  # held until _finish, so it is not closed meanwhile
+        runtime.order_after_caller()  # inputs this thread is still writing
         registry = EventRegistry()
         with self._lock:
             self._runs[id(dsk)] = (runtime, registry)

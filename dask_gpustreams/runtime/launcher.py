@@ -125,7 +125,7 @@ class GraphLauncher:
         add_record = registry.add
         backend = runtime.backend
         pool = runtime.pool
-        pool.slots  # noqa: B018 - create the streams before the first task
+        runtime.order_after_caller()  # creates the streams before the first task, too
         runtime.isolate_thread()
         select = runtime.policy.select
         assign_lock = pool.assign_lock

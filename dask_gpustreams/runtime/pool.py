@@ -188,6 +188,12 @@ class StreamPool:
             )
         return stats
 
+    def wait_event_all(self, event: Any) -> None:
+        """Make every stream wait (on the device) for ``event`` (creating the streams)."""
+        wait = self.backend.wait_event
+        for slot in self.slots:
+            wait(slot.stream, event)
+
     def synchronize_quietly(self) -> None:
         """Block until every stream is idle, ignoring the errors of its work; none created.
 

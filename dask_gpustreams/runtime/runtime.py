@@ -274,6 +274,26 @@ class StreamRuntime:
         with contextlib.suppress(Exception):
             self.backend.synchronize_event(record.event)
 
+    def order_after_caller(self) -> None:
+        """Make every stream wait (on the device) for what this thread has enqueued so far.
+
+        A graph's inputs may still be being written on the calling thread's current
+        stream (a CuPy array made just before ``compute``). CUDA orders the legacy
+        default stream with the pool's blocking streams, but not a per-thread default
+        stream (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), a stream the caller made,
+        or the sim's default stream: then one event is recorded there, and every stream,
+        compute and copy (created now if need be), waits for it. Once per compute.
+        """
+        backend = self.backend
+        stream = backend.current_stream()
+        if backend.orders_before_pool(stream):
+            return
+        event = backend.create_event()
+        backend.record(event, stream)
+        transfers = self.transfers
+        for pool in (self.pool, transfers.h2d, transfers.d2h):
+            pool.wait_event_all(event)
+
     def clear_errors(self) -> None:
         """Block until every stream, compute and copy, is idle, ignoring their errors.
 
