@@ -72,8 +72,8 @@ class SimBackend:
         return self.device.current_stream()
 
     def orders_before_pool(self, stream: sim.Stream) -> bool:
-        """The sim's streams are never ordered with each other but by events."""
-        return False
+        """Only when ``stream`` is idle: the sim orders its streams by events alone."""
+        return not stream.busy
 
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, sim.SimArray)

@@ -139,6 +139,11 @@ class Stream:
         return self._server.thread
 
     @property
+    def busy(self) -> bool:
+        """Whether a thread serves the stream (work may be pending); False: none is queued."""
+        return self._server.serving
+
+    @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called: the stream takes no more work."""
         return self._closed

@@ -98,6 +98,7 @@ print("exact")
 WRITTEN_LATE = """
 import cupy, dask, numpy as np
 from dask import delayed
+import dask_gpustreams  # scheduler="gpustreams"
 from tests.gpu.kernels import spin_fill
 
 assert cupy.cuda.get_current_stream().ptr == 2, "the per-thread default stream is off"
