@@ -338,14 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="worker counts, one cluster each, in order (1,2: one GPU, then two)",
     )
     p.add_argument("--protocol", default=None, help="the cluster's protocol (tcp, ucx, ...)")
-    p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1, help="warm-up runs per mode and round")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="rounds of all modes in turn (at most --samples); --samples are shared out over them",
-    )
+    bench_workloads.add_sampling_arguments(p)
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds on the sim)")
     p.add_argument("--set", action="append", default=[], type=bench_workloads.parse_set)
     p.add_argument("--out", default=None)

@@ -840,6 +840,18 @@ def _list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """``--samples``, ``--warmup`` and ``--rounds``, as :meth:`Runner.interleave` reads them."""
+    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="warm-up runs per mode and round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of all modes in turn (at most --samples); --samples are shared out",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_workloads",
@@ -849,14 +861,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--workloads", type=_list, default=list(WORKLOADS))
     p.add_argument("--modes", type=_list, default=list(MODES))
-    p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1, help="warm-up runs per mode and round")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="rounds of all modes in turn (at most --samples); --samples are shared out",
-    )
+    add_sampling_arguments(p)
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds on the sim)")
     p.add_argument(
         "--set",

@@ -68,6 +68,18 @@ def _no_out(func: Callable, params: dict) -> None:
         raise TypeError(f"SimArray: out= is not supported by {func.__name__} (only by ufuncs)")
 
 
+def _bind_on_array(func: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+    """The call bound, for a function of an array ``a``; None where ``a`` is no SimArray.
+
+    Refuses ``out=`` (:func:`_no_out`).
+    """
+    bound = _bind(func, args, kwargs)
+    if not isinstance(bound.arguments["a"], _array.SimArray):
+        return None
+    _no_out(func, bound.arguments)
+    return bound
+
+
 def _shape(x: Any) -> tuple[int, ...]:
     return x.shape if isinstance(x, _array.SimArray) else np.shape(x)
 
@@ -119,12 +131,11 @@ _register(_astype, _numpy("astype"))
 
 def _reduction(func: Callable, *args: Any, **kwargs: Any) -> Any:
     """``sum``, ``mean``, ``std``, ``argmax``...: the reduced shape; dtypes from tiny dummies."""
-    bound = _bind(func, args, kwargs)
+    bound = _bind_on_array(func, args, kwargs)
+    if bound is None:
+        return NotImplemented
     params = bound.arguments
     a = params["a"]
-    if not isinstance(a, _array.SimArray):
-        return NotImplemented
-    _no_out(func, params)
     # ddof only changes values; on a tiny dummy it would warn of too few degrees of freedom.
     dtypes = _ops.dtypes_of(_on_tiny(func, bound, out=None, ddof=None, correction=None))
     keepdims = params.get("keepdims", False)
@@ -136,11 +147,10 @@ def _reduction(func: Callable, *args: Any, **kwargs: Any) -> Any:
 
 def _along_axis(func: Callable, *args: Any, **kwargs: Any) -> Any:
     """``cumsum``, ``sort``...: the input's shape, or its size flattened for ``axis=None``."""
-    bound = _bind(func, args, kwargs)
-    a = bound.arguments["a"]
-    if not isinstance(a, _array.SimArray):
+    bound = _bind_on_array(func, args, kwargs)
+    if bound is None:
         return NotImplemented
-    _no_out(func, bound.arguments)
+    a = bound.arguments["a"]
     axis = _default(bound, "axis")
     if axis is None:
         shape = (a.size,)
@@ -293,11 +303,10 @@ def _svd(
 
 def _fft(func: Callable, kind: str, *args: Any, **kwargs: Any) -> _array.SimArray:
     """The FFTs: ``kind`` is "c2c", "r2c" (``rfft*``, half the last axis) or "c2r" (``irfft*``)."""
-    bound = _bind(func, args, kwargs)
-    a = bound.arguments["a"]
-    if not isinstance(a, _array.SimArray):
+    bound = _bind_on_array(func, args, kwargs)
+    if bound is None:
         return NotImplemented
-    _no_out(func, bound.arguments)
+    a = bound.arguments["a"]
     if "n" in bound.signature.parameters:  # one axis
         n = bound.arguments.get("n")
         axes, sizes = [_default(bound, "axis")], None if n is None else [n]

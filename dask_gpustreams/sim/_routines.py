@@ -19,6 +19,7 @@ import numpy as np
 from dask_gpustreams.sim import _array, _ops
 from dask_gpustreams.sim._functions import (
     _bind,
+    _bind_on_array,
     _compute,
     _elementwise,
     _no_out,
@@ -174,12 +175,11 @@ _register(_linspace, (np.linspace,))
 
 def _percentile(func: Callable, *args: Any, **kwargs: Any) -> Any:
     """``percentile``, ``quantile`` and their nan forms: ``q``'s shape, then the reduced shape."""
-    bound = _bind(func, args, kwargs)
+    bound = _bind_on_array(func, args, kwargs)
+    if bound is None:
+        return NotImplemented
     params = bound.arguments
     a = params["a"]
-    if not isinstance(a, _array.SimArray):
-        return NotImplemented
-    _no_out(func, params)
     if params.get("weights") is not None or params.get("overwrite_input"):
         return NotImplemented
     axis = params.get("axis")
