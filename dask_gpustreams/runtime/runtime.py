@@ -326,6 +326,10 @@ class StreamRuntime:
         timeline = self.timeline
         return list(timeline) if timeline is not None and self.pool.started() else []
 
+    def elapsed_ms(self, record: TaskRecord) -> float:
+        """Device milliseconds of ``record``'s task; it has timing events, and it completed."""
+        return self.backend.elapsed_ms(record.start, record.event)
+
     def task_times(
         self, records: Iterable[TaskRecord], timeout: float
     ) -> list[tuple[TaskRecord, float, float]]:
