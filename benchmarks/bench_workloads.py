@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import math
 import operator
 import os
@@ -67,6 +68,12 @@ from dask_gpustreams import sim
 from dask_gpustreams.backends import resolve_backend
 
 MODES = ("threads", "sync", "launcher", "enabled-threads")
+#: Modes for finding where the launcher loses (not in the default set): one stream, so the
+#: launcher's host path without concurrency on the device; and the round-robin policy.
+DIAGNOSTIC_MODES = {
+    "launcher-1": {"gpustreams.streams": 1},
+    "launcher-rr": {"gpustreams.policy": "round-robin"},
+}
 BACKENDS = ("auto", "cupy", "sim", "numpy")
 F4 = np.float32
 OFF = {"gpustreams.enabled": False}
@@ -513,6 +520,8 @@ def mode_settings(mode: str) -> tuple[dict, dict]:
         return OFF, {"scheduler": "sync"}
     if mode == "launcher":
         return OFF, {"scheduler": "gpustreams"}
+    if mode in DIAGNOSTIC_MODES:
+        return dict(OFF, **DIAGNOSTIC_MODES[mode]), {"scheduler": "gpustreams"}
     if mode == "enabled-threads":  # named: enabled alone runs the launcher
         return {"gpustreams.enabled": True}, {"scheduler": "threads"}
     return OFF, {}
@@ -605,7 +614,7 @@ class Runner:
         measured = []
         for r in rows:
             r.update(n_tasks=tasks, n_keys=keys, status="ok", memory=[])
-            if r["mode"] == "launcher" and self.launcher is not None:
+            if r["mode"].startswith("launcher") and self.launcher is not None:
                 self._done(dict(r, status="SKIPPED", error=self.launcher))
             else:
                 measured.append(r)
@@ -876,7 +885,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name, values, allowed in (
         ("workloads", args.workloads, list(WORKLOADS)),
-        ("modes", args.modes, MODES),
+        ("modes", args.modes, MODES + tuple(DIAGNOSTIC_MODES)),
     ):
         bad = [v for v in values if v not in allowed]
         if bad:
@@ -909,6 +918,9 @@ def main(argv: list[str] | None = None) -> int:
         resolve_backend("cupy")  # raises, naming the reason, without a usable GPU
     sizes = sizes_for(backend, args.quick, dict(args.set))
     arrays = make_arrays(backend)
+    # The runtime's decisions (e.g. a task group learned as host work) go to the log.
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("dask_gpustreams").setLevel(logging.INFO)
     out = bench_shapes.out_dir(args, f"workloads-{backend}")
     print(f"backend {backend} (plugin backend {arrays.plugin}); writing to {out}", flush=True)
     started = time.monotonic()

@@ -237,10 +237,11 @@ def test_marked_host_task_does_not_delay_independent_launches(launcher):
     assert wall < 0.75 * (host_s + kernel_s), f"{wall:.3f} s"
 
 
-def test_host_task_is_learned_after_its_first_slow_call(launcher):
+def test_host_task_is_learned_after_its_first_slow_call(launcher, caplog):
     """An unmarked blocking function runs once on the launching thread, then on host threads."""
     host_s = kernel_s = 0.2
     groups = {"blocker": "sleeper"}
+    caplog.set_level("INFO", logger="dask_gpustreams.runtime.hosttasks")
     with launcher(streams=9, policy="round-robin"):  # a slot for each task, as above
         runtime = get_runtime()
         walls = []
@@ -253,6 +254,8 @@ def test_host_task_is_learned_after_its_first_slow_call(launcher):
             walls.append(time.perf_counter() - t0)
         assert "sleeper" in runtime.host_tasks
     assert walls[1] < 0.75 * walls[0], walls
+    marked = [r.getMessage() for r in caplog.records if "block the host" in r.getMessage()]
+    assert len(marked) == 1 and marked[0].startswith("gpustreams: tasks of group 'sleeper'"), marked
 
 
 def test_download_in_graph_is_a_host_task(launcher):

@@ -5,9 +5,12 @@ the worker thread's time per task was higher with the plugin (942-1099 against 5
 
     OUT=/tmp python -m benchmarks.probes.probe_cluster_cost elementwise,transpose 6
 
-Alternates off / on-noblocks twice per workload on one LocalCUDACluster worker, and per mode
-reports: median wall, tasks, the worker thread's mean compute time per task (task stream),
-and the worker's statistical profile (thread and event loop) leaves for the last round.
+Alternates off / on-1-stream / on-noblocks twice per workload on one LocalCUDACluster worker,
+and per mode reports: median wall, tasks, the worker thread's mean compute time per task (task
+stream), the device allocations (cudaMalloc, counted by a CuPy memory hook in the worker's
+thread) and pool bytes during the timed samples, and the worker's statistical profile (thread
+and event loop) leaves for the last round. ``on-1-stream`` is the plugin on one stream: the
+plugin's host path without concurrency on the device or per-stream memory arenas.
 """
 
 import collections
@@ -47,6 +50,35 @@ def leaves(tree, n=25):
     return total, [(c, f"{100 * c / total:5.1f}%", k) for k, c in counts.most_common(n)]
 
 
+def _count_allocations() -> None:
+    """In the worker's (only) task thread: count the pool's device allocations from now on."""
+    import cupy
+    from cupy.cuda import memory_hook
+
+    class Count(memory_hook.MemoryHook):
+        name = "count"
+        allocations = 0
+        alloc_bytes = 0
+
+        def alloc_preprocess(self, device_id, mem_size):
+            Count.allocations += 1
+            Count.alloc_bytes += mem_size
+
+    if getattr(cupy, "_probe_count", None) is None:
+        cupy._probe_count = Count
+        Count().__enter__()  # left on: thread-local, this thread runs every task
+
+
+def _allocations() -> tuple[int, int, int]:
+    import cupy
+
+    count = cupy._probe_count
+    return count.allocations, count.alloc_bytes, cupy.get_default_memory_pool().total_bytes()
+
+
+MODES = {"off": None, "on-1-stream": {"streams": 1}, "on-noblocks": {}}
+
+
 def main():
     names = (
         sys.argv[1].split(",")
@@ -69,12 +101,18 @@ def main():
         cols = wl.build(arrays, sizes[name])
         ref = client.compute(list(cols), sync=True)
         for rnd in range(2):
-            for mode in ("off", "on-noblocks"):
-                if mode != "off":
-                    client.register_plugin(StreamsPlugin(backend=BACKEND, blocks="off"))
+            for mode, overrides in MODES.items():
+                if overrides is not None:
+                    client.register_plugin(
+                        StreamsPlugin(backend=BACKEND, blocks="off", **overrides)
+                    )
+                if BACKEND == "cupy":
+                    client.submit(_count_allocations, pure=False).result()
                 walls, comp, ntask = [], [], 0
                 t_start = time.time()
                 for i in range(samples + 1):
+                    if i == 1 and BACKEND == "cupy":
+                        before = client.run(_allocations)
                     with get_task_stream(client) as ts:
                         t0 = time.perf_counter()
                         fs = client.compute(list(cols))
@@ -98,16 +136,27 @@ def main():
                         comp.extend(c)
                         ntask = len(c)
                 t_stop = time.time()
+                allocs = ""
+                if BACKEND == "cupy":
+                    after = client.run(_allocations)
+                    (n0, b0, _), (n1, b1, held) = (
+                        next(iter(before.values())),
+                        next(iter(after.values())),
+                    )
+                    allocs = (
+                        f"  cudaMalloc {n1 - n0} ({(b1 - b0) / 2**20:.0f} MiB) over {samples}"
+                        f" samples, pool {held / 2**20:.0f} MiB"
+                    )
                 prof_thr = client.profile(start=t_start, stop=t_stop)
                 prof_loop = client.profile(start=t_start, stop=t_stop, server=True)
-                if mode != "off":
+                if overrides is not None:
                     client.unregister_worker_plugin(StreamsPlugin.name)
                 med = statistics.median(walls)
                 mc = statistics.mean(comp) * 1e6
                 print(
                     f"{name:<13} round {rnd} {mode:<12} tasks {ntask:<5} median {med:8.2f} ms "
                     f"[{min(walls):.1f}-{max(walls):.1f}]  per task {1e3 * med / ntask:7.1f} us  "
-                    f"compute mean {mc:7.1f} us  thread-sum {mc * ntask / 1e3:7.1f} ms",
+                    f"compute mean {mc:7.1f} us  thread-sum {mc * ntask / 1e3:7.1f} ms{allocs}",
                     flush=True,
                 )
                 key = f"{name}/{rnd}/{mode}"

@@ -13,8 +13,11 @@ host task).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Hashable
+
+logger = logging.getLogger(__name__)
 
 
 class HostTasks:
@@ -50,9 +53,21 @@ class HostTasks:
             if runs is None:
                 if not fast:
                     self._fast_runs[group] = 0
+                    logger.info(
+                        "gpustreams: tasks of group %r block the host (a call took %.1f ms): "
+                        "they run on host threads from now on",
+                        group,
+                        seconds * 1e3,
+                    )
             elif not fast:
                 self._fast_runs[group] = 0
             elif runs + 1 >= self.recover:
                 del self._fast_runs[group]
+                logger.info(
+                    "gpustreams: tasks of group %r no longer block the host (%d fast calls): "
+                    "they launch from the launcher again",
+                    group,
+                    self.recover,
+                )
             else:
                 self._fast_runs[group] = runs + 1
