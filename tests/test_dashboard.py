@@ -61,12 +61,12 @@ def test_busy_fraction():
 
 
 def test_record_cursor_takes_each_completed_record_once():
-    def record(done=True, start=0.0):
-        return SimpleNamespace(start=start, event=SimpleNamespace(done=done))
+    def record(done=True, timed=True):
+        return SimpleNamespace(timed=timed, event=SimpleNamespace(done=done))
 
-    runtime = SimpleNamespace(
-        timeline=deque(maxlen=3), backend=SimpleNamespace(done=lambda e: e.done)
-    )
+    # The runtime's records API over a timeline the test sets (None: timing off).
+    runtime = SimpleNamespace(timeline=deque(maxlen=3), done=lambda r: r.event.done)
+    runtime.timeline_snapshot = lambda: list(runtime.timeline or ())
     cursor = RecordCursor(runtime)
     assert cursor.take() == []
     r1, r2 = record(), record(done=False)
@@ -77,7 +77,7 @@ def test_record_cursor_takes_each_completed_record_once():
     r3 = record()
     runtime.timeline.append(r3)
     assert cursor.take() == [r2, r3]
-    more = [record(), record(start=None), record()]  # r3 leaves the timeline
+    more = [record(), record(timed=False), record()]  # r3 leaves the timeline
     runtime.timeline.extend(more)
     assert cursor.take() == [more[0], more[2]]  # launched while timing turned on: no start
     runtime.timeline = None  # timing turned off

@@ -7,7 +7,9 @@ imports and uses a layer with the package's ``__init__`` left out).
 Integrations and diagnostics ask the runtime, in task records, and never reach
 through it: they import no backend module (nor CuPy), and no module outside
 ``runtime/`` touches a pool's slots (``pool.slots``, ``record.slot``, a slot's
-bookkeeping), checked on the syntax tree of every module.
+bookkeeping), checked on the syntax tree of every module. Diagnostics read
+nothing of a runtime but its public answers (no ``runtime.backend``,
+``runtime.timeline``, ``record.event``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ ALLOWED = {
 SLOT_ATTRIBUTES = frozenset({"slots", "slot", "inflight", "_assigned", "waited"})
 #: ``(file, function)`` that still reach the slots, each to move onto the runtime's API.
 KNOWN_SLOT_REACHES: set[tuple[str, str]] = set()
+
+#: What leads from a runtime to its backend, pool, copies, events and timeline's
+#: storage, and a task record's events: diagnostics ask the runtime instead
+#: (``done(record)``, ``timeline_snapshot()``, ``enable_timeline()``, ``n_streams``,
+#: ``pinned_stats()``, ``record.timed``), nor do they read a runtime's private names.
+RUNTIME_INTERNALS = frozenset(
+    {
+        "backend",
+        "pool",
+        "transfers",
+        "events",
+        "policy",
+        "host_tasks",
+        "timeline",
+        "timeline_maxlen",
+    }
+)
+RECORD_INTERNALS = frozenset({"event", "start"})
 
 
 def _module_name(path: str) -> str:
@@ -206,6 +226,62 @@ def test_a_planted_slot_reach_is_found(tmp_path):
             f"{rel}:4 .slot",
             f"{rel}:4 .slot",
             f"{rel}:4 .inflight",
+        ]
+    )
+
+
+def _is_runtime(node: ast.expr) -> bool:
+    """``runtime`` or ``<anything>.runtime``: how the diagnostics name a runtime."""
+    return (isinstance(node, ast.Name) and node.id == "runtime") or (
+        isinstance(node, ast.Attribute) and node.attr == "runtime"
+    )
+
+
+def runtime_reaches(path: str) -> list[str]:
+    """``file:line .attr`` of each read or write, in ``path``, of a runtime's internals.
+
+    :data:`RUNTIME_INTERNALS` and private (``_``) names of a runtime, and
+    :data:`RECORD_INTERNALS` of anything (a method call such as ``.start()`` aside).
+    """
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    rel = os.path.relpath(path, PACKAGE)
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        on_runtime = _is_runtime(node.value) and (
+            node.attr in RUNTIME_INTERNALS or node.attr.startswith("_")
+        )
+        if on_runtime or (node.attr in RECORD_INTERNALS and id(node) not in called):
+            found.append(f"{rel}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_diagnostics_ask_the_runtime_not_its_internals():
+    files = _layer_files("diagnostics")
+    assert len(files) > 5
+    assert [hit for path in files for hit in runtime_reaches(path)] == []
+
+
+def test_a_planted_runtime_reach_is_found(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "def f(runtime, plugin, record, callback):\n"
+        "    runtime.timeline = None\n"
+        "    done = plugin.runtime.backend.done(record.event)\n"
+        "    callback.start()\n"
+        "    return runtime._state, record.start, runtime.done(record), runtime.n_streams\n"
+    )
+    rel = os.path.relpath(str(sample), PACKAGE)
+    assert sorted(runtime_reaches(str(sample))) == sorted(
+        [
+            f"{rel}:2 .timeline",
+            f"{rel}:3 .backend",
+            f"{rel}:3 .event",
+            f"{rel}:5 ._state",
+            f"{rel}:5 .start",
         ]
     )
 

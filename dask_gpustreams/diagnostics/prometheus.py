@@ -61,7 +61,7 @@ class DeviceBusy:
     def update(self) -> dict[int, float]:
         """``stream index -> busy seconds`` so far."""
         runtime = self.runtime
-        if runtime.timeline is None:
+        if not runtime.timeline_enabled:
             return self.seconds
         snapshot = runtime.timeline_snapshot()
         new = snapshot
@@ -76,7 +76,7 @@ class DeviceBusy:
         elapsed = runtime.elapsed_ms
         pending = []
         for record in (*self._pending, *new):
-            if record.start is None:
+            if not record.timed:
                 continue
             if not done(record):
                 pending.append(record)
@@ -177,7 +177,7 @@ class StreamsMetricCollector(PrometheusCollector):
         pinned.add_metric(["results"], counts["pinned_results_bytes"])
         pinned.add_metric(["limit"], counts["pinned_limit_bytes"])
         yield pinned
-        if runtime.timeline is not None:
+        if runtime.timeline_enabled:
             busy = self._busy.get(id(runtime))
             if busy is None or busy.runtime is not runtime:
                 busy = self._busy[id(runtime)] = DeviceBusy(runtime)

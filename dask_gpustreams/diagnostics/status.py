@@ -194,7 +194,6 @@ def _configured(plugin: Any) -> dict:
 
 def runtime_counts(runtime: Any) -> dict:
     """A runtime's settings and counters (no locks taken, nothing released or created)."""
-    pinned = runtime.transfers.pinned
     tasks_run = waits = in_flight = 0
     held: dict[int, int] = {}
     for stream in runtime.stream_stats():
@@ -204,20 +203,20 @@ def runtime_counts(runtime: Any) -> dict:
             in_flight += stream.launching + stream.in_flight
         for refs in stream.held:
             _held_arrays(refs, held)
-    limit = pinned.limit
+    pinned = runtime.pinned_stats()
     return {
         "started": True,
-        "backend": runtime.backend.name,
-        "device": runtime.backend.device_id,
-        "streams": runtime.pool.n_streams,
+        "backend": runtime.backend_name,
+        "device": runtime.device_id,
+        "streams": runtime.n_streams,
         "policy": runtime.config.policy,
         "settings": _settings(runtime.config),
         "tasks_run": tasks_run,
         "tasks_in_flight": in_flight,
         "held_bytes": sum(held.values()),
-        "pinned_staging_bytes": pinned.total_bytes(),
-        "pinned_results_bytes": pinned.taken_bytes(),
-        "pinned_limit_bytes": limit,
+        "pinned_staging_bytes": pinned.staging_bytes,
+        "pinned_results_bytes": pinned.results_bytes,
+        "pinned_limit_bytes": pinned.limit_bytes,
         "stream_waits": waits,
     }
 

@@ -106,8 +106,7 @@ def _clear_process() -> None:
     from dask_gpustreams.runtime import live_runtimes
 
     for runtime in live_runtimes():
-        if runtime.timeline is not None:
-            runtime.timeline.clear()
+        runtime.clear_timeline()
 
 
 def _collect_process(timeout: float = 10.0) -> dict:
@@ -130,8 +129,8 @@ def _runtime_records(runtime: Any, snapshot: list, timeout: float) -> list[dict]
     except TimeoutError as e:
         warnings.warn(f"timeline: {e}", RuntimeWarning, stacklevel=3)
         return []
-    device = runtime.backend.device_id
-    pool = f"{runtime.config.policy}/{runtime.pool.n_streams}"
+    device = runtime.device_id
+    pool = f"{runtime.config.policy}/{runtime.n_streams}"
     return [
         {
             "key": r.key,

@@ -17,6 +17,7 @@ import logging
 import threading
 import weakref
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,18 @@ from dask_gpustreams.runtime.events import InflightQueue
 logger = logging.getLogger("dask_gpustreams")
 
 _ROUND = 1 << 16
+
+
+@dataclass(frozen=True)
+class PinnedStats:
+    """A pinned pool's bytes, read at once (:meth:`PinnedPool.stats`)."""
+
+    #: Staging bytes allocated (free, in use and in flight).
+    staging_bytes: int
+    #: Bytes handed out by :meth:`PinnedPool.take` and still alive (download results).
+    results_bytes: int
+    #: The pool's size (``gpustreams.pinned-pool-size``), for each of the two.
+    limit_bytes: int
 
 
 class PinnedPool:
@@ -57,6 +70,10 @@ class PinnedPool:
         with self._changed:
             self._settle()
             return self._taken
+
+    def stats(self) -> PinnedStats:
+        """:meth:`total_bytes`, :meth:`taken_bytes` and :attr:`limit` at once."""
+        return PinnedStats(self.total_bytes(), self.taken_bytes(), self.limit)
 
     def inflight(self) -> int:
         """Buffers whose copy may still be running."""

@@ -24,6 +24,11 @@ class TaskRecord:
         self.level = 0  # when the task ends, in task durations, as its policy planned (auto)
 
     @property
+    def timed(self) -> bool:
+        """Whether the task has timing events (the timeline was on when it ran)."""
+        return self.start is not None
+
+    @property
     def stream_index(self) -> int:
         """The index, in its runtime's pool, of the stream the task ran on."""
         return self.slot.index

@@ -26,6 +26,7 @@ from dask_gpustreams.runtime.events import EventPool
 from dask_gpustreams.runtime.hosttasks import HostTasks
 from dask_gpustreams.runtime.hostthreads import HostThreads
 from dask_gpustreams.runtime.lifetime import Runtimes
+from dask_gpustreams.runtime.pinned import PinnedStats
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
 from dask_gpustreams.runtime.pool import StreamPool, StreamSlot, StreamStats
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
@@ -38,7 +39,8 @@ class StreamRuntime:
     """One device's stream pool, policy and (optional) timeline.
 
     With ``config.timeline`` the records of the last :attr:`timeline_maxlen`
-    tasks are kept in :attr:`timeline` (read by :mod:`dask_gpustreams.diagnostics`).
+    tasks are kept in :attr:`timeline` (:mod:`dask_gpustreams.diagnostics` reads them
+    with :meth:`timeline_snapshot`).
 
     Lifetime: a compute holds the runtime with :meth:`acquire` until
     :meth:`release`; :meth:`close` waits for those, then frees the streams,
@@ -318,6 +320,32 @@ class StreamRuntime:
             *transfers.d2h.stats("d2h", query=False),
         ]
 
+    @property
+    def timeline_enabled(self) -> bool:
+        """Whether the tasks run from now on get timing events and a place in the timeline."""
+        return self.timeline is not None
+
+    def enable_timeline(self) -> bool:
+        """Keep a timeline from now on; True if this call turned it on (off before, and open).
+
+        For a runtime created with ``gpustreams.timeline`` off (the dashboard turns
+        it on while a page is open); the tasks run before have no timing events.
+        """
+        if self.timeline is not None or self.closed:
+            return False
+        self.timeline = deque(maxlen=self.timeline_maxlen)
+        return True
+
+    def disable_timeline(self) -> None:
+        """Keep no timeline from now on; the records it held go with it."""
+        self.timeline = None
+
+    def clear_timeline(self) -> None:
+        """Drop the records the timeline holds so far; it stays on (or off)."""
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.clear()
+
     def timeline_snapshot(self) -> list[TaskRecord]:
         """The records of :attr:`timeline`, oldest first, as they are now.
 
@@ -343,7 +371,7 @@ class StreamRuntime:
         """
         backend = self.backend
         done = backend.done
-        finished = [r for r in records if r.start is not None and done(r.event)]
+        finished = [r for r in records if r.timed and done(r.event)]
         if not finished:
             return []
         with backend.on_device():  # CuPy creates events on the current device
@@ -364,6 +392,27 @@ class StreamRuntime:
             (r, now - elapsed(r.start, anchor) / 1e3, now - elapsed(r.event, anchor) / 1e3)
             for r in finished
         ]
+
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def backend_name(self) -> str:
+        """The name of the backend the runtime runs on (``"cupy"``, ``"sim"``)."""
+        return self.backend.name
+
+    @property
+    def device_id(self) -> int:
+        """The device the runtime's streams belong to."""
+        return self.backend.device_id
+
+    @property
+    def n_streams(self) -> int:
+        """The compute streams of the pool (``gpustreams.streams``, capped by the device)."""
+        return self.pool.n_streams
+
+    def pinned_stats(self) -> PinnedStats:
+        """The pinned host memory of the copies: staging, results alive, and the limit."""
+        return self.transfers.pinned.stats()
 
     # ------------------------------------------------------------------ lifetime
 

@@ -15,7 +15,7 @@ Two halves, neither of which imports Bokeh:
 
 Timing while the page is open: a runtime created with ``gpustreams.timeline``
 off records no timing events. A poll with ``timing=True`` gives it a timeline
-(``runtime.timeline``, which :meth:`StreamRuntime.run` reads for each task),
+(:meth:`StreamRuntime.enable_timeline`; :meth:`StreamRuntime.run` reads it for each task),
 and the worker drops it again once no poll has renewed the lease for ``lease``
 seconds (the page closed, or the scheduler went away) and no task is executing
 (a task reads the attribute twice). The last page session to close also sends
@@ -72,8 +72,8 @@ class RecordCursor:
 
     def take(self) -> list:
         """The completed :class:`~dask_gpustreams.runtime.TaskRecord` s not taken before."""
-        timeline = self.runtime.timeline
-        snapshot = [] if timeline is None else list(timeline)
+        runtime = self.runtime
+        snapshot = runtime.timeline_snapshot()
         new = snapshot
         if self._last is not None:
             for i in range(len(snapshot) - 1, -1, -1):
@@ -82,12 +82,12 @@ class RecordCursor:
                     break
         if snapshot:
             self._last = snapshot[-1]
-        done = self.runtime.backend.done
+        done = runtime.done
         ready, pending = [], []
         for record in (*self._pending, *new):
-            if record.start is None:  # launched while the timeline was being turned on
+            if not record.timed:  # launched while the timeline was being turned on
                 continue
-            (ready if done(record.event) else pending).append(record)
+            (ready if done(record) else pending).append(record)
         self._pending = pending[-self.max_pending :]
         return ready
 
@@ -131,8 +131,7 @@ class WorkerFeed:
         runtime, state = self._runtime()
         if timing:
             self.lease_until = time.monotonic() + lease
-            if runtime is not None and runtime.timeline is None and not runtime.closed:
-                runtime.timeline = deque(maxlen=runtime.timeline_maxlen)
+            if runtime is not None and runtime.enable_timeline():
                 self._forced = runtime
         else:
             self.lease_until = 0.0
@@ -145,7 +144,7 @@ class WorkerFeed:
             )
         if runtime is None:
             return {"timing": state, "records": []}
-        if runtime.timeline is None:
+        if not runtime.timeline_enabled:
             state = "off"
         else:
             state = "page" if runtime is self._forced else "config"
@@ -174,7 +173,7 @@ class WorkerFeed:
         left = self.lease_until - time.monotonic()
         state = self.worker.state
         if left <= 0 and not state.executing and not state.long_running:
-            runtime.timeline = None
+            runtime.disable_timeline()
             self._forced = None
             return
         delay = left if left > 0 else self.recheck
