@@ -14,13 +14,12 @@ import difflib
 import numbers
 import os
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import dask.config
 import yaml
 from dask.utils import parse_bytes
 
-BACKENDS = ("auto", "cupy", "sim")
 #: Values of ``gpustreams.blocks``: stream blocks on distributed (:mod:`.integrations.blocks`).
 BLOCKS = ("auto", "off")
 
@@ -59,6 +58,52 @@ _AHEAD = "a byte size like '1 GiB' (>= 1 MiB)"
 def invalid_value(key: str, value: Any, allowed: str) -> ValueError:
     """The error of a bad ``gpustreams.<key>``: the key, the value and what is allowed."""
     return ValueError(f"gpustreams.{key}={value!r} is invalid: allowed values are {allowed}")
+
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """The values of one ``gpustreams.<key>`` that each name an entry (a backend, a policy).
+
+    Entries are registered once, under their names, and found by name, in the
+    order registered; ``extra`` values (``auto``) are valid without an entry.
+    Every other value gets :func:`invalid_value`, listing the valid ones.
+    """
+
+    def __init__(self, key: str, extra: tuple[str, ...] = ()):
+        self.key = key
+        self.extra = extra
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str, entry: T) -> T:
+        """Make ``entry`` the value of ``gpustreams.<key>: <name>``; returns it."""
+        self._entries[name] = entry
+        return entry
+
+    def names(self) -> tuple[str, ...]:
+        """The registered names, in the order registered (``extra`` left out)."""
+        return tuple(self._entries)
+
+    def entries(self) -> tuple[T, ...]:
+        """The registered entries, in the order registered."""
+        return tuple(self._entries.values())
+
+    def allowed(self) -> str:
+        """The valid values, for an error: ``"auto | cupy | sim"``."""
+        return " | ".join((*self.extra, *self._entries))
+
+    def get(self, name: str) -> T:
+        """The entry registered as ``name``; ``ValueError`` naming the valid values if none is."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise invalid_value(self.key, name, self.allowed()) from None
+
+    def validate(self, name: str) -> None:
+        """Raise :func:`invalid_value` unless ``name`` is registered or an ``extra`` value."""
+        if name not in self.extra:
+            self.get(name)
 
 
 def parse_bool(key: str, value: Any) -> bool:
@@ -151,12 +196,11 @@ class StreamsConfig:
     block_size: int = 64
 
     def __post_init__(self) -> None:
-        from dask_gpustreams.runtime.policies import policy_names
+        from dask_gpustreams.backends.registry import BACKENDS
+        from dask_gpustreams.runtime.policies.base import POLICIES
 
-        if self.backend not in BACKENDS:
-            raise invalid_value("backend", self.backend, " | ".join(BACKENDS))
-        if self.policy not in policy_names():
-            raise invalid_value("policy", self.policy, " | ".join(policy_names()))
+        BACKENDS.validate(self.backend)
+        POLICIES.validate(self.policy)
         if self.blocks is False:
             object.__setattr__(self, "blocks", "off")
         if self.blocks not in BLOCKS:

@@ -36,11 +36,11 @@ def _drain_runtimes() -> None:
 def reset_gpustreams():
     """Each test starts with no runtime, no registered extra policy and an idle sim device."""
     _drain_runtimes()
-    policies = dict(base._POLICIES)
+    policies = dict(base.POLICIES._entries)
     yield
     _drain_runtimes()
-    base._POLICIES.clear()
-    base._POLICIES.update(policies)
+    base.POLICIES._entries.clear()
+    base.POLICIES._entries.update(policies)
     hook._runs.clear()
 
 

@@ -121,6 +121,22 @@ def test_too_many_streams_fail_compute_naming_the_key(gpustreams):
     assert live_runtimes() == []
 
 
+# --- names found in a registry ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["backend", "policy"])
+def test_a_name_not_registered_gets_the_one_invalid_value_message(key):
+    from dask_gpustreams.backends import backend_entry
+    from dask_gpustreams.runtime.policies import make_policy
+
+    find = {"backend": backend_entry, "policy": make_policy}[key]
+    allowed = {"backend": "auto | cupy | sim", "policy": " | ".join(policy_names())}[key]
+    message = f"gpustreams.{key}='nope' is invalid: allowed values are {allowed}"
+    for make in (lambda: find("nope"), lambda: StreamsConfig(**{key: "nope"})):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            make()
+
+
 # --- byte sizes that overflow -----------------------------------------------------------------
 
 

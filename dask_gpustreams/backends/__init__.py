@@ -11,6 +11,7 @@ import logging
 from dask_gpustreams.backends.base import Backend
 from dask_gpustreams.backends.nvidia import host_gpu_count, reserve_hardware_queues
 from dask_gpustreams.backends.registry import (
+    BACKENDS,
     BackendEntry,
     backend_entries,
     backend_entry,
@@ -58,11 +59,10 @@ def resolve_backend(name: str) -> str:
     entry = backend_entry(name)
     ok, reason = entry.available()
     if not ok:
-        allowed = " | ".join(("auto", *backend_names()))
         remedy = f" ({entry.remedy})" if entry.remedy else ""
         raise ValueError(
             f"gpustreams.backend={name!r} cannot start: {reason}; "
-            f"allowed values are {allowed}{remedy}"
+            f"allowed values are {BACKENDS.allowed()}{remedy}"
         )
     return name
 

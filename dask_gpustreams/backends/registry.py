@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dask_gpustreams.backends.base import Backend
+from dask_gpustreams.config import Registry
 
 
 @dataclass(frozen=True)
@@ -42,34 +43,28 @@ class BackendEntry:
     reserves_queues: bool = False
 
 
-#: Registered backends by name, in the order ``auto`` tries them.
-_BACKENDS: dict[str, BackendEntry] = {}
+#: The values of ``gpustreams.backend``: ``auto`` and the registered backends, in the
+#: order ``auto`` tries them.
+BACKENDS: Registry[BackendEntry] = Registry("backend", extra=("auto",))
 
 
 def register_backend(entry: BackendEntry) -> BackendEntry:
     """Make ``entry`` available as ``gpustreams.backend: <entry.name>``; returns it."""
     if not entry.name or entry.name == "auto":
         raise ValueError(f"a backend needs a name other than '' and 'auto'; got {entry.name!r}")
-    _BACKENDS[entry.name] = entry
-    return entry
+    return BACKENDS.register(entry.name, entry)
 
 
 def backend_names() -> tuple[str, ...]:
     """The registered backend names, in the order ``auto`` tries them."""
-    return tuple(_BACKENDS)
+    return BACKENDS.names()
 
 
 def backend_entry(name: str) -> BackendEntry:
     """The entry registered as ``name``; ``ValueError`` naming the allowed values if none is."""
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        allowed = " | ".join(("auto", *_BACKENDS))
-        raise ValueError(
-            f"gpustreams.backend={name!r} is invalid: allowed values are {allowed}"
-        ) from None
+    return BACKENDS.get(name)
 
 
 def backend_entries() -> tuple[BackendEntry, ...]:
     """Every registered entry, in the order ``auto`` tries them."""
-    return tuple(_BACKENDS.values())
+    return BACKENDS.entries()

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from dask_gpustreams.config import Registry
 from dask_gpustreams.runtime.pool import PoolView, StreamSlot
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 
@@ -43,31 +44,26 @@ class StreamPolicy(ABC):
         """The slot of ``pool`` that ``task`` runs on (called under the pool's assign lock)."""
 
 
-_POLICIES: dict[str, Callable[[], StreamPolicy]] = {}
+#: The values of ``gpustreams.policy``: the registered policies' factories.
+POLICIES: Registry[Callable[[], StreamPolicy]] = Registry("policy")
 
 
 def register_policy(cls: type[StreamPolicy]) -> type[StreamPolicy]:
     """Class decorator making ``cls`` available as ``gpustreams.policy: <cls.name>``."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} needs a non-empty 'name' to be registered")
-    _POLICIES[cls.name] = cls
+    POLICIES.register(cls.name, cls)
     return cls
 
 
 def policy_names() -> tuple[str, ...]:
     """The registered policy names."""
-    return tuple(_POLICIES)
+    return POLICIES.names()
 
 
 def make_policy(name: str) -> StreamPolicy:
     """A new instance of the policy registered as ``name``."""
-    try:
-        factory = _POLICIES[name]
-    except KeyError:
-        raise ValueError(
-            f"gpustreams.policy={name!r} is invalid: allowed values are {' | '.join(_POLICIES)}"
-        ) from None
-    return factory()
+    return POLICIES.get(name)()
 
 
 def least_loaded(pool: PoolView, slots: Sequence[StreamSlot]) -> StreamSlot:
