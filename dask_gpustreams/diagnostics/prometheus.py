@@ -40,51 +40,85 @@ from typing import Any
 from distributed.http.prometheus import PrometheusCollector
 
 from dask_gpustreams.diagnostics.status import egress_counts, runtime_counts
+from dask_gpustreams.diagnostics.timeline import RecordCursor
 
 
 class DeviceBusy:
     """Seconds of device time per stream of one runtime, from its timeline (cumulative).
 
-    Each :meth:`update` adds the tasks completed since the last one; records
-    of tasks still running are kept for the next.
+    Each :meth:`update` adds the tasks completed since the last one
+    (:class:`~dask_gpustreams.diagnostics.timeline.RecordCursor`); records of
+    tasks still running are kept for the next.
     """
-
-    #: Records kept for a later update because their tasks had not completed.
-    max_pending = 100_000
 
     def __init__(self, runtime: Any):
         self.runtime = runtime
         self.seconds: dict[int, float] = {}
-        self._last: Any = None  # the newest record already read
-        self._pending: list = []
+        self._cursor = RecordCursor(runtime)
 
     def update(self) -> dict[int, float]:
         """``stream index -> busy seconds`` so far."""
         runtime = self.runtime
         if not runtime.timeline_enabled:
             return self.seconds
-        snapshot = runtime.timeline_snapshot()
-        new = snapshot
-        if self._last is not None:
-            for i in range(len(snapshot) - 1, -1, -1):
-                if snapshot[i] is self._last:
-                    new = snapshot[i + 1 :]
-                    break
-        if snapshot:
-            self._last = snapshot[-1]
-        done = runtime.done
         elapsed = runtime.elapsed_ms
-        pending = []
-        for record in (*self._pending, *new):
-            if not record.timed:
-                continue
-            if not done(record):
-                pending.append(record)
-                continue
+        for record in self._cursor.take():
             index = record.stream_index
             self.seconds[index] = self.seconds.get(index, 0.0) + elapsed(record) / 1e3
-        self._pending = pending[-self.max_pending :]
         return self.seconds
+
+
+#: ``(type, name, help, key, unit)`` of the series of one value each: of the plugin's
+#: :func:`~dask_gpustreams.diagnostics.status.egress_counts`, and of its runtime's
+#: :func:`~dask_gpustreams.diagnostics.status.runtime_counts`.
+EGRESS_SERIES = (
+    (
+        "counter",
+        "gpustreams_egress_waits",
+        "get_data and spill requests that waited for their results' events",
+        "egress_waits",
+        "",
+    ),
+    (
+        "counter",
+        "gpustreams_egress_wait",
+        "Time get_data and spill requests waited for their results' events",
+        "egress_wait_seconds",
+        "seconds",
+    ),
+    (
+        "counter",
+        "gpustreams_failures",
+        "Corrupt results found (kernel failures), released for recomputation",
+        "failures",
+        "",
+    ),
+)
+RUNTIME_SERIES = (
+    ("gauge", "gpustreams_streams", "Compute streams of the worker's pool", "streams", ""),
+    ("counter", "gpustreams_tasks", "Tasks launched on the compute streams", "tasks_run", ""),
+    (
+        "gauge",
+        "gpustreams_tasks_in_flight",
+        "Tasks launched whose completion event has not fired",
+        "tasks_in_flight",
+        "",
+    ),
+    (
+        "counter",
+        "gpustreams_stream_waits",
+        "Event waits enqueued on a stream for other streams' work",
+        "stream_waits",
+        "",
+    ),
+    (
+        "gauge",
+        "gpustreams_held",
+        "Bytes of arrays held until the tasks that read them complete",
+        "held_bytes",
+        "bytes",
+    ),
+)
 
 
 class StreamsMetricCollector(PrometheusCollector):
@@ -115,6 +149,14 @@ class StreamsMetricCollector(PrometheusCollector):
             return next(iter(plugins.values()))
         return None
 
+    def _series(self, series: tuple, values: dict) -> Iterator[Any]:
+        """A metric family of each row of ``series`` (as :data:`EGRESS_SERIES`), from ``values``."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        families = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+        for kind, name, documentation, key, unit in series:
+            yield families[kind](self.build_name(name), documentation, value=values[key], unit=unit)
+
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -122,51 +164,12 @@ class StreamsMetricCollector(PrometheusCollector):
         if plugin is None:
             return
         name = self.build_name
-        egress = egress_counts(plugin)
-        yield CounterMetricFamily(
-            name("gpustreams_egress_waits"),
-            "get_data and spill requests that waited for their results' events",
-            value=egress["egress_waits"],
-        )
-        yield CounterMetricFamily(
-            name("gpustreams_egress_wait"),
-            "Time get_data and spill requests waited for their results' events",
-            value=egress["egress_wait_seconds"],
-            unit="seconds",
-        )
-        yield CounterMetricFamily(
-            name("gpustreams_failures"),
-            "Corrupt results found (kernel failures), released for recomputation",
-            value=egress["failures"],
-        )
+        yield from self._series(EGRESS_SERIES, egress_counts(plugin))
         runtime = plugin.runtime
         if runtime is None:  # no task yet
             return
         counts = runtime_counts(runtime)
-        yield GaugeMetricFamily(
-            name("gpustreams_streams"), "Compute streams of the worker's pool", counts["streams"]
-        )
-        yield CounterMetricFamily(
-            name("gpustreams_tasks"),
-            "Tasks launched on the compute streams",
-            value=counts["tasks_run"],
-        )
-        yield GaugeMetricFamily(
-            name("gpustreams_tasks_in_flight"),
-            "Tasks launched whose completion event has not fired",
-            value=counts["tasks_in_flight"],
-        )
-        yield CounterMetricFamily(
-            name("gpustreams_stream_waits"),
-            "Event waits enqueued on a stream for other streams' work",
-            value=counts["stream_waits"],
-        )
-        yield GaugeMetricFamily(
-            name("gpustreams_held"),
-            "Bytes of arrays held until the tasks that read them complete",
-            value=counts["held_bytes"],
-            unit="bytes",
-        )
+        yield from self._series(RUNTIME_SERIES, counts)
         pinned = GaugeMetricFamily(
             name("gpustreams_pinned"),
             "Pinned host memory: staging buffers, download results alive, pool size",

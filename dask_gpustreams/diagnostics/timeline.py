@@ -144,6 +144,46 @@ def _runtime_records(runtime: Any, snapshot: list, timeout: float) -> list[dict]
     ]
 
 
+class RecordCursor:
+    """The records of one runtime's timeline that completed since the previous :meth:`take`.
+
+    The newest record read is remembered, and records not yet complete are
+    kept for the next call. If that record has left the timeline (cleared,
+    replaced, or more than its ``maxlen`` records appended since), every
+    record in it is new. For readers that poll (the dashboard's feed, the
+    Prometheus series of device time).
+    """
+
+    #: Records kept for a later call because their tasks had not completed.
+    max_pending = 100_000
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+        self._last: Any = None
+        self._pending: list = []
+
+    def take(self) -> list:
+        """The completed :class:`~dask_gpustreams.runtime.TaskRecord` s not taken before."""
+        runtime = self.runtime
+        snapshot = runtime.timeline_snapshot()
+        new = snapshot
+        if self._last is not None:
+            for i in range(len(snapshot) - 1, -1, -1):
+                if snapshot[i] is self._last:
+                    new = snapshot[i + 1 :]
+                    break
+        if snapshot:
+            self._last = snapshot[-1]
+        done = runtime.done
+        ready, pending = [], []
+        for record in (*self._pending, *new):
+            if not record.timed:  # launched while the timeline was being turned on
+                continue
+            (ready if done(record) else pending).append(record)
+        self._pending = pending[-self.max_pending :]
+        return ready
+
+
 def _track(record: dict) -> tuple:
     return (record["worker"] or "", record["device"], record["pool"], record["stream"])
 

@@ -55,9 +55,13 @@ class StreamRuntime:
 
     def __init__(self, backend: Backend, config: StreamsConfig):
         self.backend = backend
+        #: The backend's name (``"cupy"``, ``"sim"``) and the device the streams belong to.
+        self.backend_name, self.device_id = backend.name, backend.device_id
         self.config = config
         self.policy = make_policy(config.policy)
         n_streams = fit_hardware_queues(backend, config.streams, 2 * config.copy_streams)
+        #: The compute streams of the pool (``gpustreams.streams``, capped by the device).
+        self.n_streams = n_streams
         self.pool = StreamPool(backend, n_streams, self.policy.high_priority_streams(n_streams))
         if config.nvtx:  # a range per task for Nsight; off, tasks run exactly as without
             from dask_gpustreams.diagnostics.nvtx import annotate
@@ -394,21 +398,6 @@ class StreamRuntime:
         ]
 
     # ------------------------------------------------------------------ settings
-
-    @property
-    def backend_name(self) -> str:
-        """The name of the backend the runtime runs on (``"cupy"``, ``"sim"``)."""
-        return self.backend.name
-
-    @property
-    def device_id(self) -> int:
-        """The device the runtime's streams belong to."""
-        return self.backend.device_id
-
-    @property
-    def n_streams(self) -> int:
-        """The compute streams of the pool (``gpustreams.streams``, capped by the device)."""
-        return self.pool.n_streams
 
     def pinned_stats(self) -> PinnedStats:
         """The pinned host memory of the copies: staging, results alive, and the limit."""

@@ -68,16 +68,22 @@ def _no_out(func: Callable, params: dict) -> None:
         raise TypeError(f"SimArray: out= is not supported by {func.__name__} (only by ufuncs)")
 
 
-def _bind_on_array(func: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
-    """The call bound, for a function of an array ``a``; None where ``a`` is no SimArray.
+def _on_array(impl: Callable, *options: Any) -> Callable:
+    """The handler of ``func(*args, **kwargs)``, a function of an array ``a``, through ``impl``.
 
-    Refuses ``out=`` (:func:`_no_out`).
+    It calls ``impl(func, bound, a, *options)`` with the call bound; NotImplemented
+    where ``a`` is no SimArray. Refuses ``out=`` (:func:`_no_out`).
     """
-    bound = _bind(func, args, kwargs)
-    if not isinstance(bound.arguments["a"], _array.SimArray):
-        return None
-    _no_out(func, bound.arguments)
-    return bound
+
+    def handler(func: Callable, *args: Any, **kwargs: Any) -> Any:
+        bound = _bind(func, args, kwargs)
+        a = bound.arguments["a"]
+        if not isinstance(a, _array.SimArray):
+            return NotImplemented
+        _no_out(func, bound.arguments)
+        return impl(func, bound, a, *options)
+
+    return handler
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -129,13 +135,9 @@ _register(_astype, _numpy("astype"))
 # --- reductions and scans --------------------------------------------------------------------
 
 
-def _reduction(func: Callable, *args: Any, **kwargs: Any) -> Any:
+def _reduction(func: Callable, bound: inspect.BoundArguments, a: _array.SimArray) -> Any:
     """``sum``, ``mean``, ``std``, ``argmax``...: the reduced shape; dtypes from tiny dummies."""
-    bound = _bind_on_array(func, args, kwargs)
-    if bound is None:
-        return NotImplemented
     params = bound.arguments
-    a = params["a"]
     # ddof only changes values; on a tiny dummy it would warn of too few degrees of freedom.
     dtypes = _ops.dtypes_of(_on_tiny(func, bound, out=None, ddof=None, correction=None))
     keepdims = params.get("keepdims", False)
@@ -145,12 +147,8 @@ def _reduction(func: Callable, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def _along_axis(func: Callable, *args: Any, **kwargs: Any) -> Any:
+def _along_axis(func: Callable, bound: inspect.BoundArguments, a: _array.SimArray) -> Any:
     """``cumsum``, ``sort``...: the input's shape, or its size flattened for ``axis=None``."""
-    bound = _bind_on_array(func, args, kwargs)
-    if bound is None:
-        return NotImplemented
-    a = bound.arguments["a"]
     axis = _default(bound, "axis")
     if axis is None:
         shape = (a.size,)
@@ -162,13 +160,13 @@ def _along_axis(func: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 _register(
-    _reduction,
+    _on_array(_reduction),
     _numpy(
         "sum prod mean std var max min amax amin any all argmax argmin nansum nanprod nanmean "
         "nanstd nanvar nanmax nanmin nanargmax nanargmin median nanmedian ptp count_nonzero"
     ),
 )
-_register(_along_axis, _numpy("cumsum cumprod nancumsum nancumprod sort argsort"))
+_register(_on_array(_along_axis), _numpy("cumsum cumprod nancumsum nancumprod sort argsort"))
 
 
 # --- moving elements: shapes from NumPy on shape dummies -------------------------------------
@@ -301,12 +299,10 @@ def _svd(
     return type(tiny)(*outs) if compute_uv else outs[0]
 
 
-def _fft(func: Callable, kind: str, *args: Any, **kwargs: Any) -> _array.SimArray:
+def _fft(
+    func: Callable, bound: inspect.BoundArguments, a: _array.SimArray, kind: str
+) -> _array.SimArray:
     """The FFTs: ``kind`` is "c2c", "r2c" (``rfft*``, half the last axis) or "c2r" (``irfft*``)."""
-    bound = _bind_on_array(func, args, kwargs)
-    if bound is None:
-        return NotImplemented
-    a = bound.arguments["a"]
     if "n" in bound.signature.parameters:  # one axis
         n = bound.arguments.get("n")
         axes, sizes = [_default(bound, "axis")], None if n is None else [n]
@@ -339,9 +335,9 @@ def _fft(func: Callable, kind: str, *args: Any, **kwargs: Any) -> _array.SimArra
 _register(_products, (np.dot, np.tensordot, np.outer))
 _register(_qr, (np.linalg.qr,))
 _register(_svd, (np.linalg.svd,))
-_register(_fft, _numpy("fft ifft fft2 ifft2 fftn ifftn", np.fft), "c2c")
-_register(_fft, _numpy("rfft rfft2 rfftn", np.fft), "r2c")
-_register(_fft, _numpy("irfft irfft2 irfftn", np.fft), "c2r")
+_register(_on_array(_fft, "c2c"), _numpy("fft ifft fft2 ifft2 fftn ifftn", np.fft))
+_register(_on_array(_fft, "r2c"), _numpy("rfft rfft2 rfftn", np.fft))
+_register(_on_array(_fft, "c2r"), _numpy("irfft irfft2 irfftn", np.fft))
 
 
 # --- indices ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ run after a host sync, as in CuPy.
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -19,11 +20,11 @@ import numpy as np
 from dask_gpustreams.sim import _array, _ops
 from dask_gpustreams.sim._functions import (
     _bind,
-    _bind_on_array,
     _compute,
     _elementwise,
     _no_out,
     _numpy,
+    _on_array,
     _on_tiny,
     _register,
     _shape,
@@ -173,13 +174,9 @@ def _linspace(
 _register(_linspace, (np.linspace,))
 
 
-def _percentile(func: Callable, *args: Any, **kwargs: Any) -> Any:
+def _percentile(func: Callable, bound: inspect.BoundArguments, a: _array.SimArray) -> Any:
     """``percentile``, ``quantile`` and their nan forms: ``q``'s shape, then the reduced shape."""
-    bound = _bind_on_array(func, args, kwargs)
-    if bound is None:
-        return NotImplemented
     params = bound.arguments
-    a = params["a"]
     if params.get("weights") is not None or params.get("overwrite_input"):
         return NotImplemented
     axis = params.get("axis")
@@ -193,7 +190,7 @@ def _percentile(func: Callable, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-_register(_percentile, _numpy("percentile quantile nanpercentile nanquantile"))
+_register(_on_array(_percentile), _numpy("percentile quantile nanpercentile nanquantile"))
 
 
 def _host_created(func: Callable, *args: Any, **kwargs: Any) -> Any:

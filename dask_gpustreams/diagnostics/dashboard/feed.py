@@ -36,6 +36,8 @@ from typing import Any
 
 from dask.utils import key_split
 
+from dask_gpustreams.diagnostics.timeline import RecordCursor
+
 logger = logging.getLogger("dask_gpustreams")
 
 #: The worker handler that :class:`TimelineFeed` calls.
@@ -51,45 +53,6 @@ TIMING_STATES = {
     "off": "off",
     "no-plugin": "no gpustreams plugin",
 }
-
-
-class RecordCursor:
-    """The records of one runtime's timeline that completed since the previous :meth:`take`.
-
-    As ``DeviceBusy`` in :mod:`..prometheus`: the newest record read is
-    remembered, and records not yet complete are kept for the next call.
-    If that record has left the timeline (cleared, replaced, or more than its
-    ``maxlen`` records appended since), every record in it is new.
-    """
-
-    #: Records kept for a later call because their tasks had not completed.
-    max_pending = 100_000
-
-    def __init__(self, runtime: Any):
-        self.runtime = runtime
-        self._last: Any = None
-        self._pending: list = []
-
-    def take(self) -> list:
-        """The completed :class:`~dask_gpustreams.runtime.TaskRecord` s not taken before."""
-        runtime = self.runtime
-        snapshot = runtime.timeline_snapshot()
-        new = snapshot
-        if self._last is not None:
-            for i in range(len(snapshot) - 1, -1, -1):
-                if snapshot[i] is self._last:
-                    new = snapshot[i + 1 :]
-                    break
-        if snapshot:
-            self._last = snapshot[-1]
-        done = runtime.done
-        ready, pending = [], []
-        for record in (*self._pending, *new):
-            if not record.timed:  # launched while the timeline was being turned on
-                continue
-            (ready if done(record) else pending).append(record)
-        self._pending = pending[-self.max_pending :]
-        return ready
 
 
 class WorkerFeed:
