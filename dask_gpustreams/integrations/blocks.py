@@ -340,6 +340,9 @@ def _bands(
     parent: dict[Hashable, Hashable] = {}
     size: dict[Hashable, int] = {}
     band: list[Hashable] = []
+    # The band's pieces (roots of ``parent``), kept as levels join and merge: a level
+    # costs its own keys, not the band's (which made a long band quadratic in its depth).
+    roots: set[Hashable] = set()
 
     def find(k: Hashable) -> Hashable:
         while parent[k] != k:
@@ -366,6 +369,7 @@ def _bands(
         for k in keys:
             parent[k] = k
             size[k] = 1
+        roots.update(keys)
         for k in keys:
             for d in dependencies(k):
                 if d in parent and d in members:
@@ -375,23 +379,26 @@ def _bands(
                             a, b = b, a
                         parent[a] = b
                         size[b] += size[a]
+                        roots.discard(a)
                         joined.append((a, b))
-        roots = {find(k) for k in band} | {find(k) for k in keys}
         if _balanced([size[r] for r in roots], workers):
             band.extend(keys)
             continue
         for a, b in reversed(joined):  # refused: the band ends before this level
             parent[a] = a
             size[b] -= size[a]
+            roots.add(a)
         for k in keys:
             del parent[k], size[k]
+        roots.difference_update(keys)
         close()
         parent = {k: k for k in keys}
         size = dict.fromkeys(keys, 1)
         band = list(keys)
+        roots = set(keys)
         if not _balanced([1] * len(keys), workers):  # narrower than the workers: no band
             left.extend(keys)
-            parent, size, band = {}, {}, []
+            parent, size, band, roots = {}, {}, [], set()
     close()
     return groups, left
 
