@@ -14,6 +14,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 
 import cloudpickle
 import dask
@@ -24,7 +25,12 @@ from dask._task_spec import Task, TaskRef
 from distributed import Client, LocalCluster, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, sim
-from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock, partition
+from dask_gpustreams.integrations.blocks import (
+    BlockSkipped,
+    StreamBlock,
+    block_output,
+    partition,
+)
 from dask_gpustreams.runtime.context import active_task
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -76,6 +82,16 @@ def bad(a):
     out = sim.empty(a.shape)
     sim.launch(_boom, out, a)
     return out
+
+
+def py_fail(a, message):
+    """A task whose Python code raises ``ValueError(message)`` (no kernel of its own fails)."""
+    raise ValueError(message)
+
+
+def _frames(tb):
+    """The names of the functions of ``tb``'s frames."""
+    return [frame.name for frame in traceback.extract_tb(tb)]
 
 
 def clear_errors(a):
@@ -454,6 +470,53 @@ def test_a_kernel_error_inside_a_block_fails_only_the_outputs_that_derive_from_i
         expected = host_mix(4, host_mix(1, np.arange(N)))
         np.testing.assert_array_equal(sim.asnumpy(futures[2].result(timeout=30)), expected)
         assert formed(client) == (1, 6)
+
+
+def test_a_python_exception_inside_a_block_fails_only_the_outputs_that_derive_from_it():
+    """As for kernel failures: one block of three outputs, two of which derive from a
+    different task whose code raises; each gets that task's exception, with its traceback,
+    and the third gets its value. Before, every output got the first exception."""
+    with cluster(1) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        a = delayed(mix)(1, s, delay=0.002, dask_key_name="shared")
+        fail1 = delayed(py_fail)(a, "first task raised", dask_key_name="fail-1")
+        fail2 = delayed(py_fail)(a, "second task raised", dask_key_name="fail-2")
+        out1 = delayed(mix)(2, fail1, dask_key_name="out-1")
+        out2 = delayed(mix)(3, fail2, dask_key_name="out-2")
+        out3 = delayed(mix)(4, a, delay=0.002, dask_key_name="out-3")
+        futures = client.compute([out1, out2, out3])
+        for future, message in zip(futures[:2], ["first", "second"], strict=True):
+            with pytest.raises(ValueError, match=rf"^{message} task raised$") as info:
+                future.result(timeout=30)
+            # The task's frame, and none of the block's (as task per key shows it).
+            frames = traceback.extract_tb(info.tb)
+            assert frames[-1].name == "py_fail"
+            assert [f.name for f in frames if "dask_gpustreams" in f.filename] == []
+        expected = host_mix(4, host_mix(1, np.arange(N)))
+        np.testing.assert_array_equal(sim.asnumpy(futures[2].result(timeout=30)), expected)
+        assert formed(client) == (1, 6)
+
+
+def test_a_failed_output_of_a_block_keeps_its_tasks_traceback_when_pickled():
+    """The slot of an output whose task raised holds the exception and the task's frames
+    (their names and lines, not their values), also once pickled for another worker."""
+    nodes = [
+        Task("a", mix, 1, TaskRef("x")),
+        Task("fails", py_fail, TaskRef("a"), "raised in a block"),
+        Task("after", mix, 2, TaskRef("fails")),
+        Task("good", mix, 3, TaskRef("a")),
+    ]
+    block = StreamBlock(nodes, ["x"], ["after", "good"])
+    with dask.config.set(CONFIG):
+        runtime = get_runtime()
+    values = block.launch(runtime, {"x": sim.asarray(np.arange(N) + 0.0)})
+    for got in (values, cloudpickle.loads(cloudpickle.dumps(values))):
+        with pytest.raises(ValueError, match=r"^raised in a block$") as info:
+            block_output(got, 0)
+        frames = _frames(info.tb)
+        assert frames[1] == "block_output" and frames[-1] == "py_fail", frames
+        expected = host_mix(3, host_mix(1, np.arange(N) + 0.0))
+        np.testing.assert_array_equal(sim.asnumpy(block_output(got, 1)), expected)
 
 
 def test_a_kernel_error_reported_first_elsewhere_still_fails_its_block():

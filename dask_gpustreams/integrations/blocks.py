@@ -10,9 +10,10 @@ that forms blocks is :mod:`.distributed.blocks`; :func:`partition` (here,
 without distributed) chooses the groups.
 
 A block returns its outputs (one value, or a tuple in :attr:`StreamBlock.outputs`
-order) once their work has completed, as ``compute`` does: a kernel failure
-inside it raises the :class:`~dask_gpustreams.KernelError` naming the inner key
-whose kernel failed, and one of another task, which left a stream in error
+order) once their work has completed, as ``compute`` does: a task of it that
+fails, by its kernel (the :class:`~dask_gpustreams.KernelError` naming the
+inner key) or its code (its exception), fails the outputs that derive from it,
+and only those; a kernel failure of another task, which left a stream in error
 under the block's kernels, launches the block again (and past
 :attr:`StreamBlock.relaunches`, raises :class:`BlockSkipped`, which
 reschedules it on distributed). Intermediates are dropped
@@ -24,6 +25,7 @@ its tasks in priority order on the host, as Dask would.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 from dask._task_spec import GraphNode
@@ -106,18 +108,19 @@ class StreamBlock:
         """Launch the block onto ``runtime``'s streams; return once its outputs are complete.
 
         ``values`` holds the inputs, whose work must be complete and good (the
-        worker checks them first). Raises the first task exception. Every event
-        of the block is checked, so its outputs are known good when it returns
-        (they need no event nor taint), even where a sync elsewhere reported
-        the failure first.
+        worker checks them first). Every event of the block is checked, so its
+        outputs are known good when it returns (they need no event nor taint),
+        even where a sync elsewhere reported the failure first.
 
-        A kernel failure of an inner key fails the outputs that derive from it,
-        as task per key would, and only those: the block is launched again
-        without the tasks that derive from the failed one, for its other
-        outputs. With one output, the ``KernelError`` naming the inner key is
-        raised; with several, each failed output's slot of the tuple holds its
-        error, which :func:`block_output` (its getter) raises, and the tuple is
-        returned.
+        A failed task, its kernel (a kernel failure of an inner key) or its
+        Python code (an exception it raised), fails the outputs that derive
+        from it, as task per key would, and only those: the block is launched
+        again without the tasks that derive from the failed one, for its other
+        outputs. With one output, the task's error is raised (the
+        ``KernelError`` naming the inner key, or the task's exception with its
+        traceback); with several, each failed output's slot of the tuple holds
+        its error, which :func:`block_output` (its getter) raises, and the
+        tuple is returned.
 
         A ``KernelError`` of a key outside the block comes from another task
         whose failure left a stream in error under the block's kernels, which
@@ -130,20 +133,21 @@ class StreamBlock:
         """
         nodes: Sequence[GraphNode] = self.nodes
         wanted = self.outputs
-        failed: dict[Hashable, KernelError] = {}
+        failed: dict[Hashable, _Failed] = {}
         got: Mapping[Hashable, Any] = {}
         while wanted:
-            try:
-                got = self._launch(runtime, values, nodes, wanted)
+            got, raised = self._launch(runtime, values, nodes, wanted)
+            if raised is None:
                 break
-            except KernelError as e:  # of one of the block's own tasks
-                bad = _downstream(nodes, e.key)
-                if len(self.outputs) == 1 and self.outputs[0] in bad:
-                    raise
-                failed.update((k, e) for k in wanted if k in bad)
-                wanted = tuple(k for k in wanted if k not in bad)
-                nodes = _upstream(nodes, wanted)
-        return self._result({**got, **{k: _Failed(e) for k, e in failed.items()}})
+            key, error = raised
+            bad = _downstream(nodes, key)
+            if len(self.outputs) == 1 and self.outputs[0] in bad:
+                raise error
+            slot = _Failed(error, None if isinstance(error, KernelError) else error.__traceback__)
+            failed.update((k, slot) for k in wanted if k in bad)
+            wanted = tuple(k for k in wanted if k not in bad)
+            nodes = _upstream(nodes, wanted)
+        return self._result({**got, **failed})
 
     def _launch(
         self,
@@ -151,35 +155,62 @@ class StreamBlock:
         values: Mapping[Hashable, Any],
         nodes: Sequence[GraphNode],
         wanted: Sequence[Hashable],
-    ) -> Mapping[Hashable, Any]:
-        """``nodes`` launched for ``wanted``, again after other tasks' failures (:meth:`launch`)."""
+    ) -> tuple[Mapping[Hashable, Any], tuple[Hashable, BaseException] | None]:
+        """``nodes`` launched for ``wanted``, again after other tasks' failures (:meth:`launch`).
+
+        Returns ``(values, None)``, or ``({}, (key, error))`` where the task
+        ``key`` of ``nodes`` failed: its kernel (the ``KernelError`` names it)
+        or its code (the launcher names the task whose exception it raised).
+        Any other exception is raised.
+        """
         tasks, dependencies, host = launch_plan(nodes, type(runtime.backend))
         priority = {node.key: i for i, node in enumerate(nodes)}
         seen: list[KernelError] = []
         while True:
             cache = {k: values[k] for k in self.inputs}
             args = (runtime, tasks, dependencies, priority, wanted, cache, host, key_split)
+            launcher = GraphLauncher(*args, check=True)
             try:
-                return GraphLauncher(*args, check=True).run()
+                return launcher.run(), None
             except KernelError as e:
                 if e.key in tasks:
-                    raise  # one of the block's own kernels failed: the error names it
+                    return {}, (e.key, e)  # one of the block's own kernels failed
                 if len(seen) >= self.relaunches or any(e is s for s in seen):
                     raise BlockSkipped(e) from None
                 seen.append(e)
                 runtime.clear_errors()  # reports failures no sync has reported yet
+            except Exception as e:
+                if launcher.failed is None:
+                    raise  # not a task's exception: the block fails
+                return {}, (launcher.failed, e)
 
 
 class _Failed:
-    """The slot of a block's output whose work failed: its getter raises :attr:`error`."""
+    """The slot of a block's output whose work failed: its getter raises :attr:`error`.
 
-    __slots__ = ("error",)
+    ``traceback``: the frames of the task's exception (None for a kernel
+    failure, whose frames are those of the sync that found it), kept as a
+    ``tblib.Traceback`` (distributed's dependency; without it, none): their
+    names and lines, which pickle (the tuple sent to another worker's getter)
+    and hold none of the frames' values (the launch's inputs and results).
+    The error itself is kept without its frames, for the same reason.
+    """
 
-    def __init__(self, error: KernelError):
-        self.error = error
+    __slots__ = ("error", "traceback")
+
+    def __init__(self, error: BaseException, traceback: Any = None):
+        if isinstance(traceback, TracebackType):
+            try:
+                from tblib import Traceback
+            except ImportError:
+                traceback = None
+            else:
+                traceback = Traceback(traceback)
+        self.error = error.with_traceback(None)
+        self.traceback = traceback
 
     def __reduce__(self):
-        return _Failed, (self.error,)
+        return _Failed, (self.error, self.traceback)
 
     def __repr__(self) -> str:
         return f"_Failed({self.error!r})"
@@ -189,7 +220,10 @@ def block_output(values: Sequence[Any], i: int) -> Any:
     """The getter of a block's output ``i``: its value, or the error of its failed work."""
     value = values[i]
     if type(value) is _Failed:
-        raise value.error.with_traceback(None)  # shared: not the frames of an earlier raise
+        tb = None if value.traceback is None else value.traceback.as_traceback()
+        # The error is shared by the outputs that derive from one task: not the frames of
+        # an earlier raise, only the task's own.
+        raise value.error.with_traceback(tb)
     return value
 
 

@@ -28,9 +28,11 @@ from dask_gpustreams.transfers import to_device, to_host
 
 #: ``admin.traceback.shorten`` patterns: the modules whose frames sit between Dask's and a
 #: task's own (the task wrappers, the runtime's ``run``, the local route's callbacks, the
-#: launcher's loop). Modules that may raise errors of their own (transfers, pool) are not here.
+#: launcher's loop, a stream block's launch and output getter). Modules that may raise errors
+#: of their own (transfers, pool) are not here; a raise of the blocks' own (``BlockSkipped``)
+#: is the last frame, which Dask always keeps.
 TRACEBACK_SHORTEN = (
-    r"dask_gpustreams[\\/]integrations[\\/](tasks|local|launcher)\.py",
+    r"dask_gpustreams[\\/]integrations[\\/](tasks|local|launcher|blocks)\.py",
     r"dask_gpustreams[\\/]integrations[\\/]distributed[\\/]execution\.py",
     r"dask_gpustreams[\\/]runtime[\\/](runtime|launcher)\.py",
 )

@@ -98,6 +98,8 @@ class GraphLauncher:
         self._wake = threading.Event()
         self._host_running = 0
         self._error: BaseException | None = None
+        #: The key of the task whose exception :meth:`run` raised (None: no task's).
+        self.failed: Hashable | None = None
         self._launched: list[Any] = []
 
     # --- the launch loop ----------------------------------------------------------------------
@@ -196,6 +198,7 @@ class GraphLauncher:
                     stream = slot.stream
                     start = None
                     event = None
+                    called = False
                     try:
                         for r in producers:
                             if r.slot is not slot:
@@ -209,9 +212,12 @@ class GraphLauncher:
                         state["stream"] = stream
                         t0 = perf_counter()
                         with use_stream(stream, key):
+                            called = True
                             result = tasks[key](values)
                         seconds = perf_counter() - t0
                     except BaseException as e:
+                        if called:
+                            self.failed = key
                         state["stream"] = None
                         if event is None:
                             pool.unassign(slot)
@@ -350,6 +356,7 @@ class GraphLauncher:
             if done.error is not None:
                 if self._error is None:
                     self._error = done.error
+                    self.failed = done.key
                 continue
             key = done.key
             if key not in self.host:

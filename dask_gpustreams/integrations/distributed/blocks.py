@@ -19,9 +19,9 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
   the workers say), so none holds more outputs than that until it ends.
 
 The block is then an ordinary task: work stealing, retries (the most of its
-tasks'), worker loss (it is recomputed whole) and errors (the first task
-exception; a kernel failure errs the outputs that derive from it, with the
-``KernelError`` naming the inner key) behave as for any task. Only new
+tasks'), worker loss (it is recomputed whole) and errors (a task's exception,
+or its kernel failure with the ``KernelError`` naming the inner key, errs the
+outputs that derive from it) behave as for any task. Only new
 tasks in ``released`` state, with no restrictions, no annotations that
 change where or how they run and no erred inputs, are grouped. The
 scheduler cannot tell a GPU task from one that blocks the host: inside a
