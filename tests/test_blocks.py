@@ -27,6 +27,7 @@ from distributed import Client, LocalCluster, wait
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, sim
 from dask_gpustreams.integrations.blocks import (
     BlockSkipped,
+    BlockSkippedError,
     StreamBlock,
     block_output,
     partition,
@@ -610,6 +611,37 @@ def test_a_block_skipped_by_other_failures_past_its_relaunches_is_recomputed_not
         got = client.compute(c).result(timeout=30)
         np.testing.assert_array_equal(sim.asnumpy(got), host_mix(2, host_mix(1, np.arange(N))))
         assert int(calls.read_text()) == times + 1
+        assert formed(client) == (1, 3)
+
+
+def test_a_block_skipped_on_every_run_fails_after_its_reschedules_naming_its_key(tmp_path):
+    """Skipped by other keys' failures on every launch, the block is rescheduled
+    ``StreamBlock.reschedules`` times, then fails its output with an error that names its
+    key, its runs and the other key, not that key's error. Before, it was rescheduled
+    forever (the result never came)."""
+    calls = tmp_path / "calls"
+    runs = 1 + StreamBlock.reschedules
+    with cluster(1) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        a = delayed(mix)(1, s, dask_key_name="first")
+        b = delayed(skipped_by_others)(calls, 10**6, a, dask_key_name="skipped")
+        c = delayed(mix)(2, b, dask_key_name="last")
+        future = client.compute(c)
+        message = (
+            f"stream block 'last' was skipped by other tasks' failures on each of its {runs} "
+            f"runs (rescheduled {runs - 1} times, the most that StreamBlock.reschedules "
+            f"allows), the last by the failure of 'elsewhere' after "
+            f"{1 + StreamBlock.relaunches} launches; none of its own tasks failed"
+        )
+        with pytest.raises(BlockSkippedError) as info:
+            future.result(timeout=30)
+        assert str(info.value) == message
+        assert (info.value.key, info.value.runs, info.value.error.key) == (
+            "last",
+            runs,
+            "elsewhere",
+        )
+        assert int(calls.read_text()) == runs * (1 + StreamBlock.relaunches)
         assert formed(client) == (1, 3)
 
 

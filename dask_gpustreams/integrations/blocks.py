@@ -16,7 +16,8 @@ inner key) or its code (its exception), fails the outputs that derive from it,
 and only those; a kernel failure of another task, which left a stream in error
 under the block's kernels, launches the block again (and past
 :attr:`StreamBlock.relaunches`, raises :class:`BlockSkipped`, which
-reschedules it on distributed). Intermediates are dropped
+reschedules it on distributed, at most :attr:`StreamBlock.reschedules` times:
+then :class:`BlockSkippedError` fails it). Intermediates are dropped
 once their consumers inside the block are launched, as the launcher does.
 Without a stream runtime (a worker without the plugin, a process pool) it runs
 its tasks in priority order on the host, as Dask would.
@@ -58,27 +59,65 @@ class BlockSkipped(Exception):  # noqa: N818 - it is not an error of the block's
         return BlockSkipped, (self.error,)
 
 
+class BlockSkippedError(RuntimeError):
+    """A block's kernels were skipped by other tasks' failures on every run it was given.
+
+    :meth:`StreamBlock.launch` raises it in place of :class:`BlockSkipped`
+    once the block has been rescheduled :attr:`StreamBlock.reschedules` times,
+    so that a block is not rescheduled forever: it fails its outputs, with
+    this error (naming the block's key, its runs and the last other key whose
+    failure skipped it, :attr:`error`), not with that other key's error.
+    """
+
+    def __init__(self, key: Any, runs: int, launches: int, error: KernelError):
+        super().__init__(
+            f"stream block {key!r} was skipped by other tasks' failures on each of its {runs} "
+            f"runs (rescheduled {runs - 1} times, the most that StreamBlock.reschedules allows), "
+            f"the last by the failure of {error.key!r} after {launches} launches; none of its "
+            "own tasks failed"
+        )
+        self.key = key
+        self.runs = runs
+        self.launches = launches
+        self.error = error
+
+    def __reduce__(self):
+        return BlockSkippedError, (self.key, self.runs, self.launches, self.error)
+
+
 class StreamBlock:
     """The function of a block task: ``nodes`` (in priority order) from ``inputs``' values.
 
     Called as a task function with the values of ``inputs``, in order; returns
-    the value of its one output, or the tuple of ``outputs``' values.
+    the value of its one output, or the tuple of ``outputs``' values. ``key``
+    is its task's key (for errors); ``rescheduled`` counts the times its task
+    was rescheduled after :class:`BlockSkipped` (the scheduler's
+    :class:`~.distributed.blocks.StreamBlocks` counts them).
     """
 
-    __slots__ = ("nodes", "inputs", "outputs")
+    __slots__ = ("nodes", "inputs", "outputs", "key", "rescheduled")
 
     #: The most launches again after other tasks' failures skipped the block's kernels.
     relaunches = 3
+    #: The most reschedules after :class:`BlockSkipped`; past them, :class:`BlockSkippedError`.
+    reschedules = 3
 
     def __init__(
-        self, nodes: Sequence[GraphNode], inputs: Sequence[Hashable], outputs: Sequence[Hashable]
+        self,
+        nodes: Sequence[GraphNode],
+        inputs: Sequence[Hashable],
+        outputs: Sequence[Hashable],
+        key: Hashable | None = None,
+        rescheduled: int = 0,
     ):
         self.nodes = tuple(nodes)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
+        self.key = key
+        self.rescheduled = rescheduled
 
     def __reduce__(self):
-        return StreamBlock, (self.nodes, self.inputs, self.outputs)
+        return StreamBlock, (self.nodes, self.inputs, self.outputs, self.key, self.rescheduled)
 
     def __repr__(self) -> str:
         return f"StreamBlock({len(self.nodes)} tasks, outputs={list(self.outputs)!r})"
@@ -128,8 +167,10 @@ class StreamBlock:
         once every stream of ``runtime`` has been synchronized (which reports
         such failures, so the device clears them before later work), at most
         :attr:`relaunches` times. Past that, or when one such error comes back,
-        it raises :class:`BlockSkipped`, never the other key's error. A CUDA
-        error (sticky, of no key) is raised as is.
+        it raises :class:`BlockSkipped`, never the other key's error; once the
+        block has been rescheduled :attr:`reschedules` times, it raises
+        :class:`BlockSkippedError` instead. A CUDA error (sticky, of no key) is
+        raised as is.
         """
         nodes: Sequence[GraphNode] = self.nodes
         wanted = self.outputs
@@ -176,6 +217,10 @@ class StreamBlock:
                 if e.key in tasks:
                     return {}, (e.key, e)  # one of the block's own kernels failed
                 if len(seen) >= self.relaunches or any(e is s for s in seen):
+                    if self.rescheduled >= self.reschedules:  # not rescheduled forever
+                        key = self.outputs[0] if self.key is None else self.key
+                        runs, launches = 1 + self.rescheduled, 1 + len(seen)
+                        raise BlockSkippedError(key, runs, launches, e) from None
                     raise BlockSkipped(e) from None
                 seen.append(e)
                 runtime.clear_errors()  # reports failures no sync has reported yet

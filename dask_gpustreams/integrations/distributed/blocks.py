@@ -101,6 +101,25 @@ class StreamBlocks(SchedulerPlugin):
         self.modes.pop(worker, None)
         self.sizes.pop(worker, None)
 
+    def transition(
+        self, key: Hashable, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        """Count a block's reschedules in its ``StreamBlock`` (on the event loop, every transition).
+
+        A block skipped by other tasks' failures raises ``BlockSkipped``, and
+        its worker ``Reschedule`` (the scheduler hears it as a ``processing ->
+        released`` transition whose stimulus is the worker's ``reschedule-...``).
+        The count travels with the block's run_spec to its next worker, where
+        past ``StreamBlock.reschedules`` it fails (``BlockSkippedError``) instead
+        of being rescheduled once more, forever. Work stealing and worker loss
+        (other stimuli) do not count.
+        """
+        if start == "processing" and finish == "released" and stimulus_id.startswith("reschedule"):
+            ts = self.scheduler.tasks.get(key)
+            spec = None if ts is None else ts.run_spec
+            if type(spec) is Task and type(spec.func) is StreamBlock:
+                spec.func.rescheduled += 1
+
     def block_size(self) -> int:
         """The most tasks in one block: the smallest ``gpustreams.block-size`` of the workers."""
         sizes = self.sizes
@@ -354,15 +373,18 @@ def _block_plan(members: list, worker: str | None = None) -> _BlockPlan:
                 inputs[d] = None
         if ts.who_wants or any(d not in inside for d in ts.dependents):
             outputs.append(ts)
+    key = None if len(outputs) == 1 else (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0)
     block = StreamBlock(
-        [ts.run_spec for ts in members], [d.key for d in inputs], [ts.key for ts in outputs]
+        [ts.run_spec for ts in members],
+        [d.key for d in inputs],
+        [ts.key for ts in outputs],
+        outputs[0].key if key is None else key,
     )
     refs = [TaskRef(d.key) for d in inputs]
-    if len(outputs) == 1:
-        key, getters = None, []
+    if key is None:
+        getters = []
         spec = Task(outputs[0].key, block, *refs)
     else:
-        key = (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0)
         spec = Task(key, block, *refs)
         getters = [Task(ts.key, block_output, TaskRef(key), i) for i, ts in enumerate(outputs)]
     kept = set(outputs)
