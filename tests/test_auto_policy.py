@@ -116,3 +116,21 @@ def test_levels_stay_with_their_tasks_when_a_stream_records_out_of_order():
     # A consumer of the second task is ready after it: one level later.
     runtime.run("after", lambda inputs: None, {"second": None}, registry)
     assert registry.get("after").level == 3
+
+
+def test_streams_that_drained_take_new_work_instead_of_a_busy_one(blocked):
+    # Stream 0 holds one long task at level 1; streams 1-3 ran chains to level 5 and are
+    # idle. By levels alone stream 0 ends first; new roots must see the drained streams
+    # (asked one per selection, so within 4 selections) and leave stream 0 alone.
+    done = threading.Event()
+    done.set()
+    long = blocked("long")
+    last = [blocked(("c", i, 0), gate=done) for i in range(3)]
+    for d in range(1, 5):
+        last = [blocked(("c", i, d), [last[i]], gate=done) for i in range(3)]
+    assert long.slot.index == 0 and streams(last) == [1, 2, 3]
+    for record in last:
+        record.event.synchronize()
+    roots = [blocked(("r", i)) for i in range(4)]
+    behind_long = [r.key for r in roots if r.slot is long.slot]
+    assert len(behind_long) <= 1, streams(roots)

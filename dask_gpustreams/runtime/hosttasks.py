@@ -32,6 +32,7 @@ class HostTasks:
 
     def __init__(self) -> None:
         self._fast_runs: dict[Hashable, int] = {}  # host groups -> fast calls in a row
+        self._logged: set[Hashable] = set()  # groups whose verdicts were logged at INFO
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -53,21 +54,31 @@ class HostTasks:
             if runs is None:
                 if not fast:
                     self._fast_runs[group] = 0
-                    logger.info(
+                    self._log(
+                        group,
                         "gpustreams: tasks of group %r block the host (a call took %.1f ms): "
                         "they run on host threads from now on",
-                        group,
                         seconds * 1e3,
                     )
             elif not fast:
                 self._fast_runs[group] = 0
             elif runs + 1 >= self.recover:
                 del self._fast_runs[group]
-                logger.info(
+                self._log(
+                    group,
                     "gpustreams: tasks of group %r no longer block the host (%d fast calls): "
                     "they launch from the launcher again",
-                    group,
                     self.recover,
                 )
+                self._logged.add(group)
             else:
                 self._fast_runs[group] = runs + 1
+
+    def _log(self, group: Hashable, message: str, value: float) -> None:
+        """A verdict on ``group``: at INFO until it first went back, then at DEBUG.
+
+        A GPU group whose calls are slow only now and then (a cold memory pool's
+        allocations) goes back and forth; that shows at DEBUG.
+        """
+        level = logging.DEBUG if group in self._logged else logging.INFO
+        logger.log(level, message, group, value)

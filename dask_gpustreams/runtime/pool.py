@@ -108,6 +108,12 @@ class PoolView(Protocol):
     def is_tail(self, slot: StreamSlot, seq: int) -> bool:
         """Whether event number ``seq`` ends ``slot``'s work: none recorded or assigned since."""
 
+    def is_idle(self, slot: StreamSlot) -> bool:
+        """Whether ``slot`` has no work left: nothing assigned, its last event complete.
+
+        One event query at most, and nothing released (cheaper than :meth:`load`).
+        """
+
 
 class StreamPool:
     """``n_streams`` streams of one backend, created on first use.
@@ -232,6 +238,17 @@ class StreamPool:
     def is_tail(self, slot: StreamSlot, seq: int) -> bool:
         """Whether event number ``seq`` ends ``slot``'s work: none recorded or assigned since."""
         return seq == slot.seq and not slot._assigned
+
+    def is_idle(self, slot: StreamSlot) -> bool:
+        """Whether ``slot`` has no work left: nothing assigned, its last event complete.
+
+        One event query at most, and nothing released (cheaper than :meth:`load`).
+        """
+        if slot._assigned:
+            return False
+        with slot.lock:  # a concurrent pop_done may empty the queue
+            last = slot.inflight[-1][0] if slot.inflight else None
+        return last is None or self.backend.done(last)
 
     def collect_all(self) -> int:
         """:meth:`collect` every stream; return the work still in flight."""

@@ -42,8 +42,13 @@ class Auto(StreamPolicy):
     stream (linear), and the branches of a fan-out and the nodes of a layer
     spread over streams whose work ends with their inputs' (diamond,
     chainlink, tangled) instead of queueing behind a sibling, even while the
-    host runs far ahead of the device. Streams with work of unknown level
-    (recorded by other means) count their unfinished tasks instead.
+    host runs far ahead of the device.
+
+    The choice reads levels, not the device: each selection asks one stream,
+    in turn, whether it is idle (one event query), and an idle stream's level
+    drops to 0, so a stream that drained is seen within ``n_streams``
+    selections. Streams with work of unknown level (recorded by other means)
+    count their unfinished tasks instead.
 
     A task's level goes with its record (:attr:`TaskRecord.level`, through
     :meth:`EventRegistry.plan`), so it stays the task's whatever order the
@@ -55,10 +60,16 @@ class Auto(StreamPolicy):
 
     def __init__(self) -> None:
         self._tail: dict[int, int] = {}  # stream -> level of its last assigned task
+        self._probe = 0  # the stream asked next whether it is idle
 
     def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
         slots = pool.slots
         n = len(slots)
+        tail = self._tail
+        probe = self._probe % n
+        self._probe = probe + 1
+        if tail.get(probe, 0) and pool.is_idle(slots[probe]):
+            tail[probe] = 0  # drained: any task can start on it at once
         ready = 0  # the level at which the last input is ready
         mine: list[StreamSlot] = []  # the producers' streams, tried first
         tail_of: StreamSlot | None = None  # a producer's stream that ends with it
@@ -74,16 +85,11 @@ class Auto(StreamPolicy):
                 tail_of = producer
         if tail_of is not None:
             return self._assign(task, tail_of, ready)
-        tail = self._tail
         best, best_start = slots[0], -1
         for slot in (*mine, *(s for s in slots if s not in mine)) if mine else slots:
             start = tail.get(slot.index)
-            if start is None or start > ready:
-                load = pool.load(slot)
-                if load == 0:
-                    start = ready  # idle
-                elif start is None:
-                    start = ready + load  # work of unknown level: count it
+            if start is None:  # work of unknown level: count it
+                start = ready + pool.load(slot)
             if start <= ready:
                 return self._assign(task, slot, ready)
             if best_start < 0 or start < best_start:
