@@ -5,12 +5,13 @@ the worker thread's time per task was higher with the plugin (942-1099 against 5
 
     OUT=/tmp python -m benchmarks.probes.probe_cluster_cost elementwise,transpose 6
 
-Alternates off / on-1-stream / on-noblocks twice per workload on one LocalCUDACluster worker,
-and per mode reports: median wall, tasks, the worker thread's mean compute time per task (task
-stream), the device allocations (cudaMalloc, counted by a CuPy memory hook in the worker's
-thread) and pool bytes during the timed samples, and the worker's statistical profile (thread
-and event loop) leaves for the last round. ``on-1-stream`` is the plugin on one stream: the
-plugin's host path without concurrency on the device or per-stream memory arenas.
+Alternates the modes (off, on-inert, on-1-stream, on-noblocks) twice per workload on one
+LocalCUDACluster worker, and per mode reports: median wall, tasks, the worker thread's mean
+compute time per task (task stream), the device allocations (cudaMalloc, counted by a CuPy
+memory hook in the worker's thread) and pool bytes during the timed samples, and the worker's
+statistical profile (thread and event loop) leaves for the last round. ``on-1-stream`` is the
+plugin on one stream: its host path without concurrency on the device or per-stream memory
+arenas; ``on-inert`` the plugin set up but wrapping no task (:class:`InertPlugin`).
 """
 
 import collections
@@ -76,7 +77,21 @@ def _allocations() -> tuple[int, int, int]:
     return count.allocations, count.alloc_bytes, cupy.get_default_memory_pool().total_bytes()
 
 
-MODES = {"off": None, "on-1-stream": {"streams": 1}, "on-noblocks": {}}
+class InertPlugin(StreamsPlugin):
+    """The plugin set up on the worker (egress, collector, metrics, scheduler plugins), but
+    no task wrapped: the cost of what it installs, apart from running tasks on streams."""
+
+    def transition(self, key, start, finish, **kwargs):
+        return None
+
+
+#: mode -> (plugin class, overrides), or None: plugin off.
+MODES = {
+    "off": None,
+    "on-inert": (InertPlugin, {"streams": 1}),
+    "on-1-stream": (StreamsPlugin, {"streams": 1}),
+    "on-noblocks": (StreamsPlugin, {}),
+}
 
 
 def main():
@@ -101,11 +116,10 @@ def main():
         cols = wl.build(arrays, sizes[name])
         ref = client.compute(list(cols), sync=True)
         for rnd in range(2):
-            for mode, overrides in MODES.items():
-                if overrides is not None:
-                    client.register_plugin(
-                        StreamsPlugin(backend=BACKEND, blocks="off", **overrides)
-                    )
+            for mode, plugin in MODES.items():
+                if plugin is not None:
+                    cls, overrides = plugin
+                    client.register_plugin(cls(backend=BACKEND, blocks="off", **overrides))
                 if BACKEND == "cupy":
                     client.submit(_count_allocations, pure=False).result()
                 walls, comp, ntask = [], [], 0
@@ -149,7 +163,7 @@ def main():
                     )
                 prof_thr = client.profile(start=t_start, stop=t_stop)
                 prof_loop = client.profile(start=t_start, stop=t_stop, server=True)
-                if overrides is not None:
+                if plugin is not None:
                     client.unregister_worker_plugin(StreamsPlugin.name)
                 med = statistics.median(walls)
                 mc = statistics.mean(comp) * 1e6
