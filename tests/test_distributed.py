@@ -10,8 +10,11 @@ without the plugin's wait.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import gc
+import operator
 import os
 import pickle
 import signal
@@ -26,6 +29,7 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+import tornado.gen
 import zict
 from dask import delayed
 from dask.sizeof import sizeof
@@ -204,6 +208,58 @@ def test_every_kind_of_task_runs_on_a_pool_stream(client):
     assert delayed(on_pool_stream)(delayed(produce)(8, 2.0, 0.0)).compute()
     st = states(client)
     assert all(s["streams"] == 4 for s in st.values()), st
+
+
+async def coroutine(x):
+    await asyncio.sleep(0)
+    return x + 1
+
+
+@tornado.gen.coroutine  # marked __tornado_coroutine__, which distributed reads as a coroutine
+def tornado_style(x):
+    return x + 1
+
+
+def with_attribute(x):
+    return on_pool_stream()
+
+
+with_attribute.note = "a function with a __dict__"
+
+
+class OnPoolStream:
+    def __call__(self, x):
+        return on_pool_stream()
+
+
+def wrapped_keys(dask_worker, keys):
+    """Those of ``keys`` whose task ran on the streams (it recorded an event)."""
+    registry = dask_worker.plugins["gpustreams"].registry
+    return [k for k in keys if k in registry]
+
+
+def test_coroutines_stay_unwrapped_and_every_other_callable_runs_on_the_streams(client):
+    """Coroutine functions (also a partial of one, a tornado-marked one) run on the event loop
+    as in plain distributed; plain functions, builtins and callable objects on the streams."""
+    a, _ = workers(client)
+    kinds = {
+        "coroutine": (coroutine, 2),
+        "partial-coroutine": (functools.partial(coroutine), 2),
+        "tornado-style": (tornado_style, 2),
+        "plain": (on_pool_stream, True),
+        "with-attribute": (with_attribute, True),
+        "callable-object": (OnPoolStream(), True),
+        "builtin": (operator.neg, -1),
+    }
+    futures = {
+        kind: client.submit(func, 1, key=f"kind-{kind}", workers=[a], pure=False)
+        for kind, (func, _) in kinds.items()
+    }
+    assert {k: f.result() for k, f in futures.items()} == {k: v for k, (_, v) in kinds.items()}
+    keys = [f.key for f in futures.values()]
+    wrapped = client.run(wrapped_keys, keys=keys, workers=[a])[a]
+    unwrapped = {"kind-coroutine", "kind-partial-coroutine", "kind-tornado-style"}
+    assert set(wrapped) == set(keys) - unwrapped
 
 
 def test_dask_array_with_fused_tasks(client):

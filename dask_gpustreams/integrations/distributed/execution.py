@@ -10,15 +10,24 @@ keep their run_spec.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
+from inspect import CO_COROUTINE
+from types import BuiltinFunctionType, FunctionType
 from typing import Any
 
 from dask._task_spec import GraphNode, Task, TaskRef
 from distributed import Reschedule
+from distributed.utils import iscoroutinefunction
 
 from dask_gpustreams.diagnostics.fine_metrics import launch_meter
 from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock
 from dask_gpustreams.integrations.distributed.provenance import Provenance
-from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
+from dask_gpustreams.integrations.tasks import (
+    StreamTask,
+    rewrite_transfers,
+    transfer_rewrites,
+    wrap_task,
+)
+from dask_gpustreams.runtime import StreamRuntime
 
 
 class _Raise:
@@ -72,12 +81,15 @@ class WorkerStreamTask(StreamTask):
     are complete (its key has no event). The launch is metered as
     ``gpustreams-launch`` (fine metrics). :class:`Execution` makes one subclass
     per worker, whose class attribute :attr:`provenance` is that worker's, and
-    turns the task that ``wrap_task`` made into one by assigning its class (no
-    slots added), which costs the event loop no call.
+    makes it directly for a plain ``Task`` (and turns the task that ``wrap_task``
+    made of other nodes into one by assigning its class: no slots added). Only
+    tasks that are not coroutines are wrapped, so :attr:`is_coro` is a class
+    attribute: ``Worker.execute`` reads it on the event loop with no call.
     """
 
     __slots__ = ()
     provenance: Provenance
+    is_coro = False  # type: ignore[assignment]  # (StreamTask's reads the node's)
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         provenance = self.provenance
@@ -122,6 +134,18 @@ def _is_host_task(node: GraphNode, host_modules: tuple[str, ...]) -> bool:
     return module.startswith(host_modules)
 
 
+def _is_coro(func: Any) -> bool:
+    """``Task.is_coro`` of a task of ``func``, without its per-call import (nor its cache).
+
+    :meth:`Execution.prepare` answers plain functions (without attributes, such
+    as a coroutine marker) and builtins itself, as this would, without a call.
+    """
+    try:
+        return iscoroutinefunction(func)
+    except Exception:  # as Task.is_coro
+        return False
+
+
 def fail_task(tasks: Mapping[Hashable, Any], key: Hashable, exc: BaseException) -> None:
     """Make ``key``'s task in ``tasks`` (a worker's ``state.tasks``) raise ``exc``, not run."""
     ts = tasks.get(key)
@@ -149,38 +173,67 @@ class Execution:
         self._task_class = type(
             "WorkerStreamTask", (WorkerStreamTask,), {"__slots__": (), "provenance": provenance}
         )
+        #: The runtime, once the first task made it, and its backend's transfer rewrites.
+        self._runtime: StreamRuntime | None = None
+        self._rewrites: dict[int, Any] = {}
 
     def prepare(self, key: Hashable, host_modules: tuple[str, ...]) -> None:
         """Give ``key``'s task, which starts executing, the run_spec to run it with.
 
         ``host_modules``: the modules of the functions of host-side tasks. A task
         that runs on the streams checks its inputs in its worker thread
-        (:class:`WorkerStreamTask`); the others are checked here.
+        (:class:`WorkerStreamTask`); the others are checked here. A plain
+        ``Task`` is wrapped here as :func:`wrap_task` would, with what is per
+        worker (the runtime, its transfer rewrites) looked up once.
         """
         ts = self._tasks.get(key)
-        if ts is None or ts.run_spec is None:
+        if ts is None:
             return
         node = ts.run_spec
-        provenance = self.provenance
-        error = provenance.take_failure(key) if provenance.failures else None
-        if error is not None:
-            ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
+        if node is None:
             return
-        on_threads = not (self._actors and key in self._actors) and (
+        provenance = self.provenance
+        if provenance.failures:
+            error = provenance.take_failure(key)
+            if error is not None:
+                ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
+                return
+        if (self._actors and key in self._actors) or not (
             self._thread_pool(ts) if ts.annotations else self._default_on_threads
-        )
-        host_side = on_threads and _is_host_task(node, host_modules)
-        if on_threads and not host_side:
-            try:
-                runtime = provenance.runtime or provenance.task_runtime()
-            except Exception as e:  # a bad backend: fail the task, not the worker
-                ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
-                return
-            task = wrap_task(node, runtime, provenance.registry)
-            if type(task) is StreamTask:
-                task.__class__ = self._task_class  # same slots; no new object, no call
-                ts.run_spec = task
-                return
+        ):
+            host_side = False
+        elif type(node) is Task:  # the common case
+            func = node.func
+            host_side = (getattr(func, "__module__", None) or "").startswith(host_modules)
+            if not host_side:
+                runtime = self._runtime
+                if runtime is None:
+                    try:
+                        runtime = self._start_runtime()
+                    except Exception as e:  # a bad backend: fail the task, not the worker
+                        ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
+                        return
+                if type(func) is FunctionType and not func.__dict__:  # no call for these
+                    coro = func.__code__.co_flags & CO_COROUTINE
+                else:
+                    coro = type(func) is not BuiltinFunctionType and _is_coro(func)
+                if not coro:
+                    node = rewrite_transfers(node, self._rewrites)
+                    ts.run_spec = self._task_class(node, runtime, provenance.registry)
+                    return
+        else:
+            host_side = _is_host_task(node, host_modules)
+            if not host_side:
+                try:
+                    runtime = self._runtime or self._start_runtime()
+                except Exception as e:  # a bad backend: fail the task, not the worker
+                    ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
+                    return
+                task = wrap_task(node, runtime, provenance.registry)
+                if type(task) is StreamTask:
+                    task.__class__ = self._task_class  # same slots; no new object
+                    ts.run_spec = task
+                    return
         error, pending = provenance.input_states(node.dependencies)
         if error is not None:
             provenance.clear_stream_errors_soon()
@@ -192,6 +245,13 @@ class Execution:
                 dep_keys = tuple(node.dependencies)
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)
                 ts.run_spec = _replace(node, host, dep_keys)
+
+    def _start_runtime(self) -> StreamRuntime:
+        """The worker's runtime (made at its first task), and what is per runtime."""
+        runtime = self.provenance.runtime or self.provenance.task_runtime()
+        self._rewrites = transfer_rewrites(type(runtime.backend))
+        self._runtime = runtime
+        return runtime
 
     def fail(self, key: Hashable, exc: BaseException) -> None:
         """Make ``key``'s task raise ``exc`` instead of running (preparing it failed)."""
