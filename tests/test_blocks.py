@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from dask import delayed
 from dask._task_spec import Task, TaskRef
-from distributed import Client, LocalCluster, wait
+from distributed import Client, LocalCluster, SchedulerPlugin, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, sim
 from dask_gpustreams.integrations.blocks import (
@@ -751,6 +751,89 @@ def test_a_wide_graph_on_two_workers_runs_its_blocks_on_both():
         total = sum(ran.values())
         assert total >= len(graph.nodes) // 2, ran  # most of the graph ran in blocks
         assert min(ran.values()) >= total / 4, ran
+
+
+class BlockDispatch(SchedulerPlugin):
+    """A scheduler plugin recording each block task as it leaves ``waiting``: ``(key, state,
+    whether a task of it has no dependencies (a root), is_rootish, worker restricted)``."""
+
+    name = "test-block-dispatch"
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.records = []
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        ts = self.scheduler.tasks.get(key)
+        spec = None if ts is None else ts.run_spec
+        if start == "waiting" != finish and isinstance(getattr(spec, "func", None), StreamBlock):
+            root = any(not node.dependencies for node in spec.func.nodes)
+            rootish = self.scheduler.is_rootish(ts)
+            self.records.append((key, finish, root, rootish, bool(ts.worker_restrictions)))
+
+
+def dispatched(client):
+    """Start recording block tasks as they leave ``waiting`` (:class:`BlockDispatch`)."""
+
+    def install(dask_scheduler):
+        dask_scheduler.add_plugin(BlockDispatch(dask_scheduler), name=BlockDispatch.name)
+
+    client.run_on_scheduler(install)
+    return lambda: client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins[BlockDispatch.name].records
+    )
+
+
+def test_blocks_of_root_tasks_are_queued_as_root_tasks():
+    """20 chains from 20 sources (root-ish: more than twice the threads) on one worker of two
+    threads, worker-saturation 1.0: a block each, which the scheduler queues as it would
+    queue the sources, so 2 go to the worker and 18 wait in the queue. Before, a block was
+    never root-ish (its task a group of its own, or of a group with many dependencies), and
+    all 20 went to the worker at once."""
+    config = {"distributed.scheduler.worker-saturation": 1.0}
+    with cluster(1, config=config) as client:
+        records = dispatched(client)
+        outs = []
+        for i in range(20):
+            t, r = delayed(source)(i, 0.0), np.arange(N) + float(i)
+            for salt in range(2):
+                t, r = delayed(mix)(salt, t, delay=0.001), host_mix(salt, r)
+            outs.append((t, r))
+        got = client.compute([t for t, _ in outs], sync=True)
+        for value, (_, ref) in zip(got, outs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert formed(client) == (20, 60)
+        seen = records()
+        assert sorted(
+            (finish, root, rootish, restricted) for _, finish, root, rootish, restricted in seen
+        ) == sorted([("processing", True, True, False)] * 2 + [("queued", True, True, False)] * 18)
+
+
+def test_a_band_of_root_tasks_is_queued_and_later_bands_are_restricted():
+    """Two fans of 16 chains, each closed by a join, on two workers: a band each, of one
+    block a worker. The first band's blocks hold the graph's sources (root-ish), so they
+    carry no worker restriction and are root-ish, queued as the sources would be; the
+    second band's, whose tasks the scheduler would not queue, keep their restriction to
+    their bin's worker. Before, both bands' blocks were restricted, so none was root-ish."""
+    fan = [(delayed(source)(i, 0.0), np.arange(N) + float(i)) for i in range(16)]
+    salt = 0
+    for _ in range(2):
+        for _ in range(3):
+            salt += 1
+            fan = [(delayed(mix)(salt, t), host_mix(salt, r)) for t, r in fan]
+        salt += 1
+        join = (delayed(mix)(salt, *(t for t, _ in fan)), host_mix(salt, *(r for _, r in fan)))
+        fan = [(delayed(mix)(salt + i, join[0]), host_mix(salt + i, join[1])) for i in range(16)]
+        salt += 16
+    with cluster(2) as client:
+        records = dispatched(client)
+        got = client.compute(join[0], sync=True)
+        np.testing.assert_array_equal(sim.asnumpy(got), join[1])
+        seen = sorted((root, rootish, restricted) for _, _, root, rootish, restricted in records())
+        # The first band: the sources and the 3 levels after them; the second: the 16 tasks
+        # after the first join and the 3 levels after them. The joins run task per key.
+        assert seen == [(False, False, True)] * 2 + [(True, True, False)] * 2
+        assert formed(client) == (4, 2 * 16 * 4)
 
 
 def test_blocks_off_runs_a_task_per_key():

@@ -201,20 +201,34 @@ class StreamBlocks(SchedulerPlugin):
             lambda k: tasks[k].priority,
             bands,
         )
-        places = self._spread(groups, bands)
+        # Root-task queuing: a block holding a task that the scheduler would queue (a
+        # root-ish task, is_rootish) is itself root-ish, as Task.fuse makes a fused task
+        # a data producer if any of its tasks is. It gets no worker restriction (which
+        # would make is_rootish false and send it to its worker at once, saturated or
+        # not): with worker-saturation finite it waits in the queue for a free thread.
+        is_rootish = self.scheduler.is_rootish
+        rootish = [any(is_rootish(tasks[k]) for k in group) for group in groups]
+        places = self._spread(groups, bands, rootish)
         plan.blocks = [
-            _block_plan([tasks[k] for k in group], place)
-            for group, place in zip(groups, places, strict=True)
+            _block_plan([tasks[k] for k in group], place, root)
+            for group, place, root in zip(groups, places, rootish, strict=True)
         ]
         return plan
 
-    def _spread(self, groups: list[list], bands: list) -> list[str | None]:
+    def _spread(self, groups: list[list], bands: list, rootish: list[bool]) -> list[str | None]:
         """The worker each group of a band is meant for (None: distributed decides).
 
         The bins of one band (see :func:`partition`) go to different workers, each
         to the one that holds, or is meant to compute, most of its inputs
         (ties: the worker given the fewest tasks so far). Distributed would put
         them all where their inputs are: on the worker of the first band.
+
+        A ``rootish`` group gets none: it is queued as a root task, and the
+        queue spreads such groups over the workers itself (each to the least
+        busy worker with a free thread, when one is free); its tasks count
+        as on no worker for the next band's votes. So a restricted block holds
+        no root-ish task: task per key, the scheduler would not have queued
+        any of its tasks either.
         """
         places: list[str | None] = [None] * len(groups)
         workers = sorted(self.scheduler.workers)
@@ -223,7 +237,7 @@ class StreamBlocks(SchedulerPlugin):
         tasks = self.scheduler.tasks
         by_band: dict[int, dict[int, list[int]]] = {}
         for i, tag in enumerate(bands):
-            if tag is not None:
+            if tag is not None and not rootish[i]:
                 by_band.setdefault(tag[0], {}).setdefault(tag[1], []).append(i)
         where: dict[Hashable, str] = {}
         given = dict.fromkeys(workers, 0)
@@ -308,7 +322,10 @@ class StreamBlocks(SchedulerPlugin):
                 ts.add_dependency(head)
         head.priority = block.priority
         head.retries = block.retries
-        if block.worker is not None:  # a bin of a band: meant for this worker, else any
+        # A bin of a band: meant for this worker, else any. Never a root-ish block (one
+        # holding a task the scheduler would queue, see _plan): a restriction would skip
+        # root-task queuing (is_rootish is false for a restricted task).
+        if block.worker is not None:
             head.worker_restrictions = {block.worker}
             head.loose_restrictions = True
         for d in block.inputs:
@@ -361,8 +378,12 @@ class _Plan:
     blocks: list[_BlockPlan]
 
 
-def _block_plan(members: list, worker: str | None = None) -> _BlockPlan:
-    """The block of ``members`` (TaskStates): its inputs, outputs, task and getters."""
+def _block_plan(members: list, worker: str | None = None, rootish: bool = False) -> _BlockPlan:
+    """The block of ``members`` (TaskStates): its inputs, outputs, task and getters.
+
+    ``rootish``: whether a member is a task the scheduler would queue (root-ish);
+    the block's task is then a data producer, which the scheduler queues too.
+    """
     members = sorted(members, key=operator.attrgetter("priority"))
     inside = set(members)
     inputs: dict[Any, None] = {}
@@ -383,9 +404,9 @@ def _block_plan(members: list, worker: str | None = None) -> _BlockPlan:
     refs = [TaskRef(d.key) for d in inputs]
     if key is None:
         getters = []
-        spec = Task(outputs[0].key, block, *refs)
+        spec = Task(outputs[0].key, block, *refs, _data_producer=rootish)
     else:
-        spec = Task(key, block, *refs)
+        spec = Task(key, block, *refs, _data_producer=rootish)
         getters = [Task(ts.key, block_output, TaskRef(key), i) for i, ts in enumerate(outputs)]
     kept = set(outputs)
     return _BlockPlan(
