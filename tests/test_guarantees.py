@@ -31,7 +31,8 @@ from dask_gpustreams import StreamsConfig, StreamsPlugin, get_runtime, sim
 from dask_gpustreams.backends import gpu_visible
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.errors import KernelError
-from dask_gpustreams.integrations.distributed import provenance
+from dask_gpustreams.integrations.distributed import failures
+from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.runtime import runtimes
 from dask_gpustreams.runtime.pinned import PinnedPool
@@ -166,13 +167,12 @@ def clock(monkeypatch):
     """The monotonic clock of the failure records, set by the test (``clock.now``)."""
     fake = SimpleNamespace(now=1000.0, time=time.time)
     fake.monotonic = lambda: fake.now
-    monkeypatch.setattr(provenance, "time", fake)
+    monkeypatch.setattr(failures, "time", fake)
     return fake
 
 
 def test_failure_records_keep_the_newest_max_failures_and_expire_after_failure_ttl(clock):
-    limits = StreamsPlugin()  # its attributes are read when used
-    limits.max_failures, limits.failure_ttl = 2, 60.0
+    limits = FailureRecords(max_failures=2, ttl=60.0)  # its attributes are read when used
     stopped = SimpleNamespace(status=Status.closed)  # nothing to release on the worker
     records = Provenance(stopped, StreamsConfig(backend="sim"), None, limits)
     errors = {key: KernelError(key, "failed") for key in "abcd"}
@@ -191,18 +191,34 @@ def test_failure_records_keep_the_newest_max_failures_and_expire_after_failure_t
     assert records.corrupt_found == 4  # b's second failure was not a new one
 
     clock.now = 1030.0 + 60.0  # b and d are exactly failure_ttl old: kept
-    records.expire_failures()
+    records.failures.expire()
     assert list(records.failures) == ["b", "d"]
     clock.now += 0.5
-    records.expire_failures()
+    records.failures.expire()
     assert records.failures == {}
-    assert records.take_failure("b") is None
+    assert records.failures.take("b") is None
 
-    limits.failure_ttl = 5.0  # read at each use
+    limits.ttl = 5.0  # read at each use
     records.drop_corrupt({"a": errors["a"]})
     clock.now += 5.5
-    records.expire_failures()
+    records.failures.expire()
     assert records.failures == {}
+
+
+def test_the_plugin_gives_its_failure_limits_to_each_workers_records():
+    with (
+        dask.config.set(CONFIG),
+        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        client.register_plugin(StreamsPlugin())
+
+        def limits(dask_worker):
+            records = dask_worker.plugins["gpustreams"].failures
+            return type(records).__name__, records.max_failures, records.ttl
+
+        (got,) = client.run(limits).values()
+    assert got == ("FailureRecords", StreamsPlugin.max_failures, StreamsPlugin.failure_ttl)
 
 
 # --- (c) one host sync at the end, none per task ---------------------------------------------

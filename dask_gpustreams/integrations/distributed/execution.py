@@ -193,8 +193,8 @@ class Execution:
         if node is None:
             return
         provenance = self.provenance
-        if provenance.failures:
-            error = provenance.take_failure(key)
+        if provenance.failures:  # a mapping: no call
+            error = provenance.failures.take(key)
             if error is not None:
                 ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
                 return

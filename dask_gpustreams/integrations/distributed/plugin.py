@@ -135,7 +135,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -151,6 +150,7 @@ from dask_gpustreams.integrations.distributed.blocks import StreamBlocks
 from dask_gpustreams.integrations.distributed.egress import Egress
 from dask_gpustreams.integrations.distributed.erred_inputs import ErredInputs
 from dask_gpustreams.integrations.distributed.execution import Execution, fail_task
+from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 
@@ -204,7 +204,8 @@ class StreamsPlugin(WorkerPlugin):
     #: Modules whose task functions give their inputs to host-side machinery (P2P).
     host_modules: tuple[str, ...] = ("distributed.shuffle",)
     #: How many kernel-failure records a worker keeps for keys not yet recomputed,
-    #: and for how many seconds (a recomputation normally follows within milliseconds).
+    #: and for how many seconds (a recomputation normally follows within milliseconds):
+    #: read at setup (:class:`.FailureRecords`).
     max_failures = 1000
     failure_ttl = 60.0
     #: Seconds between releases of the inputs held for completed tasks.
@@ -264,8 +265,8 @@ class StreamsPlugin(WorkerPlugin):
         return self.provenance.registry
 
     @property
-    def failures(self) -> OrderedDict[Hashable, tuple[BaseException, float]]:
-        """key -> (KernelError of a result found corrupt, when)."""
+    def failures(self) -> FailureRecords:
+        """key -> (KernelError of a result found corrupt, when): an ``OrderedDict``."""
         return self.provenance.failures
 
     # ------------------------------------------------------------------ lifecycle
@@ -289,7 +290,8 @@ class StreamsPlugin(WorkerPlugin):
             raise self.error from None
         # Threads of the egress waits and of the clears of stream errors after failures.
         self._egress_threads = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
-        self.provenance = Provenance(worker, self.config, self._egress_threads, self)
+        failures = FailureRecords(self.max_failures, self.failure_ttl)
+        self.provenance = Provenance(worker, self.config, self._egress_threads, failures)
         self.execution = Execution(worker, self.provenance)
         self.egress = Egress(worker, self.provenance, self._egress_threads)
         self._collector = PeriodicCallback(self._collect, self.collect_interval * 1000)
@@ -391,4 +393,4 @@ class StreamsPlugin(WorkerPlugin):
         """Periodically: release the inputs of completed tasks, expire old failure records."""
         if self.runtime is not None:
             self.runtime.collect()
-        self.provenance.expire_failures()
+        self.provenance.failures.expire()

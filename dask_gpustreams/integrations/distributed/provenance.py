@@ -9,9 +9,7 @@ otherwise.
 
 from __future__ import annotations
 
-import logging
 import time
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,9 +20,8 @@ from distributed.worker_state_machine import RemoveReplicasEvent
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFIX
+from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, runtimes
-
-logger = logging.getLogger("dask_gpustreams")
 
 # Worker task states of a dependent that still needs its inputs in this worker's memory.
 _NEEDS_INPUTS = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})
@@ -41,30 +38,36 @@ class Provenance:
     """The device work behind one worker's keys: its runtime, events, taints and failures.
 
     ``threads`` (the plugin's egress threads) clear stream errors after a
-    failure (those found are reported at once, see :meth:`state`). ``limits``
-    (the plugin) gives ``max_failures``, the most failure records kept, and
-    ``failure_ttl``, the seconds each is kept; both are read when used.
+    failure (those found are reported at once, see :meth:`_report`).
+    ``failures``: the worker's records of corrupt results, which
+    :meth:`drop_corrupt` writes.
     """
 
     def __init__(
-        self, worker: Any, config: StreamsConfig, threads: ThreadPoolExecutor, limits: Any
+        self,
+        worker: Any,
+        config: StreamsConfig,
+        threads: ThreadPoolExecutor,
+        failures: FailureRecords,
     ):
         self.worker = worker
         self.config = config
         self.threads = threads
-        self.limits = limits
         #: The worker's runtime, created by its first task (:meth:`task_runtime`), its own
         #: (not shared with other workers of the process); the plugin closes it at teardown.
         self.runtime: StreamRuntime | None = None
         self.registry = EventRegistry()
         #: key -> (KernelError of a result found corrupt, when); raised when the key runs again.
-        self.failures: OrderedDict[Hashable, tuple[BaseException, float]] = OrderedDict()
+        self.failures = failures
         #: key -> records of the work its value derives from on this worker, not yet known
         #: to have succeeded (its inputs, their inputs, ...).
         self.taint: dict[Hashable, tuple[TaskRecord, ...]] = {}
         self._clearing = False  # a clear of stream errors is queued
-        #: Corrupt results found so far (kernel failures), for diagnostics.
-        self.corrupt_found = 0
+
+    @property
+    def corrupt_found(self) -> int:
+        """Corrupt results found so far (kernel failures), for diagnostics."""
+        return self.failures.found
 
     def task_runtime(self) -> StreamRuntime:
         """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
@@ -192,19 +195,6 @@ class Provenance:
         if self.taint:
             self.taint.pop(key, None)
 
-    def take_failure(self, key: Hashable) -> BaseException | None:
-        """The recorded failure of ``key``'s earlier result, removed; None if there is none."""
-        if not self.failures:
-            return None
-        error, _ = self.failures.pop(key, (None, None))
-        return error
-
-    def expire_failures(self) -> None:
-        """Drop the failure records older than ``limits.failure_ttl``."""
-        expired = time.monotonic() - self.limits.failure_ttl
-        while self.failures and next(iter(self.failures.values()))[1] < expired:
-            self.failures.popitem(last=False)
-
     def clear(self) -> None:
         """Forget every key (the plugin is removed)."""
         self.registry = EventRegistry()
@@ -218,14 +208,7 @@ class Provenance:
         still need it on this worker is released once they have left (they fail on
         their own when they start, see :meth:`input_states`).
         """
-        for key, error in failed.items():
-            if key not in self.failures:
-                self.corrupt_found += 1
-                logger.error("gpustreams: result of %r is corrupt (%s); recomputing it", key, error)
-            self.failures[key] = (error, time.monotonic())
-            self.failures.move_to_end(key)
-        while len(self.failures) > self.limits.max_failures:
-            self.failures.popitem(last=False)
+        self.failures.record(failed)
         self._release(list(failed))
 
     def _release(self, keys: list[Hashable]) -> None:
