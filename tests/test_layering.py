@@ -9,7 +9,9 @@ through it: they import no backend module (nor CuPy), and no module outside
 ``runtime/`` touches a pool's slots (``pool.slots``, ``record.slot``, a slot's
 bookkeeping), checked on the syntax tree of every module. Diagnostics read
 nothing of a runtime but its public answers (no ``runtime.backend``,
-``runtime.timeline``, ``record.event``).
+``runtime.timeline``, ``record.event``). In the distributed integration, the
+taints and the failure records are written only by their owners' modules;
+the other parts call their methods.
 """
 
 from __future__ import annotations
@@ -283,6 +285,79 @@ def test_a_planted_runtime_reach_is_found(tmp_path):
             f"{rel}:5 ._state",
             f"{rel}:5 .start",
         ]
+    )
+
+
+#: The distributed integration's shared records and the modules that write them: their
+#: types' (``Taints``, ``FailureRecords``) and ``Provenance``'s, which holds both. Elsewhere
+#: they are read, or changed through their types' methods (``note``, ``succeeded``;
+#: ``record``, ``take``, ``expire``).
+RECORD_OWNERS = {
+    "taint": ("integrations/distributed/provenance.py",),
+    "failures": (
+        "integrations/distributed/failures.py",
+        "integrations/distributed/provenance.py",
+    ),
+}
+#: What changes a mapping in place (its own methods, or a statement on an item of it).
+MAPPING_WRITES = frozenset(
+    {"pop", "popitem", "clear", "update", "setdefault", "move_to_end", "__setitem__"}
+)
+
+
+def record_writes(path: str) -> list[str]:
+    """``file:line .attr`` of each write, in ``path``, to the records of :data:`RECORD_OWNERS`
+    outside their owner's module: an assignment of ``x.attr``, of ``x.attr[k]`` or its
+    deletion, and a call of a mapping's writing methods on ``x.attr``."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    rel = os.path.relpath(path, PACKAGE)
+    owned = {name for name, owners in RECORD_OWNERS.items() if rel in owners}
+    found = []
+
+    def record_of(node: ast.expr) -> str | None:
+        if isinstance(node, ast.Attribute) and node.attr in RECORD_OWNERS:
+            return node.attr if node.attr not in owned else None
+        return None
+
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            inner = target.value if isinstance(target, ast.Subscript) else target
+            name = record_of(inner)
+            if name is not None and not isinstance(target, ast.Name):
+                found.append(f"{rel}:{node.lineno} .{name}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = record_of(node.func.value)
+            if name is not None and node.func.attr in MAPPING_WRITES:
+                found.append(f"{rel}:{node.lineno} .{name}")
+    return found
+
+
+def test_taints_and_failure_records_are_written_only_by_their_owners():
+    files = _layer_files("integrations") + _layer_files("diagnostics")
+    assert any(path.endswith("egress.py") for path in files)
+    assert [hit for path in files for hit in record_writes(path)] == []
+
+
+def test_a_planted_record_write_is_found(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "def f(provenance, key, pending):\n"
+        "    provenance.taint[key] = pending\n"
+        "    provenance.taint.pop(key, None)\n"
+        "    del provenance.failures[key]\n"
+        "    provenance.failures = {}\n"
+        "    provenance.taint.note(key, pending)\n"
+        "    return provenance.failures.take(key), provenance.taint.get(key)\n"
+    )
+    rel = os.path.relpath(str(sample), PACKAGE)
+    assert sorted(record_writes(str(sample))) == sorted(
+        [f"{rel}:2 .taint", f"{rel}:3 .taint", f"{rel}:4 .failures", f"{rel}:5 .failures"]
     )
 
 

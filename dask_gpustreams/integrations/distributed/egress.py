@@ -106,7 +106,7 @@ class Egress:
             if error is not None:
                 failed[key] = error
             else:
-                provenance.taint.pop(key, None)  # all done and fine
+                provenance.taint.succeeded(key)  # all done and fine
         return failed
 
     def before_spill(self, key: Hashable, value: Any) -> None:
@@ -129,4 +129,4 @@ class Egress:
                 self.worker.loop.add_callback(provenance.drop_corrupt, failed)
                 provenance.clear_stream_errors_soon()
                 return
-        provenance.taint.pop(key, None)
+        provenance.taint.succeeded(key)

@@ -107,7 +107,7 @@ class WorkerStreamTask(StreamTask):
             except BlockSkipped:  # no failure of its own: recompute, report no other key's
                 raise Reschedule() from None
         if pending:
-            provenance.taint[self.key] = pending
+            provenance.taint.note(self.key, pending)
         with launch_meter():
             return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
 
@@ -240,7 +240,7 @@ class Execution:
             ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
             return
         if pending:
-            provenance.taint[key] = pending
+            provenance.taint.note(key, pending)
             if host_side:  # it waits for its inputs' work first, in its thread
                 dep_keys = tuple(node.dependencies)
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)

@@ -34,6 +34,25 @@ def as_kernel_error(key: Hashable, exc: BaseException) -> KernelError:
     return KernelError(key, f"{type(exc).__name__}: {exc}")
 
 
+class Taints(dict):
+    """key -> the records of the work its value derives from on this worker (its taint).
+
+    The records of its inputs, of their inputs, ..., while not known to have
+    succeeded. Written by :meth:`note` (a task that starts with inputs whose work
+    is pending, in its worker thread or on the event loop) and :meth:`succeeded`
+    (an egress wait found all that work fine), and by :class:`Provenance` as keys
+    go. A mapping: the read made per input of each task (``get``) is no Python call.
+    """
+
+    def note(self, key: Hashable, pending: tuple[TaskRecord, ...]) -> None:
+        """``key``'s value derives from ``pending``, work not complete when its task started."""
+        self[key] = pending
+
+    def succeeded(self, key: Hashable) -> None:
+        """The work ``key``'s value derives from has completed without error."""
+        self.pop(key, None)
+
+
 class Provenance:
     """The device work behind one worker's keys: its runtime, events, taints and failures.
 
@@ -61,7 +80,7 @@ class Provenance:
         self.failures = failures
         #: key -> records of the work its value derives from on this worker, not yet known
         #: to have succeeded (its inputs, their inputs, ...).
-        self.taint: dict[Hashable, tuple[TaskRecord, ...]] = {}
+        self.taint = Taints()
         self._clearing = False  # a clear of stream errors is queued
 
     @property
