@@ -11,7 +11,9 @@ compute time per task (task stream), the device allocations (cudaMalloc, counted
 memory hook in the worker's thread) and pool bytes during the timed samples, and the worker's
 statistical profile (thread and event loop) leaves for the last round. ``on-1-stream`` is the
 plugin on one stream: its host path without concurrency on the device or per-stream memory
-arenas; ``on-inert`` the plugin set up but wrapping no task (:class:`InertPlugin`).
+arenas; ``on-inert`` the plugin set up but wrapping no task (:class:`InertPlugin`). With
+``CPROFILE=1``, the last round of each plugin mode also prints a cProfile of the worker's
+task thread over the timed samples (its cost inflates those samples' walls).
 """
 
 import collections
@@ -77,6 +79,31 @@ def _allocations() -> tuple[int, int, int]:
     return count.allocations, count.alloc_bytes, cupy.get_default_memory_pool().total_bytes()
 
 
+def _profile_start() -> None:
+    """In the worker's (only) task thread: cProfile it from now on (``CPROFILE=1``)."""
+    import cProfile
+    import threading
+
+    # Kept by the thread: this module is __main__ here, so its functions reach the worker
+    # by value, each with globals of its own.
+    threading.current_thread().probe_profile = profile = cProfile.Profile()
+    profile.enable()
+
+
+def _profile_stop(top: int = 22) -> str:
+    """In the worker's task thread: stop the profile; its top functions by own time."""
+    import io
+    import pstats
+    import threading
+
+    profile = threading.current_thread().probe_profile
+    profile.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 class InertPlugin(StreamsPlugin):
     """The plugin set up on the worker (egress, collector, metrics, scheduler plugins), but
     no task wrapped: the cost of what it installs, apart from running tasks on streams."""
@@ -122,11 +149,14 @@ def main():
                     client.register_plugin(cls(backend=BACKEND, blocks="off", **overrides))
                 if BACKEND == "cupy":
                     client.submit(_count_allocations, pure=False).result()
+                profiled = os.environ.get("CPROFILE") == "1" and rnd == 1 and plugin is not None
                 walls, comp, ntask = [], [], 0
                 t_start = time.time()
                 for i in range(samples + 1):
                     if i == 1 and BACKEND == "cupy":
                         before = client.run(_allocations)
+                    if i == 1 and profiled:
+                        client.submit(_profile_start, pure=False).result()
                     with get_task_stream(client) as ts:
                         t0 = time.perf_counter()
                         fs = client.compute(list(cols))
@@ -150,6 +180,9 @@ def main():
                         comp.extend(c)
                         ntask = len(c)
                 t_stop = time.time()
+                if profiled:
+                    print(f"--- cProfile of the worker thread: {name} {mode}", flush=True)
+                    print(client.submit(_profile_stop, pure=False).result(), flush=True)
                 allocs = ""
                 if BACKEND == "cupy":
                     after = client.run(_allocations)
