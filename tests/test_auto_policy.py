@@ -122,15 +122,31 @@ def test_streams_that_drained_take_new_work_instead_of_a_busy_one(blocked):
     # Stream 0 holds one long task at level 1; streams 1-3 ran chains to level 5 and are
     # idle. By levels alone stream 0 ends first; new roots must see the drained streams
     # (asked one per selection, so within 4 selections) and leave stream 0 alone.
-    done = threading.Event()
-    done.set()
+    chains = threading.Event()  # held while the chains are assigned: they spread
     long = blocked("long")
-    last = [blocked(("c", i, 0), gate=done) for i in range(3)]
+    last = [blocked(("c", i, 0), gate=chains) for i in range(3)]
     for d in range(1, 5):
-        last = [blocked(("c", i, d), [last[i]], gate=done) for i in range(3)]
+        last = [blocked(("c", i, d), [last[i]], gate=chains) for i in range(3)]
     assert long.slot.index == 0 and streams(last) == [1, 2, 3]
+    chains.set()
     for record in last:
         record.event.synchronize()
     roots = [blocked(("r", i)) for i in range(4)]
     behind_long = [r.key for r in roots if r.slot is long.slot]
     assert len(behind_long) <= 1, streams(roots)
+
+
+def test_work_stays_on_one_stream_while_the_device_keeps_up(blocked):
+    # Each task completes before the next is chosen (a host-bound graph): roots and chains
+    # stay on the first stream, as on one, instead of spreading over idle streams (each
+    # spread costs event waits, a memory arena and cuFFT plans of its own).
+    done = threading.Event()
+    done.set()
+    placed = []
+    for i in range(8):
+        record = blocked(("root", i), gate=done)
+        record.event.synchronize()
+        link = blocked(("link", i), [record], gate=done)
+        link.event.synchronize()
+        placed += [record.slot.index, link.slot.index]
+    assert placed == [0] * 16

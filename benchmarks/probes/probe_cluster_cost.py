@@ -12,8 +12,10 @@ memory hook in the worker's thread) and pool bytes during the timed samples, and
 statistical profile (thread and event loop) leaves for the last round. ``on-1-stream`` is the
 plugin on one stream: its host path without concurrency on the device or per-stream memory
 arenas; ``on-inert`` the plugin set up but wrapping no task (:class:`InertPlugin`). With
-``CPROFILE=1``, the last round of each plugin mode also prints a cProfile of the worker's
-task thread over the timed samples (its cost inflates those samples' walls).
+``CPROFILE=1``, the last round of each plugin mode also prints a cProfile started in the
+worker's task thread, over the timed samples (its cost inflates those samples' walls). On
+Python 3.12 cProfile sees every thread of the worker (sys.monitoring), its event loop too:
+the H200 run at bdec711 (benchmarks/results/h200-cluster-bdec711/) showed mostly the loop.
 """
 
 import collections

@@ -44,11 +44,15 @@ class Auto(StreamPolicy):
     chainlink, tangled) instead of queueing behind a sibling, even while the
     host runs far ahead of the device.
 
-    The choice reads levels, not the device: each selection asks one stream,
-    in turn, whether it is idle (one event query), and an idle stream's level
-    drops to 0, so a stream that drained is seen within ``n_streams``
-    selections. Streams with work of unknown level (recorded by other means)
-    count their unfinished tasks instead.
+    The choice reads levels, and asks the device little: whether the first
+    :attr:`queries` streams it would otherwise pass over are idle, in order
+    (a producer's stream first, then the pool's), so while the device keeps up
+    with the host work stays on few streams (fewer event waits, per-stream
+    memory arenas and cuFFT plans), as on one; and one more stream, in turn,
+    whose level then drops to 0 if it is idle, so a stream that drained is
+    seen within ``n_streams`` selections. Each ask is one event query. Streams
+    with work of unknown level (recorded by other means) count their
+    unfinished tasks instead.
 
     A task's level goes with its record (:attr:`TaskRecord.level`, through
     :meth:`EventRegistry.plan`), so it stays the task's whatever order the
@@ -57,6 +61,8 @@ class Auto(StreamPolicy):
     """
 
     name = "auto"
+    #: Streams passed over by level that a selection asks whether they are idle.
+    queries = 2
 
     def __init__(self) -> None:
         self._tail: dict[int, int] = {}  # stream -> level of its last assigned task
@@ -86,10 +92,15 @@ class Auto(StreamPolicy):
         if tail_of is not None:
             return self._assign(task, tail_of, ready)
         best, best_start = slots[0], -1
+        queries = self.queries
         for slot in (*mine, *(s for s in slots if s not in mine)) if mine else slots:
             start = tail.get(slot.index)
             if start is None:  # work of unknown level: count it
                 start = ready + pool.load(slot)
+            elif start > ready and queries:
+                queries -= 1
+                if pool.is_idle(slot):
+                    start = ready
             if start <= ready:
                 return self._assign(task, slot, ready)
             if best_start < 0 or start < best_start:
