@@ -183,7 +183,7 @@ def test_install_is_idempotent_and_uninstall_bypasses_the_runtime(gpustreams):
 
     assert dask.local.local_callbacks is local.local_callbacks
     local.install()
-    assert local._wrapped is dask.callbacks.local_callbacks
+    assert local._local_callbacks.original is dask.callbacks.local_callbacks
     try:
         local.uninstall()
         with gpustreams(streams=2):

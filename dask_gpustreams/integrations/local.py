@@ -66,6 +66,7 @@ import dask.threaded
 
 from dask_gpustreams.config import enabled
 from dask_gpustreams.integrations.launcher import get as launcher_get
+from dask_gpustreams.integrations.patching import Patch
 from dask_gpustreams.integrations.tasks import wrap_task
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.policies import critical_keys
@@ -139,13 +140,13 @@ hook = LocalSchedulerHook()
 @contextlib.contextmanager
 def local_callbacks(callbacks: Sequence[tuple] | None = None) -> Iterator[Sequence[tuple]]:
     """Dask's ``local_callbacks(callbacks)``, plus :data:`hook`'s while ``gpustreams.enabled``."""
-    with _wrapped(callbacks) as resolved:
+    with _local_callbacks.original(callbacks) as resolved:
         yield hook.callbacks(resolved) if enabled() else resolved
 
 
 def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
     """Dask's ``get_scheduler``; the stream launcher for the threaded default while enabled."""
-    schedule = _wrapped_get_scheduler(
+    schedule = _get_scheduler.original(
         get=get, scheduler=scheduler, collections=collections, cls=cls
     )
     if (
@@ -159,6 +160,11 @@ def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
     return schedule
 
 
+#: Dask's ``local_callbacks`` (all local schedulers read it) and ``get_scheduler``, wrapped.
+_local_callbacks = Patch(dask.local, "local_callbacks", local_callbacks)
+_get_scheduler = Patch(dask.base, "get_scheduler", get_scheduler)
+
+
 def install() -> None:
     """Make local computes reach the runtime while enabled (see the module's docstring).
 
@@ -166,24 +172,11 @@ def install() -> None:
     the ones :func:`local_callbacks` and :func:`get_scheduler` call, and
     :func:`uninstall` puts them back.
     """
-    global _wrapped, _wrapped_get_scheduler
-    if dask.local.local_callbacks is not local_callbacks:
-        _wrapped = dask.local.local_callbacks
-        dask.local.local_callbacks = local_callbacks
-    if dask.base.get_scheduler is not get_scheduler:
-        _wrapped_get_scheduler = dask.base.get_scheduler
-        dask.base.get_scheduler = get_scheduler
+    _local_callbacks.install()
+    _get_scheduler.install()
 
 
 def uninstall() -> None:
     """Undo :func:`install`: local computes bypass the runtime, even while enabled."""
-    if dask.local.local_callbacks is local_callbacks:
-        dask.local.local_callbacks = _wrapped
-    if dask.base.get_scheduler is get_scheduler:
-        dask.base.get_scheduler = _wrapped_get_scheduler
-
-
-#: The ``local_callbacks`` that :func:`local_callbacks` wraps (Dask's until :func:`install`).
-_wrapped: Any = dask.callbacks.local_callbacks
-#: The ``get_scheduler`` that :func:`get_scheduler` wraps (Dask's until :func:`install`).
-_wrapped_get_scheduler: Any = dask.base.get_scheduler
+    _local_callbacks.uninstall()
+    _get_scheduler.uninstall()

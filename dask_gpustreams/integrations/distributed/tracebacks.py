@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import re
 import types
-from typing import Any
 
 import distributed.core
 
+from dask_gpustreams.integrations.patching import Patch
 from dask_gpustreams.integrations.tasks import TRACEBACK_SHORTEN
 
 #: The frames dropped while they lead, once a wrapper's frame leads.
@@ -49,7 +49,11 @@ def strip_wrappers(tb: types.TracebackType | None) -> types.TracebackType | None
 
 def get_traceback() -> types.TracebackType | None:
     """distributed's ``get_traceback()``, then :func:`strip_wrappers`."""
-    return strip_wrappers(_wrapped())
+    return strip_wrappers(_get_traceback.original())
+
+
+#: distributed's ``get_traceback`` (read by ``distributed.core.error_message``), wrapped.
+_get_traceback = Patch(distributed.core, "get_traceback", get_traceback)
 
 
 def install() -> None:
@@ -57,17 +61,9 @@ def install() -> None:
 
     Idempotent; :func:`uninstall` puts back the function it replaced.
     """
-    global _wrapped
-    if distributed.core.get_traceback is not get_traceback:
-        _wrapped = distributed.core.get_traceback
-        distributed.core.get_traceback = get_traceback
+    _get_traceback.install()
 
 
 def uninstall() -> None:
     """Undo :func:`install`."""
-    if distributed.core.get_traceback is get_traceback:
-        distributed.core.get_traceback = _wrapped
-
-
-#: The ``get_traceback`` that :func:`get_traceback` wraps (distributed's until :func:`install`).
-_wrapped: Any = distributed.core.get_traceback
+    _get_traceback.uninstall()
