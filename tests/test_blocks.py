@@ -8,6 +8,7 @@ visibly wrong value. Every result is compared exactly with NumPy's.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -15,6 +16,7 @@ import signal
 import sys
 import time
 import traceback
+import weakref
 
 import cloudpickle
 import dask
@@ -22,9 +24,9 @@ import numpy as np
 import pytest
 from dask import delayed
 from dask._task_spec import Task, TaskRef
-from distributed import Client, LocalCluster, SchedulerPlugin, wait
+from distributed import Client, LocalCluster, Reschedule, SchedulerPlugin, wait
 
-from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, sim
+from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, host_task, sim
 from dask_gpustreams.integrations.blocks import (
     BlockSkipped,
     BlockSkippedError,
@@ -518,6 +520,98 @@ def test_a_failed_output_of_a_block_keeps_its_tasks_traceback_when_pickled():
         assert frames[1] == "block_output" and frames[-1] == "py_fail", frames
         expected = host_mix(3, host_mix(1, np.arange(N) + 0.0))
         np.testing.assert_array_equal(sim.asnumpy(block_output(got, 1)), expected)
+
+
+@host_task
+def host_raise(a):
+    raise ValueError("host task raised")
+
+
+def test_a_host_task_that_raises_fails_only_what_derives_from_it():
+    """The launcher runs a host task on its host threads and names it as the task that
+    raised (GraphLauncher.failed): its dependent output fails with its exception and
+    frame, the other gets its value."""
+    nodes = [
+        Task("a", mix, 1, TaskRef("x")),
+        Task("h", host_raise, TaskRef("a")),
+        Task("after", mix, 2, TaskRef("h")),
+        Task("good", mix, 3, TaskRef("a")),
+    ]
+    with dask.config.set(CONFIG):
+        runtime = get_runtime()
+    values = StreamBlock(nodes, ["x"], ["after", "good"]).launch(
+        runtime, {"x": sim.asarray(np.arange(N) + 0.0)}
+    )
+    with pytest.raises(ValueError, match="^host task raised$") as info:
+        block_output(values, 0)
+    assert _frames(info.tb)[-1] == "host_raise"
+    expected = host_mix(3, host_mix(1, np.arange(N) + 0.0))
+    np.testing.assert_array_equal(sim.asnumpy(block_output(values, 1)), expected)
+
+
+def reschedule_once(a, flag):
+    """Raises distributed's Reschedule at its first call (a file marks it), then returns ``a``."""
+    if not os.path.exists(flag):
+        open(flag, "w").close()
+        raise Reschedule()
+    return a
+
+
+def test_a_task_that_asks_to_be_rescheduled_reschedules_its_block(tmp_path):
+    """``Reschedule`` is control flow, not a task's failure: the block of several outputs
+    runs again, whole, and every output gets its value. Before, the output's getter raised
+    it at every run: rescheduled forever, no result."""
+    flag = str(tmp_path / "rescheduled")
+    with cluster(1) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        a = delayed(mix)(1, s, dask_key_name="shared")
+        r = delayed(reschedule_once)(a, flag, dask_key_name="resched")
+        out1 = delayed(mix)(2, r, dask_key_name="out-1")
+        out2 = delayed(mix)(3, a, dask_key_name="out-2")
+        got1, got2 = (f.result(timeout=30) for f in client.compute([out1, out2]))
+        shared = host_mix(1, np.arange(N))
+        np.testing.assert_array_equal(sim.asnumpy(got1), host_mix(2, shared))
+        np.testing.assert_array_equal(sim.asnumpy(got2), host_mix(3, shared))
+        assert os.path.exists(flag)
+        assert formed(client) == (1, 4)
+
+
+class _Held:
+    """Stands for a device array that a task's frame holds."""
+
+
+def test_a_failed_output_holds_no_frame_of_its_task_through_chained_exceptions():
+    """A task raises from inside an ``except``: the chained exception's frames would keep
+    the task's locals (its inputs) alive as long as the block's result lives. They are
+    dropped (a frameless copy kept), and the chain still reads as raised."""
+    held = []
+
+    def chained(a):
+        local = _Held()
+        held.append(weakref.ref(local))
+        try:
+            raise KeyError("inner")
+        except KeyError as e:
+            raise ValueError("outer") from e
+
+    nodes = [
+        Task("a", mix, 1, TaskRef("x")),
+        Task("fails", chained, TaskRef("a")),
+        Task("after", mix, 2, TaskRef("fails")),
+        Task("good", mix, 3, TaskRef("a")),
+    ]
+    with dask.config.set(CONFIG):
+        runtime = get_runtime()
+    values = StreamBlock(nodes, ["x"], ["after", "good"]).launch(
+        runtime, {"x": sim.asarray(np.arange(N) + 0.0)}
+    )
+    gc.collect()
+    assert held and held[0]() is None
+    with pytest.raises(ValueError, match="^outer$") as info:
+        block_output(values, 0)
+    cause = info.value.__cause__
+    assert isinstance(cause, KeyError) and cause.args == ("inner",)
+    assert _frames(cause.__traceback__)[-1] == "chained"
 
 
 def test_a_kernel_error_reported_first_elsewhere_still_fails_its_block():

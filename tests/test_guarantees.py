@@ -205,7 +205,10 @@ def test_failure_records_keep_the_newest_max_failures_and_expire_after_failure_t
     assert records.failures == {}
 
 
-def test_the_plugin_gives_its_failure_limits_to_each_workers_records():
+def test_the_plugin_gives_its_failure_limits_to_each_workers_records(monkeypatch):
+    # Not the defaults: records made with hard-coded limits would not pass.
+    monkeypatch.setattr(StreamsPlugin, "max_failures", 7)
+    monkeypatch.setattr(StreamsPlugin, "failure_ttl", 12.5)
     with (
         dask.config.set(CONFIG),
         LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as lc,
@@ -218,7 +221,7 @@ def test_the_plugin_gives_its_failure_limits_to_each_workers_records():
             return type(records).__name__, records.max_failures, records.ttl
 
         (got,) = client.run(limits).values()
-    assert got == ("FailureRecords", StreamsPlugin.max_failures, StreamsPlugin.failure_ttl)
+    assert got == ("FailureRecords", 7, 12.5)
 
 
 # --- (c) one host sync at the end, none per task ---------------------------------------------

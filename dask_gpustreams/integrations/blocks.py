@@ -31,6 +31,7 @@ from typing import Any
 
 from dask._task_spec import GraphNode
 from dask.utils import key_split
+from distributed import Reschedule
 
 from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.launcher import launch_plan
@@ -169,8 +170,11 @@ class StreamBlock:
         :attr:`relaunches` times. Past that, or when one such error comes back,
         it raises :class:`BlockSkipped`, never the other key's error; once the
         block has been rescheduled :attr:`reschedules` times, it raises
-        :class:`BlockSkippedError` instead. A CUDA error (sticky, of no key) is
-        raised as is.
+        :class:`BlockSkippedError` instead. A CUDA error (sticky, of no key)
+        raised outside the tasks' code is raised as is; one that a task's call
+        raises fails what derives from that task, as its exception would. A
+        task's ``distributed.Reschedule`` is raised as is: the block is
+        rescheduled, whole.
         """
         nodes: Sequence[GraphNode] = self.nodes
         wanted = self.outputs
@@ -224,10 +228,41 @@ class StreamBlock:
                     raise BlockSkipped(e) from None
                 seen.append(e)
                 runtime.clear_errors()  # reports failures no sync has reported yet
+            except Reschedule:
+                raise  # a task asks to be rescheduled: its block is, whole (control flow)
             except Exception as e:
                 if launcher.failed is None:
                     raise  # not a task's exception: the block fails
                 return {}, (launcher.failed, e)
+
+
+def _frameless(traceback: TracebackType) -> Any:
+    """``traceback`` as a ``tblib.Traceback`` (names and lines, no frame), or None without tblib."""
+    try:
+        from tblib import Traceback
+    except ImportError:
+        return None
+    return Traceback(traceback)
+
+
+def _drop_chained_frames(error: BaseException) -> None:
+    """The exceptions chained to ``error`` (cause, context) keep no frame of the task's.
+
+    Their frames would hold the task's locals (its input arrays) for as long as
+    the block's result lives; each keeps a frameless copy of its traceback
+    (tblib's, whose frames hold no locals), or none without tblib.
+    """
+    seen = {id(error)}
+    chained = [error.__cause__, error.__context__]
+    while chained:
+        e = chained.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            copy = _frameless(e.__traceback__)
+            e.__traceback__ = None if copy is None else copy.as_traceback()
+        chained += [e.__cause__, e.__context__]
 
 
 class _Failed:
@@ -245,13 +280,9 @@ class _Failed:
 
     def __init__(self, error: BaseException, traceback: Any = None):
         if isinstance(traceback, TracebackType):
-            try:
-                from tblib import Traceback
-            except ImportError:
-                traceback = None
-            else:
-                traceback = Traceback(traceback)
+            traceback = _frameless(traceback)
         self.error = error.with_traceback(None)
+        _drop_chained_frames(self.error)
         self.traceback = traceback
 
     def __reduce__(self):

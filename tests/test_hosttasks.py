@@ -1,0 +1,41 @@
+"""What the launcher learns about task groups that block the host, and what it logs."""
+
+from __future__ import annotations
+
+import logging
+
+from dask_gpustreams.runtime.hosttasks import HostTasks
+
+
+def test_a_group_flips_at_info_once_then_at_debug(caplog):
+    """A GPU group slow only now and then (a cold pool's allocations) goes back and forth;
+    its first verdicts are logged at INFO, the later ones at DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="dask_gpustreams.runtime.hosttasks")
+    learned = HostTasks()
+    slow, fast = 2 * learned.threshold_s, learned.threshold_s / 10
+    for _ in range(2):
+        learned.observe("fill", slow)
+        assert "fill" in learned
+        for _ in range(learned.recover):
+            learned.observe("fill", fast)
+        assert "fill" not in learned
+    levels = [(r.levelname, r.getMessage().split(":")[1].strip()) for r in caplog.records]
+    assert levels == [
+        ("INFO", "tasks of group 'fill' block the host (a call took 10.0 ms)"),
+        ("INFO", "tasks of group 'fill' no longer block the host (2 fast calls)"),
+        ("DEBUG", "tasks of group 'fill' block the host (a call took 10.0 ms)"),
+        ("DEBUG", "tasks of group 'fill' no longer block the host (2 fast calls)"),
+    ]
+
+
+def test_a_group_is_marked_after_one_slow_call_and_kept_while_slow_calls_come():
+    learned = HostTasks()
+    slow, fast = 2 * learned.threshold_s, learned.threshold_s / 10
+    learned.observe("sleeper", fast)
+    assert not learned
+    learned.observe("sleeper", slow)
+    assert learned.groups() == ["sleeper"]
+    for _ in range(3):  # fast, slow, fast...: never recover fast calls in a row
+        learned.observe("sleeper", fast)
+        learned.observe("sleeper", slow)
+    assert learned.groups() == ["sleeper"]
