@@ -44,14 +44,16 @@ class Auto(StreamPolicy):
     chainlink, tangled) instead of queueing behind a sibling, even while the
     host runs far ahead of the device.
 
-    The choice reads levels, and asks the device little: whether the first
-    :attr:`queries` streams it would otherwise pass over are idle, in order
-    (a producer's stream first, then the pool's), so while the device keeps up
-    with the host work stays on few streams (fewer event waits, per-stream
-    memory arenas and cuFFT plans), as on one; and one more stream, in turn,
-    whose level then drops to 0 if it is idle, so a stream that drained is
-    seen within ``n_streams`` selections. Each ask is one event query. Streams
-    with work of unknown level (recorded by other means) count their
+    It reads levels and asks the device little, one event query per ask:
+
+    - whether the first :attr:`queries` streams it would pass over by level
+      are idle (a producer's first, then the pool's in order), so that while
+      the device keeps up with the host the work stays on few streams, as on
+      one (fewer event waits, memory arenas and cuFFT plans);
+    - whether one more stream, taken in turn, is idle; its level then drops
+      to 0, so a stream that drained is seen within ``n_streams`` selections.
+
+    Streams with work of unknown level (recorded by other means) count their
     unfinished tasks instead.
 
     A task's level goes with its record (:attr:`TaskRecord.level`, through
