@@ -97,6 +97,13 @@ def _frames(tb):
     return [frame.name for frame in traceback.extract_tb(tb)]
 
 
+def launch(block):
+    """``block`` launched on the sim's runtime of :data:`CONFIG`, its input ``x`` 0..N-1."""
+    with dask.config.set(CONFIG):
+        runtime = get_runtime()
+    return block.launch(runtime, {"x": sim.asarray(np.arange(N) + 0.0)})
+
+
 def clear_errors(a):
     """Passes ``a`` through once every stream of the runtime is synchronized, errors ignored.
 
@@ -373,10 +380,7 @@ def test_a_block_drops_its_intermediates_as_the_launcher_does():
     for i in range(1, 5):
         nodes.append(Task(f"k{i}", kept, f"k{i}", TaskRef(f"k{i - 1}")))
     nodes.append(Task("end", probe, TaskRef("k4")))
-    block = StreamBlock(nodes, ["x"], ["end", "k1"])  # k1 is an output too
-    with dask.config.set(CONFIG):
-        runtime = get_runtime()
-    end, k1 = block.launch(runtime, {"x": sim.asarray(np.arange(N) + 0.0)})
+    end, k1 = launch(StreamBlock(nodes, ["x"], ["end", "k1"]))  # k1 is an output too
     assert refs["alive at the end"] == ["k1", "k4"]  # an output, and the probe's input
     ref = np.arange(N) + 0.0
     for i in range(5):
@@ -509,10 +513,7 @@ def test_a_failed_output_of_a_block_keeps_its_tasks_traceback_when_pickled():
         Task("after", mix, 2, TaskRef("fails")),
         Task("good", mix, 3, TaskRef("a")),
     ]
-    block = StreamBlock(nodes, ["x"], ["after", "good"])
-    with dask.config.set(CONFIG):
-        runtime = get_runtime()
-    values = block.launch(runtime, {"x": sim.asarray(np.arange(N) + 0.0)})
+    values = launch(StreamBlock(nodes, ["x"], ["after", "good"]))
     for got in (values, cloudpickle.loads(cloudpickle.dumps(values))):
         with pytest.raises(ValueError, match=r"^raised in a block$") as info:
             block_output(got, 0)
@@ -537,11 +538,7 @@ def test_a_host_task_that_raises_fails_only_what_derives_from_it():
         Task("after", mix, 2, TaskRef("h")),
         Task("good", mix, 3, TaskRef("a")),
     ]
-    with dask.config.set(CONFIG):
-        runtime = get_runtime()
-    values = StreamBlock(nodes, ["x"], ["after", "good"]).launch(
-        runtime, {"x": sim.asarray(np.arange(N) + 0.0)}
-    )
+    values = launch(StreamBlock(nodes, ["x"], ["after", "good"]))
     with pytest.raises(ValueError, match="^host task raised$") as info:
         block_output(values, 0)
     assert _frames(info.tb)[-1] == "host_raise"
@@ -600,11 +597,7 @@ def test_a_failed_output_holds_no_frame_of_its_task_through_chained_exceptions()
         Task("after", mix, 2, TaskRef("fails")),
         Task("good", mix, 3, TaskRef("a")),
     ]
-    with dask.config.set(CONFIG):
-        runtime = get_runtime()
-    values = StreamBlock(nodes, ["x"], ["after", "good"]).launch(
-        runtime, {"x": sim.asarray(np.arange(N) + 0.0)}
-    )
+    values = launch(StreamBlock(nodes, ["x"], ["after", "good"]))
     gc.collect()
     assert held and held[0]() is None
     with pytest.raises(ValueError, match="^outer$") as info:

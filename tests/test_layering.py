@@ -212,23 +212,23 @@ def test_nothing_outside_the_runtime_touches_a_pool_slot():
     assert not KNOWN_SLOT_REACHES  # every reach moved onto the runtime's API
 
 
-def test_a_planted_slot_reach_is_found(tmp_path):
+def planted(tmp_path, scan, source: str) -> list[str]:
+    """``scan``'s hits (``line .attr``, sorted) in a module of ``source`` under ``tmp_path``."""
     sample = tmp_path / "sample.py"
-    sample.write_text(
+    sample.write_text(source)
+    rel = os.path.relpath(str(sample), PACKAGE)
+    return sorted(hit.removeprefix(f"{rel}:") for hit in scan(str(sample)))
+
+
+def test_a_planted_slot_reach_is_found(tmp_path):
+    source = (
         "from dask_gpustreams.runtime.pool import StreamSlot\n"
         "def f(runtime, record):\n"
         "    n = sum(s.seq for s in runtime.pool.slots)\n"
         "    return n + record.slot.index + len(getattr(record, 'slot').inflight)\n"
     )
-    rel = os.path.relpath(str(sample), PACKAGE)
-    assert sorted(slot_reaches(str(sample))) == sorted(
-        [
-            f"{rel}:1 .StreamSlot",
-            f"{rel}:3 .slots",
-            f"{rel}:4 .slot",
-            f"{rel}:4 .slot",
-            f"{rel}:4 .inflight",
-        ]
+    assert planted(tmp_path, slot_reaches, source) == sorted(
+        ["1 .StreamSlot", "3 .slots", "4 .slot", "4 .slot", "4 .inflight"]
     )
 
 
@@ -268,23 +268,15 @@ def test_diagnostics_ask_the_runtime_not_its_internals():
 
 
 def test_a_planted_runtime_reach_is_found(tmp_path):
-    sample = tmp_path / "sample.py"
-    sample.write_text(
+    source = (
         "def f(runtime, plugin, record, callback):\n"
         "    runtime.timeline = None\n"
         "    done = plugin.runtime.backend.done(record.event)\n"
         "    callback.start()\n"
         "    return runtime._state, record.start, runtime.done(record), runtime.n_streams\n"
     )
-    rel = os.path.relpath(str(sample), PACKAGE)
-    assert sorted(runtime_reaches(str(sample))) == sorted(
-        [
-            f"{rel}:2 .timeline",
-            f"{rel}:3 .backend",
-            f"{rel}:3 .event",
-            f"{rel}:5 ._state",
-            f"{rel}:5 .start",
-        ]
+    assert planted(tmp_path, runtime_reaches, source) == sorted(
+        ["2 .timeline", "3 .backend", "3 .event", "5 ._state", "5 .start"]
     )
 
 
@@ -345,8 +337,7 @@ def test_taints_and_failure_records_are_written_only_by_their_owners():
 
 
 def test_a_planted_record_write_is_found(tmp_path):
-    sample = tmp_path / "sample.py"
-    sample.write_text(
+    source = (
         "def f(provenance, key, pending):\n"
         "    provenance.taint[key] = pending\n"
         "    provenance.taint.pop(key, None)\n"
@@ -355,9 +346,8 @@ def test_a_planted_record_write_is_found(tmp_path):
         "    provenance.taint.note(key, pending)\n"
         "    return provenance.failures.take(key), provenance.taint.get(key)\n"
     )
-    rel = os.path.relpath(str(sample), PACKAGE)
-    assert sorted(record_writes(str(sample))) == sorted(
-        [f"{rel}:2 .taint", f"{rel}:3 .taint", f"{rel}:4 .failures", f"{rel}:5 .failures"]
+    assert planted(tmp_path, record_writes, source) == sorted(
+        ["2 .taint", "3 .taint", "4 .failures", "5 .failures"]
     )
 
 
