@@ -97,6 +97,18 @@ def _frames(tb):
     return [frame.name for frame in traceback.extract_tb(tb)]
 
 
+def launch_failing(func, *args):
+    """A block of ``a``, a task ``fails`` = ``func(a, *args)``, ``after`` reading it and
+    ``good`` reading ``a``, launched; its outputs ``(after, good)``."""
+    nodes = [
+        Task("a", mix, 1, TaskRef("x")),
+        Task("fails", func, TaskRef("a"), *args),
+        Task("after", mix, 2, TaskRef("fails")),
+        Task("good", mix, 3, TaskRef("a")),
+    ]
+    return launch(StreamBlock(nodes, ["x"], ["after", "good"]))
+
+
 def launch(block):
     """``block`` launched on the sim's runtime of :data:`CONFIG`, its input ``x`` 0..N-1."""
     with dask.config.set(CONFIG):
@@ -507,13 +519,7 @@ def test_a_python_exception_inside_a_block_fails_only_the_outputs_that_derive_fr
 def test_a_failed_output_of_a_block_keeps_its_tasks_traceback_when_pickled():
     """The slot of an output whose task raised holds the exception and the task's frames
     (their names and lines, not their values), also once pickled for another worker."""
-    nodes = [
-        Task("a", mix, 1, TaskRef("x")),
-        Task("fails", py_fail, TaskRef("a"), "raised in a block"),
-        Task("after", mix, 2, TaskRef("fails")),
-        Task("good", mix, 3, TaskRef("a")),
-    ]
-    values = launch(StreamBlock(nodes, ["x"], ["after", "good"]))
+    values = launch_failing(py_fail, "raised in a block")
     for got in (values, cloudpickle.loads(cloudpickle.dumps(values))):
         with pytest.raises(ValueError, match=r"^raised in a block$") as info:
             block_output(got, 0)
@@ -532,13 +538,7 @@ def test_a_host_task_that_raises_fails_only_what_derives_from_it():
     """The launcher runs a host task on its host threads and names it as the task that
     raised (GraphLauncher.failed): its dependent output fails with its exception and
     frame, the other gets its value."""
-    nodes = [
-        Task("a", mix, 1, TaskRef("x")),
-        Task("h", host_raise, TaskRef("a")),
-        Task("after", mix, 2, TaskRef("h")),
-        Task("good", mix, 3, TaskRef("a")),
-    ]
-    values = launch(StreamBlock(nodes, ["x"], ["after", "good"]))
+    values = launch_failing(host_raise)
     with pytest.raises(ValueError, match="^host task raised$") as info:
         block_output(values, 0)
     assert _frames(info.tb)[-1] == "host_raise"
@@ -591,13 +591,7 @@ def test_a_failed_output_holds_no_frame_of_its_task_through_chained_exceptions()
         except KeyError as e:
             raise ValueError("outer") from e
 
-    nodes = [
-        Task("a", mix, 1, TaskRef("x")),
-        Task("fails", chained, TaskRef("a")),
-        Task("after", mix, 2, TaskRef("fails")),
-        Task("good", mix, 3, TaskRef("a")),
-    ]
-    values = launch(StreamBlock(nodes, ["x"], ["after", "good"]))
+    values = launch_failing(chained)
     gc.collect()
     assert held and held[0]() is None
     with pytest.raises(ValueError, match="^outer$") as info:
