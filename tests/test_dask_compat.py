@@ -239,16 +239,21 @@ def test_wrapping_allocates_one_object_per_task(gpustreams):
         runtime, registry = get_runtime(), EventRegistry()
         nodes = [Task(("y", i), np.negative, TaskRef(("x", i))) for i in range(1000)]
         wrap_task(nodes[0], runtime, registry)  # warm caches
-        tracemalloc.start()
-        try:
-            before = tracemalloc.take_snapshot()
-            wrapped = [wrap_task(n, runtime, registry) for n in nodes]
-            after = tracemalloc.take_snapshot()
-        finally:
-            tracemalloc.stop()
-    grown = sum(s.count_diff for s in after.compare_to(before, "filename"))
-    assert len(wrapped) == 1000
-    assert grown <= 1000 + 10  # the wrappers, plus the list that holds them
+        # tracemalloc also counts other threads' allocations (an earlier test's sim stream
+        # thread ending, say): the fewest of three measurements is the wrapping's own.
+        counts = []
+        for _ in range(3):
+            tracemalloc.start()
+            try:
+                before = tracemalloc.take_snapshot()
+                wrapped = [wrap_task(n, runtime, registry) for n in nodes]
+                after = tracemalloc.take_snapshot()
+            finally:
+                tracemalloc.stop()
+            counts.append(sum(s.count_diff for s in after.compare_to(before, "filename")))
+            assert len(wrapped) == 1000
+            del wrapped
+    assert min(counts) <= 1000 + 10, counts  # the wrappers, plus the list that holds them
 
 
 # --- C: tracebacks as without the plugin ----------------------------------------------------
