@@ -5,7 +5,8 @@
 - a local compute syncs the host once at the end, never per task;
 - the pinned pool's waits when it is full;
 - the plugin's teardown waits for the wrapped tasks still running;
-- ``backend: auto`` logs its choice once per process.
+- ``backend: auto`` logs its choice once per process;
+- a corrupt result that a dependent still needs is released once it has left.
 
 The cluster tests run in-process, so that a gate (a ``threading.Event`` that a
 kernel or a task waits for) holds work back exactly as long as the test needs.
@@ -24,14 +25,16 @@ import dask
 import numpy as np
 import pytest
 from dask import delayed
-from distributed import Client, LocalCluster, wait
+from distributed import Client, LocalCluster, WorkerPlugin, wait
 from distributed.core import Status
+from distributed.worker import get_data_from_worker
 
 from dask_gpustreams import StreamsConfig, StreamsPlugin, get_runtime, sim
 from dask_gpustreams.backends import gpu_visible
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.distributed import failures
+from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFIX
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.runtime import runtimes
@@ -367,3 +370,114 @@ def test_backend_auto_logs_its_choice_once_per_process(caplog):
         owned.close()
     said = [r for r in caplog.records if "using the simulated stream device" in r.getMessage()]
     assert len(said) == 1
+
+
+# --- (g) a corrupt result still needed by a dependent is released once it has left ----------
+
+#: Opened by the test (and by the ``fail_gate`` fixture at the end): :func:`failing_later`'s
+#: kernel then fails.
+FAIL = threading.Event()
+#: ``(key, finish, the watched dependent's state)`` each time :class:`LeavesMemory`'s key
+#: leaves memory.
+LEFT_MEMORY: list = []
+
+
+@pytest.fixture
+def fail_gate():
+    FAIL.clear()
+    LEFT_MEMORY.clear()
+    yield FAIL
+    FAIL.set()
+
+
+def _fail_after_gate(out, a):
+    FAIL.wait()
+    raise ValueError("boom")
+
+
+def failing_later(a):
+    """Returns at once; its kernel fails once :data:`FAIL` opens."""
+    out = sim.empty(a.shape)
+    sim.launch(_fail_after_gate, out, a)
+    return out
+
+
+def holds_its_input(a):
+    """Executes, its input held for it, until :data:`GATE` opens (it does not read it)."""
+    ENTERED.set()
+    GATE.wait()
+    return 1
+
+
+class LeavesMemory(WorkerPlugin):
+    """Records in :data:`LEFT_MEMORY` the state of ``dependent`` whenever ``key`` leaves memory."""
+
+    name = "leaves-memory"
+
+    def __init__(self, key, dependent):
+        self.key = key
+        self.dependent = dependent
+
+    def setup(self, worker):
+        self.tasks = worker.state.tasks
+
+    def transition(self, key, start, finish, **kwargs):
+        if key == self.key and start == "memory":
+            ts = self.tasks.get(self.dependent)
+            LEFT_MEMORY.append((key, finish, ts.state if ts is not None else None))
+
+
+def test_a_corrupt_result_is_released_when_its_last_dependent_leaves(cluster, gate, fail_gate):
+    """Found corrupt (by one peer-style ``get_data``) while a dependent executes with it, the
+    key stays in memory, held, and is released through the plugin's route as soon as that
+    dependent has left, with no further request (a gather would drop it again)."""
+    client, worker = cluster
+    x = client.submit(produce, 100, 1.0, pure=False)
+    k = client.submit(failing_later, x, pure=False)
+    d = client.submit(holds_its_input, k, pure=False)
+    assert ENTERED.wait(30)  # d executes: it needs k on this worker
+    client.register_plugin(LeavesMemory(k.key, d.key))
+    provenance = worker.plugins["gpustreams"].provenance
+    fail_gate.set()
+    try:
+        got = client.sync(get_data_from_worker, client.rpc, [k.key], worker.address)
+        assert got["data"] == {}  # not served: corrupt
+        assert k.key in provenance.held  # and held for d
+        assert worker.state.tasks[k.key].state == "memory"
+        assert worker.state.tasks[d.key].state == "executing"
+    finally:
+        gate.set()
+    until(lambda: LEFT_MEMORY)
+    assert list(LEFT_MEMORY) == [(k.key, "released", "memory")]  # once d had finished
+    released = [e for e in worker.state.log if e[0] == k.key and e[1] == "remove-replica"]
+    assert len(released) == 1 and released[0][2].startswith(STIMULUS_PREFIX), released
+    assert not provenance.held
+    for future in (k, d):  # k recomputed, raising its recorded failure; d derives from it
+        with pytest.raises(KernelError) as info:
+            future.result(timeout=30)
+        assert info.value.key == k.key
+    client.cancel([x, k, d])
+
+
+def test_held_entries_go_when_the_key_leaves_memory_on_its_own_or_at_teardown():
+    released = []
+    worker = SimpleNamespace(
+        status=Status.running,
+        state=SimpleNamespace(tasks={}),
+        loop=SimpleNamespace(add_callback=lambda f, keys: released.append(keys)),
+    )
+    provenance = Provenance(worker, StreamsConfig(backend="sim"), None, FailureRecords(10, 60.0))
+    for key in "ab":
+        dependent = SimpleNamespace(key=f"{key}-dependent", state="waiting")
+        worker.state.tasks[key] = SimpleNamespace(state="memory", dependents=[dependent])
+    provenance.drop_corrupt({key: KernelError(key, "failed") for key in "ab"})
+    assert provenance.held == {"a": {"a-dependent"}, "b": {"b-dependent"}}
+    provenance.transitioned("a-dependent", "ready")  # still needs a
+    provenance.transitioned("a", "released")  # a left memory on its own
+    assert provenance.held == {"b": {"b-dependent"}}
+    provenance.transitioned("a-dependent", "memory")
+    assert released == []  # a is no longer held: nothing to release
+    provenance.clear()  # teardown
+    assert provenance.held == {}
+    provenance.transitioned("b-dependent", "memory")
+    assert released == []

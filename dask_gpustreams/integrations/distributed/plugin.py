@@ -81,8 +81,9 @@ Failures
       on a worker that recorded the failure, the task raises the recorded
       ``KernelError`` instead of running again, so the client gets that
       error for that key, and dependents become erred as usual. A key with
-      dependents queued or running on the worker is dropped once they have
-      left (they fail through the first rule).
+      dependents queued or running on the worker is held until the plugin's
+      ``transition`` hook sees the last of them leave (they fail through the
+      first rule), then dropped.
 
     A ``get_data`` request is thus never failed (a failed request makes a
     peer's fetch and a client's gather retry forever), and no corrupt data is
@@ -99,7 +100,10 @@ Lifetime
     keys are released, forgotten or erred (taints also once their work is
     known to have succeeded); failure records when they are used (at most
     :attr:`StreamsPlugin.max_failures` are kept, each for at most
-    :attr:`StreamsPlugin.failure_ttl` seconds). Each worker's plugin owns its
+    :attr:`StreamsPlugin.failure_ttl` seconds). A corrupt key held for its
+    dependents is no longer held once it leaves memory on its own, or at
+    teardown (a plugin removed while they are queued leaves it in memory:
+    it sees no more transitions). Each worker's plugin owns its
     runtime (in-process workers do not share one) and closes it at teardown,
     when it is removed or the worker closes: its streams and threads end.
 
@@ -135,7 +139,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -215,6 +219,7 @@ class StreamsPlugin(WorkerPlugin):
     #: The bad settings every task of this worker fails with (None: they are fine).
     error: Exception | None = None  # bad settings (ValueError) or a setup that failed
     _active = False  # True between setup and teardown
+    _held: Collection[Hashable] = ()  # corrupt keys held for their dependents (Provenance.held)
 
     def __init__(self, **overrides: Any):
         fields = StreamsConfig.__dataclass_fields__
@@ -292,6 +297,7 @@ class StreamsPlugin(WorkerPlugin):
         self._egress_threads = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
         failures = FailureRecords(self.max_failures, self.failure_ttl)
         self.provenance = Provenance(worker, self.config, self._egress_threads, failures)
+        self._held = self.provenance.held
         self.execution = Execution(worker, self.provenance)
         self.egress = Egress(worker, self.provenance, self._egress_threads)
         self._collector = PeriodicCallback(self._collect, self.collect_interval * 1000)
@@ -372,10 +378,12 @@ class StreamsPlugin(WorkerPlugin):
         """Wrap a task that starts executing; drop the entries of keys that go away.
 
         Called for every transition of every key on the event loop: the others
-        (about four per task) return after two comparisons. With bad settings,
-        each task that starts executing raises their error instead.
+        (about four per task) return after two comparisons and a check that no
+        corrupt result is held for its dependents (else they tell
+        :meth:`.Provenance.transitioned`). With bad settings, each task that starts
+        executing raises their error instead.
         """
-        if finish == "executing":
+        if finish == "executing":  # a dependent that starts executing still needs its inputs
             if self._active:
                 try:
                     self.execution.prepare(key, self.host_modules)
@@ -383,7 +391,10 @@ class StreamsPlugin(WorkerPlugin):
                     self.execution.fail(key, e)
             elif self.error is not None:
                 fail_task(self._tasks, key, self.error)
-        elif (finish == "released" or finish == "error") and self._active:
+            return
+        if self._held:  # a mapping: no call
+            self.provenance.transitioned(key, finish)
+        if (finish == "released" or finish == "error") and self._active:
             # ("forgotten" always comes after "released")
             self.provenance.forget(key)
             if finish == "error":  # maybe a KernelError seen by a sync inside the task

@@ -10,7 +10,7 @@ otherwise.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -81,7 +81,18 @@ class Provenance:
         #: key -> records of the work its value derives from on this worker, not yet known
         #: to have succeeded (its inputs, their inputs, ...).
         self.taint = Taints()
+        #: corrupt key -> the keys of its dependents that still need it on this worker; it is
+        #: released when the last one leaves those states (:meth:`transitioned`).
+        self._held: dict[Hashable, set[Hashable]] = {}
         self._clearing = False  # a clear of stream errors is queued
+
+    @property
+    def held(self) -> Mapping[Hashable, set[Hashable]]:
+        """Corrupt keys held for their dependents: read, never written, by the plugin's hook.
+
+        Its truthiness is the one check the hook makes per transition (no Python call).
+        """
+        return self._held
 
     @property
     def corrupt_found(self) -> int:
@@ -215,39 +226,63 @@ class Provenance:
             self.taint.pop(key, None)
 
     def clear(self) -> None:
-        """Forget every key (the plugin is removed)."""
+        """Forget every key (the plugin is removed, or the worker closes)."""
         self.registry = EventRegistry()
         self.taint.clear()
         self.failures.clear()
+        self._held.clear()
 
     def drop_corrupt(self, failed: dict[Hashable, KernelError]) -> None:
         """Record the errors of corrupt results and release them, so they are recomputed.
 
         Runs on the event loop, outside the state machine. A key with dependents that
-        still need it on this worker is released once they have left (they fail on
-        their own when they start, see :meth:`input_states`).
+        still need it on this worker is held until they have left (they fail on their
+        own when they start, see :meth:`input_states`): :meth:`transitioned`.
         """
         self.failures.record(failed)
-        self._release(list(failed))
+        self._release(failed)
 
-    def _release(self, keys: list[Hashable]) -> None:
+    def _release(self, keys: Iterable[Hashable]) -> None:
+        """Release those of the corrupt ``keys`` still in memory; hold those still needed."""
         worker = self.worker
         if worker.status not in (Status.running, Status.paused):
             return
-        now, later = [], []
+        tasks = worker.state.tasks
+        now = []
         for key in keys:
-            ts = worker.state.tasks.get(key)
+            ts = tasks.get(key)
             if ts is None or ts.state != "memory":
                 continue
-            if any(dep.state in _NEEDS_INPUTS for dep in ts.dependents):
-                later.append(key)
+            needing = {dep.key for dep in ts.dependents if dep.state in _NEEDS_INPUTS}
+            if needing:
+                self._held[key] = needing
             else:
                 now.append(key)
         if now:
             stimulus_id = f"{STIMULUS_PREFIX}-{time.time()}"
             worker.handle_stimulus(RemoveReplicasEvent(keys=now, stimulus_id=stimulus_id))
-        if later:
-            worker.loop.call_later(0.05, self._release, later)
+
+    def transitioned(self, key: Hashable, finish: str) -> None:
+        """The plugin's hook, while a corrupt key is held: ``key`` went to state ``finish``.
+
+        A held key that leaves memory on its own is no longer held. One whose last
+        dependent that needed it has left is released on the loop's next turn (the
+        hook runs inside the worker's state machine, which must not be re-entered),
+        unless another dependent needs it by then.
+        """
+        held = self._held
+        if finish != "memory":
+            held.pop(key, None)
+        if finish in _NEEDS_INPUTS:
+            return
+        free = []
+        for corrupt, needing in list(held.items()):
+            needing.discard(key)
+            if not needing:
+                del held[corrupt]
+                free.append(corrupt)
+        if free:
+            self.worker.loop.add_callback(self._release, free)
 
     def clear_stream_errors_soon(self) -> None:
         """Queue one :meth:`_clear_stream_errors` on the egress threads, if none is queued."""
