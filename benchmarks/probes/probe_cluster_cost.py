@@ -120,6 +120,7 @@ MODES = {
     "on-inert": (InertPlugin, {"streams": 1}),
     "on-1-stream": (StreamsPlugin, {"streams": 1}),
     "on-noblocks": (StreamsPlugin, {}),
+    "on-rr": (StreamsPlugin, {"policy": "round-robin"}),
 }
 
 
@@ -136,6 +137,10 @@ def main():
     cluster, desc = bench_cluster.make_cluster(BACKEND, 1)
     client = Client(cluster)
     print(desc, flush=True)
+    modes = {m: MODES[m] for m in os.environ.get("MODES", ",".join(MODES)).split(",")}
+    if os.environ.get("SWITCH"):  # the workers' GIL switch interval, in seconds
+        client.run(sys.setswitchinterval, float(os.environ["SWITCH"]))
+        print("worker switch interval", client.run(sys.getswitchinterval), flush=True)
     arrays = bench_cluster.ClusterInputs(bench_workloads.make_arrays(BACKEND), client)
     sizes = sizes_for(BACKEND, BACKEND == "sim")
     by_name = WORKLOADS if isinstance(WORKLOADS, dict) else {w.name: w for w in WORKLOADS}
@@ -145,7 +150,7 @@ def main():
         cols = wl.build(arrays, sizes[name])
         ref = client.compute(list(cols), sync=True)
         for rnd in range(2):
-            for mode, plugin in MODES.items():
+            for mode, plugin in modes.items():
                 if plugin is not None:
                     cls, overrides = plugin
                     client.register_plugin(cls(backend=BACKEND, blocks="off", **overrides))
