@@ -96,7 +96,16 @@ class CupyBackend:
         stream.synchronize()
 
     def destroy_stream(self, stream: cupy.cuda.Stream, timeout: float | None = None) -> None:
-        """Nothing held on the host: CuPy destroys the stream once it is garbage."""
+        """Free the blocks CuPy's pool caches for ``stream``; CuPy destroys the stream itself.
+
+        CuPy's pool keeps one arena of free blocks per stream and reuses a block
+        only on the stream it was allocated on: a closed pool stream's arena would
+        stay held, never reused, until an allocation fails (a runtime closed and
+        made again, as by a plugin registered twice, grew the pool each time).
+        Its blocks still in use (results) go back to that arena when freed.
+        """
+        with cupy.cuda.Device(self.device_id):
+            cupy.get_default_memory_pool().free_all_blocks(stream=stream)
 
     def elapsed_ms(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
         return cupy.cuda.get_elapsed_time(start, end)

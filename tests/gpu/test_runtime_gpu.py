@@ -185,3 +185,23 @@ def test_hardware_queues_reserved_before_cuda_starts(run_python, before, expecte
     assert " ".join(fields) == expected
     # One round of 10 ms kernels on 16 queues; two rounds on 8 (streams capped, or sharing).
     assert (float(wall) < 15.0) if concurrent else (float(wall) > 18.0), wall
+
+
+def test_a_closed_runtime_frees_the_blocks_cupy_cached_for_its_streams():
+    """CuPy reuses a free block only on its own stream: a closed runtime's streams' blocks
+    would stay held. Closing and making a runtime again must not grow the pool."""
+    from dask_gpustreams.runtime.runtime import runtimes
+
+    pool = cupy.get_default_memory_pool()
+    config = StreamsConfig(backend="cupy", streams=4, policy="test-by-key")
+    held = []
+    for _ in range(3):
+        rt = runtimes.create(config)
+        reg = EventRegistry()
+        outs = [rt.run(f"a{i}-{i % 4}", lambda _: cupy.ones(1 << 20), {}, reg) for i in range(8)]
+        rt.synchronize(list(reg), reg)
+        assert all(float(o.sum()) == 1 << 20 for o in outs)
+        del outs
+        rt.close()
+        held.append(pool.total_bytes())
+    assert held[2] <= held[0], held
