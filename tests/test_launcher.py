@@ -254,8 +254,11 @@ def test_host_task_is_learned_after_its_first_slow_call(launcher, caplog):
             walls.append(time.perf_counter() - t0)
         assert "sleeper" in runtime.host_tasks
     assert walls[1] < 0.75 * walls[0], walls
+    # Said once, for the sleeper. (A leaf's call too may take over the threshold on a loaded
+    # host, 7.1 ms on a 2-core machine running another suite: its group is then learned too.)
     marked = [r.getMessage() for r in caplog.records if "block the host" in r.getMessage()]
-    assert len(marked) == 1 and marked[0].startswith("gpustreams: tasks of group 'sleeper'"), marked
+    sleeper = [m for m in marked if m.startswith("gpustreams: tasks of group 'sleeper'")]
+    assert len(sleeper) == 1, marked
 
 
 def test_download_in_graph_is_a_host_task(launcher):

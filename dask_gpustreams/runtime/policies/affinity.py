@@ -51,7 +51,8 @@ class Auto(StreamPolicy):
       the device keeps up with the host the work stays on few streams, as on
       one (fewer event waits, memory arenas and cuFFT plans);
     - whether one more stream, taken in turn, is idle; its level then drops
-      to 0, so a stream that drained is seen within ``n_streams`` selections.
+      to 0, so a stream that drained is seen within ``n_streams`` selections
+      of tasks that do not follow a producer (one that does asks nothing).
 
     Streams with work of unknown level (recorded by other means) count their
     unfinished tasks instead.
@@ -74,10 +75,6 @@ class Auto(StreamPolicy):
         slots = pool.slots
         n = len(slots)
         tail = self._tail
-        probe = self._probe % n
-        self._probe = probe + 1
-        if tail.get(probe, 0) and pool.is_idle(slots[probe]):
-            tail[probe] = 0  # drained: any task can start on it at once
         ready = 0  # the level at which the last input is ready
         mine: list[StreamSlot] = []  # the producers' streams, tried first
         tail_of: StreamSlot | None = None  # a producer's stream that ends with it
@@ -91,8 +88,12 @@ class Auto(StreamPolicy):
                 mine.append(producer)
             if tail_of is None and pool.is_tail(producer, record.seq):
                 tail_of = producer
-        if tail_of is not None:
+        if tail_of is not None:  # a chain goes on: no stream need be asked
             return self._assign(task, tail_of, ready)
+        probe = self._probe % n
+        self._probe = probe + 1
+        if tail.get(probe, 0) and pool.is_idle(slots[probe]):
+            tail[probe] = 0  # drained: any task can start on it at once
         best, best_start = slots[0], -1
         queries = self.queries
         for slot in (*mine, *(s for s in slots if s not in mine)) if mine else slots:
