@@ -30,8 +30,8 @@ CONFIG = {"gpustreams.backend": "sim", "gpustreams.streams": 4, "gpustreams.bloc
 #: ``Task.is_coro``).
 MAX_CALLS_PER_TASK = 12.5
 #: Python calls per transition, the hook's own included, by finish state. ``executing``: the
-#: hook, ``Execution.prepare``, ``rewrite_transfers``, ``StreamTask.__init__`` and the node's
-#: ``dependencies`` (the rewrite looks into the rare task nested in arguments: 5.01 here);
+#: hook, ``Execution.prepare``, ``stream_node``, ``rewrite_transfers`` and
+#: ``StreamTask.__init__`` (the rewrite looks into the rare task nested in arguments: 5.01 here);
 #: ``released``: the hook, ``Provenance.forget`` and ``EventRegistry.discard``; the others
 #: only the hook.
 CALLS_PER_TRANSITION = {

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Mapping
+from inspect import CO_COROUTINE
+from types import BuiltinFunctionType, FunctionType
 from typing import Any
 
 import dask.config
@@ -62,7 +64,7 @@ class StreamTask(Task):
         critical: bool | None = None,
     ):
         self.key = node.key
-        self._dependencies = node.dependencies
+        self._dependencies = node._dependencies  # GraphNode's slot: no property call
         self.node = node
         self.runtime = runtime
         self.registry = registry
@@ -176,6 +178,30 @@ def rewrite_transfers(node: GraphNode, table: dict[int, Any]) -> GraphNode:
     return Task(node.key, func, *args, _data_producer=node.data_producer, **node.kwargs)
 
 
+def stream_node(node: GraphNode, table: dict[int, Any]) -> GraphNode | None:
+    """What a :class:`StreamTask` of ``node`` runs, or None if ``node`` is not wrapped.
+
+    A task's transfers are rewritten with ``table`` (:func:`rewrite_transfers`);
+    an ``Alias`` runs as it is. None for data, coroutine tasks, an alias of its
+    own key and nodes already wrapped. Whether a task is a coroutine is
+    ``Task.is_coro``, but a plain function without attributes (such as a
+    coroutine marker) is answered by its code flags, and a builtin is none, with
+    no Python call: the distributed integration asks once per task on the
+    worker's event loop (:meth:`.Execution.prepare`).
+    """
+    if type(node) is Task or (isinstance(node, Task) and not isinstance(node, StreamTask)):
+        func = node.func
+        if type(func) is FunctionType and not func.__dict__:
+            if func.__code__.co_flags & CO_COROUTINE:
+                return None
+        elif type(func) is not BuiltinFunctionType and node.is_coro:
+            return None
+        return rewrite_transfers(node, table)
+    if isinstance(node, Alias) and node.target != node.key:
+        return node
+    return None
+
+
 def wrap_task(
     node: GraphNode,
     runtime: StreamRuntime,
@@ -190,16 +216,11 @@ def wrap_task(
     (graph optimization turns most dask.array outputs into aliases: without
     one, their consumers and the final sync would not wait for the target).
     Other nodes that are not plain synchronous tasks (data, coroutines) and
-    nodes already wrapped are returned unchanged, so wrapping is idempotent.
+    nodes already wrapped are returned unchanged, so wrapping is idempotent
+    (:func:`stream_node`).
     """
-    if isinstance(node, Alias):
-        if node.target == node.key:
-            return node
-    elif not isinstance(node, Task) or isinstance(node, StreamTask) or node.is_coro:
-        return node
-    else:
-        node = rewrite_transfers(node, transfer_rewrites(type(runtime.backend)))
-    return StreamTask(node, runtime, registry, critical)
+    inner = stream_node(node, transfer_rewrites(type(runtime.backend)))
+    return node if inner is None else StreamTask(inner, runtime, registry, critical)
 
 
 def _add_traceback_shorten_default() -> None:

@@ -10,23 +10,15 @@ keep their run_spec.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from inspect import CO_COROUTINE
-from types import BuiltinFunctionType, FunctionType
 from typing import Any
 
 from dask._task_spec import GraphNode, Task, TaskRef
 from distributed import Reschedule
-from distributed.utils import iscoroutinefunction
 
 from dask_gpustreams.diagnostics.fine_metrics import launch_meter
 from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock
 from dask_gpustreams.integrations.distributed.provenance import Provenance
-from dask_gpustreams.integrations.tasks import (
-    StreamTask,
-    rewrite_transfers,
-    transfer_rewrites,
-    wrap_task,
-)
+from dask_gpustreams.integrations.tasks import StreamTask, stream_node, transfer_rewrites
 from dask_gpustreams.runtime import StreamRuntime
 
 
@@ -81,8 +73,7 @@ class WorkerStreamTask(StreamTask):
     are complete (its key has no event). The launch is metered as
     ``gpustreams-launch`` (fine metrics). :class:`Execution` makes one subclass
     per worker, whose class attribute :attr:`provenance` is that worker's, and
-    makes it directly for a plain ``Task`` (and turns the task that ``wrap_task``
-    made of other nodes into one by assigning its class: no slots added). Only
+    makes it of what ``wrap_task`` would wrap (:func:`stream_node`). Only
     tasks that are not coroutines are wrapped, so :attr:`is_coro` is a class
     attribute: ``Worker.execute`` reads it on the event loop with no call.
     """
@@ -128,24 +119,6 @@ def _replace(node: GraphNode, func: Any, dep_keys: tuple[Hashable, ...]) -> Task
     return Task(node.key, func, *(TaskRef(d) for d in dep_keys), _data_producer=node.data_producer)
 
 
-def _is_host_task(node: GraphNode, host_modules: tuple[str, ...]) -> bool:
-    """Whether ``node``'s function is one of ``host_modules``' (it hands its inputs to the host)."""
-    module = getattr(getattr(node, "func", None), "__module__", None) or ""
-    return module.startswith(host_modules)
-
-
-def _is_coro(func: Any) -> bool:
-    """``Task.is_coro`` of a task of ``func``, without its per-call import (nor its cache).
-
-    :meth:`Execution.prepare` answers plain functions (without attributes, such
-    as a coroutine marker) and builtins itself, as this would, without a call.
-    """
-    try:
-        return iscoroutinefunction(func)
-    except Exception:  # as Task.is_coro
-        return False
-
-
 def fail_task(tasks: Mapping[Hashable, Any], key: Hashable, exc: BaseException) -> None:
     """Make ``key``'s task in ``tasks`` (a worker's ``state.tasks``) raise ``exc``, not run."""
     ts = tasks.get(key)
@@ -181,10 +154,9 @@ class Execution:
         """Give ``key``'s task, which starts executing, the run_spec to run it with.
 
         ``host_modules``: the modules of the functions of host-side tasks. A task
-        that runs on the streams checks its inputs in its worker thread
-        (:class:`WorkerStreamTask`); the others are checked here. A plain
-        ``Task`` is wrapped here as :func:`wrap_task` would, with what is per
-        worker (the runtime, its transfer rewrites) looked up once.
+        that runs on the streams (one that :func:`wrap_task` would wrap) checks its
+        inputs in its worker thread (:class:`WorkerStreamTask`); the others are
+        checked here.
         """
         ts = self._tasks.get(key)
         if ts is None:
@@ -202,9 +174,9 @@ class Execution:
             self._thread_pool(ts) if ts.annotations else self._default_on_threads
         ):
             host_side = False
-        elif type(node) is Task:  # the common case
-            func = node.func
-            host_side = (getattr(func, "__module__", None) or "").startswith(host_modules)
+        else:
+            module = getattr(getattr(node, "func", None), "__module__", None)
+            host_side = (module or "").startswith(host_modules)
             if not host_side:
                 runtime = self._runtime
                 if runtime is None:
@@ -213,26 +185,9 @@ class Execution:
                     except Exception as e:  # a bad backend: fail the task, not the worker
                         ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
                         return
-                if type(func) is FunctionType and not func.__dict__:  # no call for these
-                    coro = func.__code__.co_flags & CO_COROUTINE
-                else:
-                    coro = type(func) is not BuiltinFunctionType and _is_coro(func)
-                if not coro:
-                    node = rewrite_transfers(node, self._rewrites)
-                    ts.run_spec = self._task_class(node, runtime, provenance.registry)
-                    return
-        else:
-            host_side = _is_host_task(node, host_modules)
-            if not host_side:
-                try:
-                    runtime = self._runtime or self._start_runtime()
-                except Exception as e:  # a bad backend: fail the task, not the worker
-                    ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
-                    return
-                task = wrap_task(node, runtime, provenance.registry)
-                if type(task) is StreamTask:
-                    task.__class__ = self._task_class  # same slots; no new object
-                    ts.run_spec = task
+                inner = stream_node(node, self._rewrites)
+                if inner is not None:  # as wrap_task, with what is per worker looked up once
+                    ts.run_spec = self._task_class(inner, runtime, provenance.registry)
                     return
         error, pending = provenance.input_states(node.dependencies)
         if error is not None:
@@ -248,7 +203,7 @@ class Execution:
 
     def _start_runtime(self) -> StreamRuntime:
         """The worker's runtime (made at its first task), and what is per runtime."""
-        runtime = self.provenance.runtime or self.provenance.task_runtime()
+        runtime = self.provenance.task_runtime()
         self._rewrites = transfer_rewrites(type(runtime.backend))
         self._runtime = runtime
         return runtime
