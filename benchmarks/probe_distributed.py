@@ -148,11 +148,11 @@ def _install_hook_timers(dask_worker):
         label = f"{getattr(cls, '__name__', cls)}.{name}"
 
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
-                times[label].append(time.perf_counter() - t0)
+                times[label].append((time.perf_counter() - t0, time.thread_time() - c0))
 
         patch = mock.patch.object(cls, name, wrapper)
         patch.start()
@@ -188,7 +188,13 @@ def _take_hook_times(dask_worker):
 
 
 def hook_times(dist, loads, shapes: str, reps: int) -> None:
-    """Per shape: calls per task, median and mean us per call, ms per run of each hook."""
+    """Per shape and hook: calls per task, median and mean us per call, ms per run, us per task.
+
+    ``us/task`` is wall time: it includes the waits of the event loop for the GIL while the
+    worker's task thread holds it (a task's launch releases and retakes it, so the loop is
+    stopped mid-hook for up to the switch interval); ``cpu us/task`` is the loop thread's own
+    CPU time in the hook (``time.thread_time``), its cost without those waits.
+    """
     client = dist.client
     client.run(_install_hook_timers)
     try:
@@ -199,7 +205,10 @@ def hook_times(dist, loads, shapes: str, reps: int) -> None:
 
 def _hook_rows(dist, loads, shapes: str, reps: int) -> None:
     client = dist.client
-    print(f"{'shape':10} {'call':28} {'per task':>8} {'median us':>10} {'mean us':>8} ms/run")
+    print(
+        f"{'shape':10} {'call':28} {'per task':>8} {'median us':>10} {'mean us':>8} "
+        f"{'ms/run':>7} {'us/task':>8} {'cpu us/task':>11}"
+    )
     for name in shapes.split(","):
         wl = loads.get("distributed", "wide", name)
         prepare = dist.prepare(wl)
@@ -212,11 +221,14 @@ def _hook_rows(dist, loads, shapes: str, reps: int) -> None:
                 print(f"{name}: WRONG RESULT {error}")
         times = next(iter(client.run(_take_hook_times).values()))
         tasks = reps * len(wl.shape.nodes)
-        for label, values in sorted(times.items()):
+        for label, pairs in sorted(times.items()):
+            values = [wall for wall, _ in pairs]
+            cpu = sum(c for _, c in pairs)
             print(
                 f"{name:10} {label:28} {len(values) / tasks:8.2f} "
                 f"{statistics.median(values) * 1e6:10.1f} "
-                f"{statistics.mean(values) * 1e6:8.1f} {sum(values) / reps * 1e3:7.2f}",
+                f"{statistics.mean(values) * 1e6:8.1f} {sum(values) / reps * 1e3:7.2f} "
+                f"{sum(values) / tasks * 1e6:8.1f} {cpu / tasks * 1e6:11.1f}",
                 flush=True,
             )
 
