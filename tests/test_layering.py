@@ -330,10 +330,15 @@ def record_writes(path: str) -> list[str]:
     return found
 
 
-def test_taints_and_failure_records_are_written_only_by_their_owners():
+def integration_hits(scan, must_have: str) -> list[str]:
+    """``scan``'s hits in the modules of the integrations and diagnostics (``must_have`` one)."""
     files = _layer_files("integrations") + _layer_files("diagnostics")
-    assert any(path.endswith("egress.py") for path in files)
-    assert [hit for path in files for hit in record_writes(path)] == []
+    assert any(path.endswith(must_have) for path in files)
+    return [hit for path in files for hit in scan(path)]
+
+
+def test_taints_and_failure_records_are_written_only_by_their_owners():
+    assert integration_hits(record_writes, "egress.py") == []
 
 
 def test_a_planted_record_write_is_found(tmp_path):
@@ -348,6 +353,71 @@ def test_a_planted_record_write_is_found(tmp_path):
     )
     assert planted(tmp_path, record_writes, source) == sorted(
         ["2 .taint", "3 .taint", "4 .failures", "5 .failures"]
+    )
+
+
+#: What a ``Provenance`` shows of its state, read-only: outside its module these are read, or
+#: handed on (a part binds one once), never reached through.
+PROVENANCE_VIEWS = frozenset({"runtime", "registry", "taint", "failures", "held"})
+PROVENANCE_MODULE = "integrations/distributed/provenance.py"
+
+
+def _is_provenance(node: ast.expr) -> bool:
+    """``provenance`` or ``<anything>.provenance``: how the other parts name a ``Provenance``."""
+    return (isinstance(node, ast.Name) and node.id == "provenance") or (
+        isinstance(node, ast.Attribute) and node.attr == "provenance"
+    )
+
+
+def provenance_reaches(path: str) -> list[str]:
+    """``file:line .attr`` of each reach, in ``path``, into a provenance's state.
+
+    A private (``_``) name of a provenance, an assignment to or deletion of an
+    attribute of one, and any attribute taken through one of its
+    :data:`PROVENANCE_VIEWS` (``provenance.taint.note(...)``: a method of the record
+    called past the facade). Its own module is its owner.
+    """
+    rel = os.path.relpath(path, PACKAGE)
+    if rel == PROVENANCE_MODULE:
+        return []
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if _is_provenance(node.value) and (
+            node.attr.startswith("_") or not isinstance(node.ctx, ast.Load)
+        ):
+            found.append(f"{rel}:{node.lineno} .{node.attr}")
+        inner = node.value
+        if (
+            isinstance(inner, ast.Attribute)
+            and inner.attr in PROVENANCE_VIEWS
+            and _is_provenance(inner.value)
+        ):
+            found.append(f"{rel}:{node.lineno} .{inner.attr}.{node.attr}")
+    return found
+
+
+def test_the_distributed_parts_use_the_provenance_through_its_methods():
+    assert integration_hits(provenance_reaches, "execution.py") == []
+
+
+def test_a_planted_provenance_reach_is_found(tmp_path):
+    source = textwrap.dedent(
+        """\
+        def f(provenance, plugin, key, pending):
+            provenance.taint.note(key, pending)
+            plugin.provenance.failures.take(key)
+            provenance.runtime = None
+            n = len(provenance._registry) + len(provenance.registry.records([key]))
+            provenance.note_pending(key, pending)
+            return provenance.failures, len(provenance.registry), plugin.provenance.runtime
+        """
+    )
+    assert planted(tmp_path, provenance_reaches, source) == sorted(
+        ["2 .taint.note", "3 .failures.take", "4 .runtime", "5 ._registry", "5 .registry.records"]
     )
 
 

@@ -1,13 +1,14 @@
 """The ``distributed`` integration: :class:`StreamsPlugin`, a worker plugin (see :mod:`.plugin`).
 
-One module per part of the plugin, after the sections of its documentation:
+One module per part of the plugin, each the owner of its state:
 
-- :mod:`.plugin`: :class:`StreamsPlugin`, its lifecycle and ``transition`` hook;
+- :mod:`.plugin`: :class:`StreamsPlugin`, its lifecycle and ``transition`` hook, which
+  compose the parts and call their methods;
+- :mod:`.provenance`: :class:`.Provenance`, the worker's device state (its runtime, the
+  events and taints of keys, the corrupt keys held for their dependents) and the release
+  of corrupt results (*Failures*);
+- :mod:`.failures`: the records of corrupt results, which their recomputation raises;
 - :mod:`.execution`: the run_spec of each task that starts executing (*Execution*);
-- :mod:`.egress`: the waits of ``get_data`` and spilling (*Egress*);
-- :mod:`.provenance`: the events and taints of keys, the release of corrupt results
-  (*Failures*);
-- :mod:`.failures`: the records of corrupt results, which their recomputation raises.
-"""
+- :mod:`.egress`: the waits of ``get_data`` and spilling (*Egress*)."""
 
 from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin as StreamsPlugin

@@ -88,9 +88,7 @@ class Egress:
         loop = asyncio.get_running_loop()
         waited = None
         while True:
-            sources = {
-                r.key: provenance.sources((r.key,)) for r in provenance.registry.records(keys)
-            }
+            sources = provenance.sources_by_key(keys)
             pending = provenance.pending(r for rs in sources.values() for r in rs)
             if not pending:
                 break
@@ -106,7 +104,7 @@ class Egress:
             if error is not None:
                 failed[key] = error
             else:
-                provenance.taint.succeeded(key)  # all done and fine
+                provenance.succeeded(key)  # all done and fine
         return failed
 
     def before_spill(self, key: Hashable, value: Any) -> None:
@@ -129,4 +127,4 @@ class Egress:
                 self.worker.loop.add_callback(provenance.drop_corrupt, failed)
                 provenance.clear_stream_errors_soon()
                 return
-        provenance.taint.succeeded(key)
+        provenance.succeeded(key)

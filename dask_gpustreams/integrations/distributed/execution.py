@@ -98,7 +98,7 @@ class WorkerStreamTask(StreamTask):
             except BlockSkipped:  # no failure of its own: recompute, report no other key's
                 raise Reschedule() from None
         if pending:
-            provenance.taint.note(self.key, pending)
+            provenance.note_pending(self.key, pending)
         with launch_meter():
             return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
 
@@ -139,6 +139,10 @@ class Execution:
         self.provenance = provenance
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
+        # What each task reads of the provenance, bound once (no call per task): the failure
+        # records it takes from, the registry its task records its event in.
+        self._failures = provenance.failures
+        self._registry = provenance.registry
         #: executor name -> whether it is a thread pool (tasks on it run wrapped).
         self._thread_pools: dict[str, bool] = {}
         # The worker's executors exist before its plugins are set up.
@@ -164,12 +168,12 @@ class Execution:
         node = ts.run_spec
         if node is None:
             return
-        provenance = self.provenance
-        if provenance.failures:  # a mapping: no call
-            error = provenance.failures.take(key)
+        if self._failures:  # a mapping: no call
+            error = self._failures.take(key)
             if error is not None:
                 ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
                 return
+        provenance = self.provenance
         if (self._actors and key in self._actors) or not (
             self._thread_pool(ts) if ts.annotations else self._default_on_threads
         ):
@@ -187,7 +191,7 @@ class Execution:
                         return
                 inner = stream_node(node, self._rewrites)
                 if inner is not None:  # as wrap_task, with what is per worker looked up once
-                    ts.run_spec = self._task_class(inner, runtime, provenance.registry)
+                    ts.run_spec = self._task_class(inner, runtime, self._registry)
                     return
         error, pending = provenance.input_states(node.dependencies)
         if error is not None:
@@ -195,7 +199,7 @@ class Execution:
             ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
             return
         if pending:
-            provenance.taint.note(key, pending)
+            provenance.note_pending(key, pending)
             if host_side:  # it waits for its inputs' work first, in its thread
                 dep_keys = tuple(node.dependencies)
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)

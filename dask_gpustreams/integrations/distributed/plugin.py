@@ -194,7 +194,9 @@ class StreamsPlugin(WorkerPlugin):
     On a worker, the plugin composes three parts: :class:`.Provenance` (the
     runtime, the events, taints and failure records of the worker's keys),
     :class:`.Execution` (the run_spec of each task that starts executing) and
-    :class:`.Egress` (the waits of ``get_data`` and spilling).
+    :class:`.Egress` (the waits of ``get_data`` and spilling). Each owns its
+    state: the hooks and the other parts use it through its methods, and the
+    properties below read it.
 
     Examples
     --------
@@ -300,7 +302,7 @@ class StreamsPlugin(WorkerPlugin):
         self._held = self.provenance.held
         self.execution = Execution(worker, self.provenance)
         self.egress = Egress(worker, self.provenance, self._egress_threads)
-        self._collector = PeriodicCallback(self._collect, self.collect_interval * 1000)
+        self._collector = PeriodicCallback(self.provenance.collect, self.collect_interval * 1000)
         try:
             self.egress.install()
             self._collector.start()
@@ -344,8 +346,9 @@ class StreamsPlugin(WorkerPlugin):
     async def teardown(self, worker: Any) -> None:
         """Stop wrapping; wait for the work already wrapped; restore the worker; close the runtime.
 
-        The runtime is this plugin's own: closing it (in an egress thread, as it
-        waits for the work left on the device) ends its streams and threads.
+        The runtime is this plugin's own: closing it (:meth:`.Provenance.close`, in an
+        egress thread, as it waits for the work left on the device) ends its streams
+        and threads.
         A plugin whose settings were bad set nothing up.
         """
         if self.error is not None:
@@ -362,16 +365,7 @@ class StreamsPlugin(WorkerPlugin):
         self._collector.stop()
         prometheus.unregister(worker)
         self.egress.uninstall()
-        self.provenance.clear()  # before the close: the records refer to the streams
-        runtime = self.provenance.runtime
-        if runtime is not None:
-            closing = asyncio.wrap_future(self._egress_threads.submit(runtime.close))
-            try:
-                await asyncio.wait_for(closing, self.close_timeout)
-            except TimeoutError:  # a kernel that never ends: the close goes on in its thread
-                logger.warning(
-                    "gpustreams: %r did not close within %s s", runtime, self.close_timeout
-                )
+        await self.provenance.close(self.close_timeout)
         self._egress_threads.shutdown(wait=False)
 
     def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:
@@ -399,9 +393,3 @@ class StreamsPlugin(WorkerPlugin):
             self.provenance.forget(key)
             if finish == "error":  # maybe a KernelError seen by a sync inside the task
                 self.provenance.clear_stream_errors_soon()
-
-    def _collect(self) -> None:
-        """Periodically: release the inputs of completed tasks, expire old failure records."""
-        if self.runtime is not None:
-            self.runtime.collect()
-        self.provenance.failures.expire()

@@ -9,6 +9,8 @@ otherwise.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +24,8 @@ from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFIX
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, runtimes
+
+logger = logging.getLogger("dask_gpustreams")
 
 # Worker task states of a dependent that still needs its inputs in this worker's memory.
 _NEEDS_INPUTS = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})
@@ -40,8 +44,9 @@ class Taints(dict):
     The records of its inputs, of their inputs, ..., while not known to have
     succeeded. Written by :meth:`note` (a task that starts with inputs whose work
     is pending, in its worker thread or on the event loop) and :meth:`succeeded`
-    (an egress wait found all that work fine), and by :class:`Provenance` as keys
-    go. A mapping: the read made per input of each task (``get``) is no Python call.
+    (an egress wait found all that work fine), both through :class:`Provenance`,
+    which holds it, and by it as keys go. A mapping: the read made per input of
+    each task (``get``) is no Python call.
     """
 
     def note(self, key: Hashable, pending: tuple[TaskRecord, ...]) -> None:
@@ -56,10 +61,13 @@ class Taints(dict):
 class Provenance:
     """The device work behind one worker's keys: its runtime, events, taints and failures.
 
+    The one owner of that state; the plugin's hooks, :class:`.Execution` and
+    :class:`.Egress` use it through these methods, and read the runtime, the
+    registry, the taints and the failure records through read-only properties.
     ``threads`` (the plugin's egress threads) clear stream errors after a
-    failure (those found are reported at once, see :meth:`_report`).
-    ``failures``: the worker's records of corrupt results, which
-    :meth:`drop_corrupt` writes.
+    failure (those found are reported at once, see :meth:`_report`) and close
+    the runtime. ``failures``: the worker's records of corrupt results, which
+    :meth:`drop_corrupt` writes (and :class:`.Execution` takes from).
     """
 
     def __init__(
@@ -69,22 +77,50 @@ class Provenance:
         threads: ThreadPoolExecutor,
         failures: FailureRecords,
     ):
-        self.worker = worker
-        self.config = config
-        self.threads = threads
+        self._worker = worker
+        self._config = config
+        self._threads = threads
         #: The worker's runtime, created by its first task (:meth:`task_runtime`), its own
-        #: (not shared with other workers of the process); the plugin closes it at teardown.
-        self.runtime: StreamRuntime | None = None
-        self.registry = EventRegistry()
+        #: (not shared with other workers of the process); closed by :meth:`close`.
+        self._runtime: StreamRuntime | None = None
+        #: The event of each key produced on this worker (its tasks record them).
+        self._registry = EventRegistry()
         #: key -> (KernelError of a result found corrupt, when); raised when the key runs again.
-        self.failures = failures
+        self._failures = failures
         #: key -> records of the work its value derives from on this worker, not yet known
         #: to have succeeded (its inputs, their inputs, ...).
-        self.taint = Taints()
+        self._taint = Taints()
+        #: The taints' writers (:meth:`Taints.note`: ``key``'s value derives from ``pending``,
+        #: work not complete when its task started; :meth:`Taints.succeeded`: all that work
+        #: completed fine). Bound here: ``note_pending`` runs once per task, with no call added.
+        self.note_pending = self._taint.note
+        self.succeeded = self._taint.succeeded
         #: corrupt key -> the keys of its dependents that still need it on this worker; it is
         #: released when the last one leaves those states (:meth:`transitioned`).
         self._held: dict[Hashable, set[Hashable]] = {}
         self._clearing = False  # a clear of stream errors is queued
+
+    # Read-only views, for the other parts' bindings and for diagnostics.
+
+    @property
+    def runtime(self) -> StreamRuntime | None:
+        """The worker's runtime; None until its first task."""
+        return self._runtime
+
+    @property
+    def registry(self) -> EventRegistry:
+        """The event of each key produced on this worker: handed to the tasks that record them."""
+        return self._registry
+
+    @property
+    def failures(self) -> FailureRecords:
+        """The records of corrupt results (taken by :class:`.Execution` when a key runs again)."""
+        return self._failures
+
+    @property
+    def taint(self) -> Mapping[Hashable, tuple[TaskRecord, ...]]:
+        """key -> the records of the work its value derives from here, not yet known fine."""
+        return self._taint
 
     @property
     def held(self) -> Mapping[Hashable, set[Hashable]]:
@@ -97,13 +133,17 @@ class Provenance:
     @property
     def corrupt_found(self) -> int:
         """Corrupt results found so far (kernel failures), for diagnostics."""
-        return self.failures.found
+        return self._failures.found
 
     def task_runtime(self) -> StreamRuntime:
         """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
-        if self.runtime is None:
-            self.runtime = runtimes.create(self.config)
-        return self.runtime
+        if self._runtime is None:
+            self._runtime = runtimes.create(self._config)
+        return self._runtime
+
+    def sources_by_key(self, keys: Iterable[Hashable]) -> dict[Hashable, list[TaskRecord]]:
+        """:meth:`sources` of each of ``keys`` that has a record on this worker, by key."""
+        return {r.key: self.sources((r.key,)) for r in self._registry.records(keys)}
 
     def sources(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
         """Records of the work the values of ``keys`` derive from on this worker.
@@ -112,9 +152,9 @@ class Provenance:
         first may not reach the events of the work that read its output.
         """
         sources = {}
-        for record in self.registry.records(keys):
+        for record in self._registry.records(keys):
             sources[record] = None
-            sources.update(dict.fromkeys(self.taint.get(record.key, ())))
+            sources.update(dict.fromkeys(self._taint.get(record.key, ())))
         return list(sources)
 
     def pending(self, records: Iterable[TaskRecord]) -> list[TaskRecord]:
@@ -123,7 +163,7 @@ class Provenance:
         pending = []
         for record in records:
             if state is None:  # bound at the first record: without any, no runtime is read
-                state = self.runtime.state
+                state = self._runtime.state
             done, error = state(record)
             if error is not None:
                 self._failed(record, error)
@@ -136,7 +176,7 @@ class Provenance:
         state = None
         for record in records:
             if state is None:
-                state = self.runtime.state
+                state = self._runtime.state
             error = state(record)[1]
             if error is not None:
                 return self._failed(record, error)
@@ -147,18 +187,18 @@ class Provenance:
 
         A query does not report errors; on CUDA one that finds a failure raises it.
         """
-        return any(not self.runtime.done(r) for r in records)
+        return any(not self._runtime.done(r) for r in records)
 
     def wait(self, record: TaskRecord) -> KernelError | None:
         """Block until ``record``'s task completes; its error (reported, see :meth:`_report`)."""
-        error = self.runtime.wait(record)
+        error = self._runtime.wait(record)
         if error is None:
             return None
         return self._failed(record, error)
 
     def wait_all(self, records: Iterable[TaskRecord]) -> None:
         """Block until the task of each of ``records`` completes (errors: :meth:`state`)."""
-        self.runtime.wait_all(records)
+        self._runtime.wait_all(records)
 
     def _failed(self, record: TaskRecord, error: BaseException) -> KernelError:
         """The failure of ``record``'s completed task, reported (:meth:`_report`)."""
@@ -175,7 +215,7 @@ class Provenance:
         user's next graph, which would otherwise fail with this key's error. The
         task keeps its error, so corrupt results are still found.
         """
-        self.runtime.report(record)
+        self._runtime.report(record)
 
     def input_states(
         self, dep_keys: Iterable[Hashable]
@@ -185,8 +225,8 @@ class Provenance:
         Once per task on the event loop: the inputs' own records, and their taints
         only where they have one (a set then drops the records shared by several).
         """
-        get = self.registry.get
-        taint = self.taint
+        get = self._registry.get
+        taint = self._taint
         state = None  # the runtime's, bound at the first record (none: no runtime yet)
         pending: list[TaskRecord] = []
         tainted = False
@@ -195,7 +235,7 @@ class Provenance:
             if record is None:
                 continue
             if state is None:  # not self.state for each: no call added per input
-                state = self.runtime.state
+                state = self._runtime.state
             done, error = state(record)
             if error is not None:
                 return self._failed(record, error), ()
@@ -215,22 +255,44 @@ class Provenance:
     def wait_inputs(self, dep_keys: tuple[Hashable, ...]) -> None:
         """Worker thread: block until the work the inputs derive from is done; raise its error."""
         for record in self.sources(dep_keys):
-            error = self.runtime.wait(record)  # as :meth:`wait` does, with no call added
+            error = self._runtime.wait(record)  # as :meth:`wait` does, with no call added
             if error is not None:
                 raise self._failed(record, error)
 
     def forget(self, key: Hashable) -> None:
         """Drop the entries of ``key``, which is no longer this worker's to serve."""
-        self.registry.discard(key)
-        if self.taint:
-            self.taint.pop(key, None)
+        self._registry.discard(key)
+        if self._taint:
+            self._taint.pop(key, None)
+
+    def collect(self) -> None:
+        """Release the inputs held for completed tasks; drop the expired failure records."""
+        if self._runtime is not None:
+            self._runtime.collect()
+        self._failures.expire()
 
     def clear(self) -> None:
         """Forget every key (the plugin is removed, or the worker closes)."""
-        self.registry = EventRegistry()
-        self.taint.clear()
-        self.failures.clear()
+        self._registry.clear()
+        self._taint.clear()
+        self._failures.clear()
         self._held.clear()
+
+    async def close(self, timeout: float) -> None:
+        """Forget every key, then close the runtime in an egress thread, waiting ``timeout`` s.
+
+        The close ends the runtime's streams and threads once the work left on the
+        device is done; a kernel that never ends leaves it going on in its thread.
+        """
+        self.clear()  # before the close: the records refer to the streams
+        runtime = self._runtime
+        if runtime is None:
+            return
+        closing = asyncio.wrap_future(self._threads.submit(runtime.close))
+        try:
+            await asyncio.wait_for(closing, timeout)
+        except TimeoutError:
+            logger.warning("gpustreams: %r did not close within %s s", runtime, timeout)
 
     def drop_corrupt(self, failed: dict[Hashable, KernelError]) -> None:
         """Record the errors of corrupt results and release them, so they are recomputed.
@@ -239,12 +301,12 @@ class Provenance:
         still need it on this worker is held until they have left (they fail on their
         own when they start, see :meth:`input_states`): :meth:`transitioned`.
         """
-        self.failures.record(failed)
+        self._failures.record(failed)
         self._release(failed)
 
     def _release(self, keys: Iterable[Hashable]) -> None:
         """Release those of the corrupt ``keys`` still in memory; hold those still needed."""
-        worker = self.worker
+        worker = self._worker
         if worker.status not in (Status.running, Status.paused):
             return
         tasks = worker.state.tasks
@@ -282,13 +344,13 @@ class Provenance:
                 del held[corrupt]
                 free.append(corrupt)
         if free:
-            self.worker.loop.add_callback(self._release, free)
+            self._worker.loop.add_callback(self._release, free)
 
     def clear_stream_errors_soon(self) -> None:
         """Queue one :meth:`_clear_stream_errors` on the egress threads, if none is queued."""
-        if not self._clearing and self.runtime is not None:
+        if not self._clearing and self._runtime is not None:
             self._clearing = True
-            self.threads.submit(self._clear_stream_errors)
+            self._threads.submit(self._clear_stream_errors)
 
     def _clear_stream_errors(self) -> None:
         """Egress thread: synchronize every stream of the runtime, ignoring its errors.
@@ -302,4 +364,4 @@ class Provenance:
         and waits for all queued work.
         """
         self._clearing = False
-        self.runtime.clear_errors()
+        self._runtime.clear_errors()
