@@ -39,19 +39,3 @@ def test_a_group_is_marked_after_one_slow_call_and_kept_while_slow_calls_come():
         learned.observe("sleeper", fast)
         learned.observe("sleeper", slow)
     assert learned.groups() == ["sleeper"]
-
-
-def test_a_long_call_blocks_if_it_waited_or_returned_host_data():
-    """A long call that kept its thread on the CPU and returned device data only enqueued
-    much work: it stays on the launcher. Waiting, or host data, makes it host work."""
-    learned = HostTasks()
-    long = 4 * learned.threshold_s
-    assert not learned.blocks(learned.threshold_s / 2, 0.0, False)
-    assert not learned.blocks(long, long * 0.9, True)  # busy launching
-    assert learned.blocks(long, long * 0.1, True)  # waited: a sync, a sleep
-    assert learned.blocks(long, long * 0.9, False)  # host compute
-    assert learned.blocks(long, None, True)  # nothing known of its CPU time
-    learned.observe("launch-heavy", long, long * 0.9, True)
-    assert not learned
-    learned.observe("syncs", long, 0.0, True)
-    assert learned.groups() == ["syncs"]

@@ -261,36 +261,6 @@ def test_host_task_is_learned_after_its_first_slow_call(launcher, caplog):
     assert len(sleeper) == 1, marked
 
 
-def busy_then_leaf(seconds):
-    """Keeps the host's CPU busy for ``seconds``, then returns a device array."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-    return leaf(1.0, 16, 0.0)
-
-
-def sleep_then_leaf(seconds):
-    time.sleep(seconds)
-    return leaf(1.0, 16, 0.0)
-
-
-def test_a_slow_call_that_only_kept_the_cpu_busy_is_not_learned_as_host_work(launcher):
-    """A call that launches much work is slow but never waits: host threads would not help
-    it. One that waits (here a sleep, as a sync would) is host work."""
-    seconds = 0.05
-    tasks = {
-        "busy": lambda v: busy_then_leaf(seconds),
-        "sleepy": lambda v: sleep_then_leaf(seconds),
-    }
-    with launcher(streams=2, policy="round-robin"):
-        runtime = get_runtime()
-        for _ in range(2):
-            deps = {k: () for k in tasks}
-            out = GraphLauncher(runtime, tasks, deps, {"busy": 0, "sleepy": 1}, set(tasks)).run()
-            assert [out[k].get().tolist() for k in tasks] == [[1.0] * 16] * 2
-        assert runtime.host_tasks.groups() == ["sleepy"]
-
-
 def test_download_in_graph_is_a_host_task(launcher):
     A = np.arange(4 * 64.0)
     with launcher(streams=4):

@@ -4,11 +4,10 @@ A GPU task only enqueues work, so its call returns in microseconds; a task
 that waits for the device (a download, ``.item()``), computes on the host or
 sleeps takes as long as that work. The launcher times each call it makes and
 tells :class:`HostTasks`, keyed by the task's group (its key prefix, as
-distributed's task-prefix estimates are): a group whose call blocked the
-host (:meth:`HostTasks.blocks`: longer than :attr:`HostTasks.threshold_s`,
-and waiting or returning host data) is sent to host threads from then on,
-and goes back to the launcher after :attr:`HostTasks.recover` fast calls in
-a row (a first call that compiled a kernel or grew the memory pool is not a
+distributed's task-prefix estimates are): a group whose call took longer
+than :attr:`HostTasks.threshold_s` is sent to host threads from then on, and
+goes back to the launcher after :attr:`HostTasks.recover` fast calls in a
+row (a first call that compiled a kernel or grew the memory pool is not a
 host task).
 """
 
@@ -47,33 +46,9 @@ class HostTasks:
         """The groups marked as host work."""
         return list(self._fast_runs)
 
-    def blocks(self, seconds: float, cpu_seconds: float | None, on_device: bool) -> bool:
-        """Whether a call that took ``seconds`` (``cpu_seconds`` on its thread's CPU) blocked.
-
-        One under :attr:`threshold_s` did not. A longer one did if it returned no
-        device data (host compute, I/O), or if it spent over half of its time,
-        and over the threshold, off the CPU: waiting for the device, a sleep, a
-        lock. One that returned device data and kept its thread busy only
-        enqueued much work (at 72ae481 on the H200, std's ``var-aggregate``, 5.8
-        ms): on a host thread it would wait for its inputs and still hold the GIL.
-        Without ``cpu_seconds``, every long call blocked.
-        """
-        if seconds < self.threshold_s:
-            return False
-        if cpu_seconds is None or not on_device:
-            return True
-        waited = seconds - cpu_seconds
-        return waited > self.threshold_s and waited > seconds / 2
-
-    def observe(
-        self,
-        group: Hashable,
-        seconds: float,
-        cpu_seconds: float | None = None,
-        on_device: bool = False,
-    ) -> None:
-        """Note a call of ``group`` that took ``seconds`` on the host (see :meth:`blocks`)."""
-        fast = not self.blocks(seconds, cpu_seconds, on_device)
+    def observe(self, group: Hashable, seconds: float) -> None:
+        """Note a call of ``group`` that took ``seconds`` on the host."""
+        fast = seconds < self.threshold_s
         with self._lock:
             runs = self._fast_runs.get(group)
             if runs is None:

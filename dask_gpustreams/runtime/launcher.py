@@ -21,7 +21,7 @@ import heapq
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Mapping
-from time import perf_counter, thread_time
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dask_gpustreams.runtime.context import task_state
@@ -46,30 +46,15 @@ class LaunchHooks(Protocol):
 class _HostDone:
     """A host task's outcome, handed from its host thread to the launcher."""
 
-    __slots__ = ("key", "result", "record", "error", "seconds", "cpu_seconds", "worker")
+    __slots__ = ("key", "result", "record", "error", "seconds", "worker")
 
-    def __init__(self, key, result, record, error, seconds, cpu_seconds, worker):
+    def __init__(self, key, result, record, error, seconds, worker):
         self.key = key
         self.result = result
         self.record = record
         self.error = error
         self.seconds = seconds
-        self.cpu_seconds = cpu_seconds
         self.worker = worker
-
-
-def holds_device(result: Any, is_device: Callable[[Any], bool]) -> bool:
-    """Whether ``result`` is a device array or a tuple, list or dict holding one.
-
-    Asked only of a slow call (:class:`HostTasks` decides with it).
-    """
-    if is_device(result):
-        return True
-    if isinstance(result, dict):
-        result = result.values()
-    elif not isinstance(result, (tuple, list)):
-        return False
-    return any(is_device(v) for v in result)
 
 
 class GraphLauncher:
@@ -226,7 +211,6 @@ class GraphLauncher:
                             event = acquire()
                         state["stream"] = stream
                         t0 = perf_counter()
-                        cpu0 = thread_time()
                         with use_stream(stream, key):
                             called = True
                             result = tasks[key](values)
@@ -257,12 +241,7 @@ class GraphLauncher:
                         timeline.append(record)
                     results[key] = result
                     if seconds > threshold:
-                        learned.observe(
-                            self.group_of(key),
-                            seconds,
-                            thread_time() - cpu0,
-                            holds_device(result, is_device),
-                        )
+                        learned.observe(self.group_of(key), seconds)
                     if not len(launched) % COLLECT_EVERY:
                         pool.collect_all()  # streams not used lately hold finished inputs
                     if is_device(result):
@@ -345,7 +324,7 @@ class GraphLauncher:
         """On a host thread: wait for the inputs on the host, then run ``key`` on a stream."""
         runtime = self.runtime
         result = record = error = None
-        seconds = cpu_seconds = 0.0
+        seconds = 0.0
         state = task_state.__dict__
         previous = state.get("launching", False), state.get("host_thread", False)
         state["launching"] = state["host_thread"] = True
@@ -354,17 +333,15 @@ class GraphLauncher:
             for r in producers:
                 runtime.backend.synchronize_event(r.event)
             t0 = perf_counter()
-            cpu0 = thread_time()
             result = runtime.run(key, self.tasks[key], values, registry)
             seconds = perf_counter() - t0
-            cpu_seconds = thread_time() - cpu0
         except BaseException as e:
             error = e
         finally:
             state["launching"], state["host_thread"] = previous
         record = registry.get(key)  # also after a failure: its kernels are drained
         worker = threading.get_ident()
-        self._finished.append(_HostDone(key, result, record, error, seconds, cpu_seconds, worker))
+        self._finished.append(_HostDone(key, result, record, error, seconds, worker))
         self._wake.set()
 
     def _absorb(self, ready, dependents, missing, consumers) -> None:
@@ -383,10 +360,7 @@ class GraphLauncher:
                 continue
             key = done.key
             if key not in self.host:
-                on_device = done.seconds > learned.threshold_s and holds_device(
-                    done.result, self.runtime.backend.is_device_array
-                )
-                learned.observe(self.group_of(key), done.seconds, done.cpu_seconds, on_device)
+                learned.observe(self.group_of(key), done.seconds)
             self.results[key] = done.result
             if done.record is not None:
                 self.registry.add(done.record)
