@@ -187,9 +187,8 @@ def test_hardware_queues_reserved_before_cuda_starts(run_python, before, expecte
     assert (float(wall) < 15.0) if concurrent else (float(wall) > 18.0), wall
 
 
-def test_a_closed_runtime_frees_the_blocks_cupy_cached_for_its_streams():
-    """CuPy reuses a free block only on its own stream: a closed runtime's streams' blocks
-    would stay held. Closing and making a runtime again must not grow the pool."""
+def _held_after_three_runtimes():
+    """The CuPy pool's held bytes after each of three runtimes that allocate on 4 streams."""
     from dask_gpustreams.runtime.runtime import runtimes
 
     pool = cupy.get_default_memory_pool()
@@ -204,4 +203,21 @@ def test_a_closed_runtime_frees_the_blocks_cupy_cached_for_its_streams():
         del outs
         rt.close()
         held.append(pool.total_bytes())
+    return held
+
+
+def test_a_closed_runtime_frees_the_blocks_cupy_cached_for_its_streams():
+    """CuPy reuses a free block only on its own stream: a closed runtime's streams' blocks
+    would stay held. Closing and making a runtime again must not grow the pool."""
+    held = _held_after_three_runtimes()
     assert held[2] <= held[0], held
+
+
+def test_without_the_release_closed_runtimes_grow_the_pool(monkeypatch):
+    """The control: with ``destroy_stream`` freeing nothing, each runtime's 64 MiB stay held."""
+    from dask_gpustreams.backends.cupy import CupyBackend
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    monkeypatch.setattr(CupyBackend, "destroy_stream", lambda self, stream, timeout=None: None)
+    held = _held_after_three_runtimes()
+    assert held[2] >= held[0] + 2 * (8 << 23) - (8 << 20), held
