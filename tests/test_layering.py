@@ -267,6 +267,14 @@ def test_diagnostics_ask_the_runtime_not_its_internals():
     assert [hit for path in files for hit in runtime_reaches(path)] == []
 
 
+def test_integrations_ask_the_runtime_not_its_internals():
+    """The backend's transfer functions and the policy's needs come through the runtime
+    (``transfer_functions``, ``needs_critical_path``), as the diagnostics' answers do."""
+    files = _layer_files("integrations")
+    assert len(files) > 10
+    assert [hit for path in files for hit in runtime_reaches(path)] == []
+
+
 def test_a_planted_runtime_reach_is_found(tmp_path):
     source = (
         "def f(runtime, plugin, record, callback):\n"

@@ -208,7 +208,7 @@ class StreamBlock:
         or its code (the launcher names the task whose exception it raised).
         Any other exception is raised.
         """
-        tasks, dependencies, host = launch_plan(nodes, type(runtime.backend))
+        tasks, dependencies, host = launch_plan(nodes, runtime)
         priority = {node.key: i for i, node in enumerate(nodes)}
         seen: list[KernelError] = []
         while True:

@@ -43,14 +43,14 @@ def blocks_host(node: Task) -> bool:
 
 
 def launch_plan(
-    nodes: Iterable[GraphNode], backend: type
+    nodes: Iterable[GraphNode], runtime: StreamRuntime
 ) -> tuple[dict[Hashable, GraphNode], dict[Hashable, Any], set[Hashable]]:
     """What :class:`GraphLauncher` takes of a graph's task nodes: ``(tasks, dependencies, host)``.
 
-    Transfers are rewritten for ``backend`` (a backend class), and the keys of
+    Transfers are rewritten for ``runtime``'s device, and the keys of
     tasks that call a :func:`~dask_gpustreams.host_task` are collected in ``host``.
     """
-    table = transfer_rewrites(backend)
+    table = transfer_rewrites(runtime)
     tasks: dict[Hashable, GraphNode] = {}
     dependencies: dict[Hashable, Any] = {}
     host: set[Hashable] = set()
@@ -171,7 +171,7 @@ def _launch(
             values[key] = node.value
         else:
             nodes.append(node)
-    tasks, dependencies, host = launch_plan(nodes, type(runtime.backend))
+    tasks, dependencies, host = launch_plan(nodes, runtime)
     if hooks is not None:
         hooks.start_state(dependencies, values)
     launcher = GraphLauncher(

@@ -108,7 +108,7 @@ class LocalSchedulerHook:
                 "graph from one thread and is faster on GPU graphs"
             )
         critical: set | None = None
-        if runtime.policy.needs_critical_path:
+        if runtime.needs_critical_path:
             critical = critical_keys({k: v.dependencies for k, v in dsk.items()})
         for key, node in dsk.items():
             dsk[key] = wrap_task(

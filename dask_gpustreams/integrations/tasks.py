@@ -135,10 +135,11 @@ def _alias_value(value: Any) -> Any:
 
 
 @functools.cache
-def transfer_rewrites(backend: type) -> dict[int, Any]:
-    """``id(f) -> replacement`` for the upload and download functions of a backend class."""
-    table = {id(f): to_device for f in backend.upload_functions}
-    table.update({id(f): to_host for f in backend.download_functions})
+def transfer_rewrites(runtime: StreamRuntime) -> dict[int, Any]:
+    """``id(f) -> replacement`` for the upload and download functions of ``runtime``'s device."""
+    uploads, downloads = runtime.transfer_functions
+    table = {id(f): to_device for f in uploads}
+    table.update({id(f): to_host for f in downloads})
     return table
 
 
@@ -219,7 +220,7 @@ def wrap_task(
     nodes already wrapped are returned unchanged, so wrapping is idempotent
     (:func:`stream_node`).
     """
-    inner = stream_node(node, transfer_rewrites(type(runtime.backend)))
+    inner = stream_node(node, transfer_rewrites(runtime))
     return node if inner is None else StreamTask(inner, runtime, registry, critical)
 
 

@@ -325,6 +325,20 @@ class StreamRuntime:
         ]
 
     @property
+    def transfer_functions(self) -> tuple[tuple[Callable, ...], tuple[Callable, ...]]:
+        """The backend's upload and download functions (``cupy.asarray``, ``cupy.asnumpy``...).
+
+        The integrations rewrite calls of them in tasks onto the copy streams.
+        """
+        backend = self.backend
+        return tuple(backend.upload_functions), tuple(backend.download_functions)
+
+    @property
+    def needs_critical_path(self) -> bool:
+        """Whether the policy places tasks by the graph's longest path (give it the flags)."""
+        return self.policy.needs_critical_path
+
+    @property
     def timeline_enabled(self) -> bool:
         """Whether the tasks run from now on get timing events and a place in the timeline."""
         return self.timeline is not None

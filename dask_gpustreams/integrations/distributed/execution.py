@@ -208,7 +208,7 @@ class Execution:
     def _start_runtime(self) -> StreamRuntime:
         """The worker's runtime (made at its first task), and what is per runtime."""
         runtime = self.provenance.task_runtime()
-        self._rewrites = transfer_rewrites(type(runtime.backend))
+        self._rewrites = transfer_rewrites(runtime)
         self._runtime = runtime
         return runtime
 
