@@ -67,7 +67,7 @@ import dask.threaded
 from dask_gpustreams.config import enabled
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.integrations.patching import Patch
-from dask_gpustreams.integrations.tasks import wrap_task
+from dask_gpustreams.integrations.tasks import transfer_rewrites, wrap_task
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.policies import critical_keys
 
@@ -110,9 +110,10 @@ class LocalSchedulerHook:
         critical: set | None = None
         if runtime.needs_critical_path:
             critical = critical_keys({k: v.dependencies for k, v in dsk.items()})
+        rewrites = transfer_rewrites(runtime)  # once per graph
         for key, node in dsk.items():
             dsk[key] = wrap_task(
-                node, runtime, registry, None if critical is None else key in critical
+                node, runtime, registry, None if critical is None else key in critical, rewrites
             )
 
     def _finish(self, dsk: dict, state: dict[str, Any], errored: bool) -> None:

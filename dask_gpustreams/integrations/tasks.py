@@ -208,6 +208,7 @@ def wrap_task(
     runtime: StreamRuntime,
     registry: EventRegistry,
     critical: bool | None = None,
+    rewrites: dict[int, Any] | None = None,
 ) -> GraphNode:
     """``node`` as a :class:`StreamTask`, which runs it on a pool stream.
 
@@ -218,9 +219,12 @@ def wrap_task(
     one, their consumers and the final sync would not wait for the target).
     Other nodes that are not plain synchronous tasks (data, coroutines) and
     nodes already wrapped are returned unchanged, so wrapping is idempotent
-    (:func:`stream_node`).
+    (:func:`stream_node`). ``rewrites``: :func:`transfer_rewrites` of ``runtime``,
+    made once for a whole graph (by default, made here).
     """
-    inner = stream_node(node, transfer_rewrites(runtime))
+    if rewrites is None:
+        rewrites = transfer_rewrites(runtime)
+    inner = stream_node(node, rewrites)
     return node if inner is None else StreamTask(inner, runtime, registry, critical)
 
 
