@@ -102,8 +102,11 @@ Lifetime
     :attr:`StreamsPlugin.max_failures` are kept, each for at most
     :attr:`StreamsPlugin.failure_ttl` seconds). A corrupt key held for its
     dependents is no longer held once it leaves memory on its own, or at
-    teardown (a plugin removed while they are queued leaves it in memory:
-    it sees no more transitions). Each worker's plugin owns its
+    teardown. **Not handled:** a plugin removed while such dependents are
+    queued leaves the key in memory (it sees no more transitions), and those
+    dependents then run unchecked, on the corrupt value (so did the 50 ms
+    poll before 471a4e0: it released the key only after they had run).
+    Each worker's plugin owns its
     runtime (in-process workers do not share one) and closes it at teardown,
     when it is removed or the worker closes: its streams and threads end.
 
