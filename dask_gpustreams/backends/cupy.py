@@ -13,6 +13,7 @@ launch (docs/guide.md, "Other libraries inside a task").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -102,9 +103,12 @@ class CupyBackend:
         only on the stream it was allocated on: a closed pool stream's arena would
         stay held, never reused, until an allocation fails (a runtime closed and
         made again, as by a plugin registered twice, grew the pool each time).
-        Its blocks still in use (results) go back to that arena when freed.
+        Its blocks still in use (results alive at the close) go back to that arena
+        when freed, and stay there. Each block freed is a ``cudaFree``, which waits
+        for the device. Never raises: after a sticky CUDA error the pool's close
+        still ends its other streams.
         """
-        with cupy.cuda.Device(self.device_id):
+        with contextlib.suppress(Exception), cupy.cuda.Device(self.device_id):
             cupy.get_default_memory_pool().free_all_blocks(stream=stream)
 
     def elapsed_ms(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:

@@ -28,7 +28,10 @@ from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, ru
 logger = logging.getLogger("dask_gpustreams")
 
 # Worker task states of a dependent that still needs its inputs in this worker's memory.
-_NEEDS_INPUTS = frozenset({"waiting", "ready", "constrained", "executing", "long-running"})
+# "cancelled" and "resumed": a task whose thread may still run (its inputs read, or not yet).
+_NEEDS_INPUTS = frozenset(
+    {"waiting", "ready", "constrained", "executing", "long-running", "cancelled", "resumed"}
+)
 
 
 def as_kernel_error(key: Hashable, exc: BaseException) -> KernelError:
