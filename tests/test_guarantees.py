@@ -14,6 +14,7 @@ kernel or a task waits for) holds work back exactly as long as the test needs.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import threading
@@ -481,3 +482,36 @@ def test_held_entries_go_when_the_key_leaves_memory_on_its_own_or_at_teardown():
     assert provenance.held == {}
     provenance.transitioned("b-dependent", "memory")
     assert released == []
+
+
+def test_at_close_held_keys_fail_their_dependents_not_started_and_are_released_later():
+    """After its plugin is removed no hook sees a held key's dependents leave, and no check
+    runs when they start: those not started raise the key's recorded error, and the key is
+    released, asked again every 50 ms, once none needs it."""
+    handled, later, failed = [], [], []
+    loop = SimpleNamespace(
+        add_callback=lambda f, keys: f(keys),
+        call_later=lambda delay, f, keys: later.append((delay, f, keys)),
+    )
+    worker = SimpleNamespace(
+        status=Status.running,
+        state=SimpleNamespace(tasks={}),
+        loop=loop,
+        handle_stimulus=lambda event: handled.append(sorted(event.keys)),
+    )
+    provenance = Provenance(worker, StreamsConfig(backend="sim"), None, FailureRecords(10, 60.0))
+    queued = SimpleNamespace(key="queued", state="waiting")
+    running = SimpleNamespace(key="running", state="executing")
+    worker.state.tasks.update({"k": SimpleNamespace(state="memory", dependents=[queued, running])})
+    worker.state.tasks.update(queued=queued, running=running)
+    error = KernelError("k", "failed")
+    provenance.drop_corrupt({"k": error})
+    assert provenance.held == {"k": {"queued", "running"}}
+    asyncio.run(provenance.close(1.0, lambda key, exc: failed.append((key, exc))))
+    assert failed == [("queued", error)]  # the running one has read its inputs already
+    assert handled == [] and len(later) == 1  # both still need k: asked again later
+    queued.state = running.state = "memory"
+    delay, again, keys = later.pop()
+    assert delay == 0.05 and keys == ["k"]
+    again(keys)
+    assert handled == [["k"]] and later == [] and not provenance.held

@@ -102,10 +102,10 @@ Lifetime
     :attr:`StreamsPlugin.max_failures` are kept, each for at most
     :attr:`StreamsPlugin.failure_ttl` seconds). A corrupt key held for its
     dependents is no longer held once it leaves memory on its own, or at
-    teardown. **Not handled:** a plugin removed while such dependents are
-    queued leaves the key in memory (it sees no more transitions), and those
-    dependents then run unchecked, on the corrupt value (so did the 50 ms
-    poll before 471a4e0: it released the key only after they had run).
+    teardown: a plugin removed while such dependents are queued makes those
+    not started raise the key's error, and releases the key, asked every 50 ms,
+    once none needs it (no transition reaches the plugin after its removal).
+    Meanwhile the worker's own ``get_data`` would serve it (not handled).
     Each worker's plugin owns its
     runtime (in-process workers do not share one) and closes it at teardown,
     when it is removed or the worker closes: its streams and threads end.
@@ -368,7 +368,7 @@ class StreamsPlugin(WorkerPlugin):
         self._collector.stop()
         prometheus.unregister(worker)
         self.egress.uninstall()
-        await self.provenance.close(self.close_timeout)
+        await self.provenance.close(self.close_timeout, self.execution.fail)
         self._egress_threads.shutdown(wait=False)
 
     def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +28,8 @@ from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, ru
 logger = logging.getLogger("dask_gpustreams")
 
 # Worker task states of a dependent that still needs its inputs in this worker's memory.
+#: The states of a dependent that has not started: it can still be made to fail instead.
+_NOT_STARTED = frozenset({"waiting", "ready", "constrained"})
 # "cancelled" and "resumed": a task whose thread may still run (its inputs read, or not yet).
 _NEEDS_INPUTS = frozenset(
     {"waiting", "ready", "constrained", "executing", "long-running", "cancelled", "resumed"}
@@ -281,12 +283,28 @@ class Provenance:
         self._failures.clear()
         self._held.clear()
 
-    async def close(self, timeout: float) -> None:
+    async def close(self, timeout: float, fail: Callable[[Hashable, BaseException], None]) -> None:
         """Forget every key, then close the runtime in an egress thread, waiting ``timeout`` s.
 
         The close ends the runtime's streams and threads once the work left on the
         device is done; a kernel that never ends leaves it going on in its thread.
+        Corrupt keys still held for their dependents: no hook sees those leave from
+        now on, and no check runs when they start. So each dependent not started
+        yet is made to raise the key's error (``fail(key, error)``, as it would have
+        when it started), and the keys are released once no dependent needs them,
+        asked every 50 ms (:meth:`_release_after_close`).
         """
+        held = self._held
+        if held:
+            tasks = self._worker.state.tasks
+            for corrupt, needing in held.items():
+                recorded = self._failures.get(corrupt)
+                error = recorded[0] if recorded else KernelError(corrupt, "its result is corrupt")
+                for key in needing:
+                    ts = tasks.get(key)
+                    if ts is not None and ts.state in _NOT_STARTED:
+                        fail(key, error)
+            self._worker.loop.add_callback(self._release_after_close, list(held))
         self.clear()  # before the close: the records refer to the streams
         runtime = self._runtime
         if runtime is None:
@@ -326,6 +344,14 @@ class Provenance:
         if now:
             stimulus_id = f"{STIMULUS_PREFIX}-{time.time()}"
             worker.handle_stimulus(RemoveReplicasEvent(keys=now, stimulus_id=stimulus_id))
+
+    def _release_after_close(self, keys: list[Hashable]) -> None:
+        """Release the corrupt ``keys`` once no dependent needs them, asked every 50 ms."""
+        self._release(keys)
+        if self._held:
+            keys = list(self._held)
+            self._held.clear()
+            self._worker.loop.call_later(0.05, self._release_after_close, keys)
 
     def transitioned(self, key: Hashable, finish: str) -> None:
         """The plugin's hook, while a corrupt key is held: ``key`` went to state ``finish``.
