@@ -366,11 +366,15 @@ def partition(
     never do (only their last task has dependents outside).
 
     No group has more than ``max_tasks`` tasks: a larger one is cut into
-    pieces of about equal size, in the order of ``(level, order(key))`` (a
-    dependency order; ``order`` is e.g. the scheduler's priority), so each
-    piece reads only earlier pieces of its group. Should the blocks still
-    depend on each other in a cycle (through tasks that are not candidates),
-    only the chains are grouped.
+    pieces of about equal size, in the order of ``order(key)`` (the
+    scheduler's priority, dask.order's: it runs the pieces of a reduction
+    just before what combines them, so a piece keeps few outputs for later
+    pieces, as task per key keeps few results in memory). Cut level by level
+    instead, the first pieces would be all of a matmul's partial products,
+    each held by its piece until a later one sums them. Where that order
+    makes the blocks depend on each other in a cycle (user priorities), the
+    cut is in the order of ``(level, order(key))``, a dependency order; with
+    neither ``order`` nor an acyclic cut, only the chains are grouped.
 
     ``bands``, if given, gets one entry per group returned: ``(band, bin)``
     for the groups of a part cut into bands (see :func:`_bands`), whose bins
@@ -409,7 +413,9 @@ def partition(
             banded, left = _bands(part, members, dependencies, level, workers, sort_key, first)
             groups.extend(banded)
         groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
-    pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, sort_key)]
+    pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, order or sort_key)]
+    if order is not None and not _acyclic([p for p, _ in pieces], level, dependencies):
+        pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, sort_key)]
     if not _acyclic([p for p, _ in pieces], level, dependencies):
         chains = [
             c for part in parts.values() for c in _chains(part, members, dependencies, dependents)
@@ -533,7 +539,7 @@ def _pack(pieces: list[list[Hashable]], workers: int, sort_key: Callable) -> lis
 
 
 def _cut(group: list[Hashable], max_tasks: int, sort_key: Callable) -> list[list[Hashable]]:
-    """``group`` in pieces of at most ``max_tasks`` (of two tasks or more), in dependency order."""
+    """``group`` in pieces of at most ``max_tasks`` (of two tasks or more), by ``sort_key``."""
     if len(group) <= max_tasks:
         return [group]
     ordered = sorted(group, key=sort_key)
