@@ -103,6 +103,8 @@ class Provenance:
         #: corrupt key -> the keys of its dependents that still need it on this worker; it is
         #: released when the last one leaves those states (:meth:`transitioned`).
         self._held: dict[Hashable, set[Hashable]] = {}
+        #: dependent -> the held keys it needs (the same pairs, by dependent).
+        self._needed_by: dict[Hashable, set[Hashable]] = {}
         self._clearing = False  # a clear of stream errors is queued
 
     # Read-only views, for the other parts' bindings and for diagnostics.
@@ -282,6 +284,7 @@ class Provenance:
         self._taint.clear()
         self._failures.clear()
         self._held.clear()
+        self._needed_by.clear()
 
     async def close(self, timeout: float, fail: Callable[[Hashable, BaseException], None]) -> None:
         """Forget every key, then close the runtime in an egress thread, waiting ``timeout`` s.
@@ -339,6 +342,8 @@ class Provenance:
             needing = {dep.key for dep in ts.dependents if dep.state in _NEEDS_INPUTS}
             if needing:
                 self._held[key] = needing
+                for dependent in needing:
+                    self._needed_by.setdefault(dependent, set()).add(key)
             else:
                 now.append(key)
         if now:
@@ -351,6 +356,7 @@ class Provenance:
         if self._held:
             keys = list(self._held)
             self._held.clear()
+            self._needed_by.clear()
             self._worker.loop.call_later(0.05, self._release_after_close, keys)
 
     def transitioned(self, key: Hashable, finish: str) -> None:
@@ -359,15 +365,23 @@ class Provenance:
         A held key that leaves memory on its own is no longer held. One whose last
         dependent that needed it has left is released on the loop's next turn (the
         hook runs inside the worker's state machine, which must not be re-entered),
-        unless another dependent needs it by then.
+        unless another dependent needs it by then. A key that is neither costs two
+        lookups, however many keys are held.
         """
         held = self._held
-        if finish != "memory":
-            held.pop(key, None)
+        if finish != "memory" and key in held:
+            for dependent in held.pop(key):
+                self._needed_by.get(dependent, set()).discard(key)
         if finish in _NEEDS_INPUTS:
             return
+        needs = self._needed_by.pop(key, None)
+        if not needs:
+            return
         free = []
-        for corrupt, needing in list(held.items()):
+        for corrupt in needs:
+            needing = held.get(corrupt)
+            if needing is None:
+                continue
             needing.discard(key)
             if not needing:
                 del held[corrupt]
