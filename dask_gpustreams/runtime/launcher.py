@@ -116,32 +116,19 @@ class GraphLauncher:
         nothing. With ``check``, the first error that any event of the graph
         carries is raised then too (``event_error`` returns it every time).
         """
-        runtime = self.runtime
-        results = self.results
-        tasks = self.tasks
-        dependencies = self.dependencies
-        priority = self.priority
-        wanted = self.wanted
-        registry = self.registry
-        get_record = registry.get
-        add_record = registry.add
-        backend = runtime.backend
-        pool = runtime.pool
+        runtime, registry = self.runtime, self.registry
+        results, tasks, dependencies = self.results, self.tasks, self.dependencies
+        priority, wanted, host, hooks = self.priority, self.wanted, self.host, self.hooks
+        backend, pool = runtime.backend, runtime.pool
         runtime.order_after_caller()  # creates the streams before the first task, too
         runtime.isolate_thread()
-        select = runtime.policy.select
-        assign_lock = pool.assign_lock
-        wait = pool.wait
-        record_on = pool.record
-        use_stream = backend.use_stream
-        is_device = backend.is_device_array
-        acquire = runtime.events.acquire
-        learned = runtime.host_tasks
+        # Bound once: the loop below runs once per task.
+        get_record, add_record = registry.get, registry.add
+        select, assign_lock = runtime.policy.select, pool.assign_lock
+        wait, record_on, acquire = pool.wait, pool.record, runtime.events.acquire
+        use_stream, is_device = backend.use_stream, backend.is_device_array
+        learned, timeline, width = runtime.host_tasks, runtime.timeline, pool.n_streams
         threshold = learned.threshold_s
-        host = self.host
-        hooks = self.hooks
-        timeline = runtime.timeline
-        width = pool.n_streams
         # Once per graph, for policies that place the longest path apart (critical-path).
         critical = critical_keys(dependencies) if runtime.policy.needs_critical_path else None
 
