@@ -1103,3 +1103,39 @@ def _flat(value):
             yield from _flat(v)
     elif isinstance(value, str):
         yield value
+
+
+def test_blocks_hold_no_more_device_memory_than_task_per_key(monkeypatch):
+    """A tiled reduction (16 tiles of 4 partials, each tile summed, the sums mixed) on one
+    worker thread, in blocks of at most 10: the peak of the sim pool's used bytes with blocks
+    is at most 1.25x task per key's. Cut level by level, all 64 partials were held at once
+    (1.6-1.7x); in the scheduler's order, about 0.8x."""
+    from dask_gpustreams.sim import _memory
+
+    peak = [0]
+    malloc = _memory.MemoryPool.malloc
+
+    def tracked(self, nbytes, stream):
+        block = malloc(self, nbytes, stream)
+        peak[0] = max(peak[0], self.used_bytes())
+        return block
+
+    monkeypatch.setattr(_memory.MemoryPool, "malloc", tracked)
+    x, rx = delayed(source)(0, 0.0), np.arange(N) + 0.0
+    sums, refs = [], []
+    for t in range(16):
+        parts = [delayed(mix)(4 * t + q, x, delay=0.001) for q in range(4)]
+        sums.append(delayed(mix)(100 + t, *parts))
+        refs.append(host_mix(100 + t, *[host_mix(4 * t + q, rx) for q in range(4)]))
+    out, ref = delayed(mix)(999, *sums), host_mix(999, *refs)
+    peaks = {}
+    for mode in ("off", "auto"):
+        config = {"gpustreams.blocks": mode, "gpustreams.block-size": 10}
+        with cluster(1, config=config, threads_per_worker=1) as client:
+            gc.collect()
+            base = peak[0] = sim.get_default_memory_pool().used_bytes()
+            np.testing.assert_array_equal(sim.asnumpy(client.compute(out, sync=True)), ref)
+            peaks[mode] = peak[0] - base
+            if mode == "auto":
+                assert formed(client) == (9, 82)
+    assert 0 < peaks["auto"] <= 1.25 * peaks["off"], peaks
