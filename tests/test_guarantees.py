@@ -35,6 +35,7 @@ from dask_gpustreams.backends import gpu_visible
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.distributed import failures
+from dask_gpustreams.integrations.distributed.egress import Egress
 from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFIX
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
@@ -486,20 +487,29 @@ def test_held_entries_go_when_the_key_leaves_memory_on_its_own_or_at_teardown():
 
 def test_at_close_held_keys_fail_their_dependents_not_started_and_are_released_later():
     """After its plugin is removed no hook sees a held key's dependents leave, and no check
-    runs when they start: those not started raise the key's recorded error, and the key is
-    released, asked again every 50 ms, once none needs it."""
-    handled, later, failed = [], [], []
+    runs when they start: those not started raise the key's recorded error, get_data leaves
+    the key out, and it is released, asked again every 50 ms, once none needs it; then
+    get_data is the worker's own again."""
+    handled, later, failed, asked = [], [], [], []
+
+    async def worker_get_data(comm, keys, who=None, serializers=None):
+        asked.append(sorted(keys))
+
     loop = SimpleNamespace(
-        add_callback=lambda f, keys: f(keys),
-        call_later=lambda delay, f, keys: later.append((delay, f, keys)),
+        add_callback=lambda f, *args: f(*args),
+        call_later=lambda delay, f, *args: later.append((delay, f, args)),
     )
     worker = SimpleNamespace(
         status=Status.running,
         state=SimpleNamespace(tasks={}),
         loop=loop,
         handle_stimulus=lambda event: handled.append(sorted(event.keys)),
+        handlers={"get_data": worker_get_data},
+        data={},
     )
     provenance = Provenance(worker, StreamsConfig(backend="sim"), None, FailureRecords(10, 60.0))
+    egress = Egress(worker, provenance, None)
+    egress.install()
     queued = SimpleNamespace(key="queued", state="waiting")
     running = SimpleNamespace(key="running", state="executing")
     worker.state.tasks.update({"k": SimpleNamespace(state="memory", dependents=[queued, running])})
@@ -507,11 +517,16 @@ def test_at_close_held_keys_fail_their_dependents_not_started_and_are_released_l
     error = KernelError("k", "failed")
     provenance.drop_corrupt({"k": error})
     assert provenance.held == {"k": {"queued", "running"}}
-    asyncio.run(provenance.close(1.0, lambda key, exc: failed.append((key, exc))))
+    # The plugin's teardown:
+    egress.uninstall(withheld=provenance.held)
+    asyncio.run(provenance.close(1.0, lambda key, exc: failed.append((key, exc)), egress.restore))
     assert failed == [("queued", error)]  # the running one has read its inputs already
     assert handled == [] and len(later) == 1  # both still need k: asked again later
+    asyncio.run(worker.handlers["get_data"](None, keys=["k", "other"]))
+    assert asked == [["other"]]  # k is not served
     queued.state = running.state = "memory"
-    delay, again, keys = later.pop()
-    assert delay == 0.05 and keys == ["k"]
-    again(keys)
+    delay, again, args = later.pop()
+    assert delay == 0.05 and args[0] == ["k"]
+    again(*args)
     assert handled == [["k"]] and later == [] and not provenance.held
+    assert worker.handlers["get_data"] is worker_get_data  # the worker's own again

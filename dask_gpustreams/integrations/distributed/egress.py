@@ -42,6 +42,8 @@ class Egress:
         #: The fast (LRU) mappings of the worker's zict buffers, whose evictions are hooked.
         self.evicting: list = []
         self._worker_get_data: Any = None  # the handler that get_data wraps
+        #: Corrupt keys get_data leaves out after the plugin's removal, until restore().
+        self.withheld: frozenset = frozenset()
         #: Requests (get_data, spills) that waited for events, and their seconds in all.
         self.waits = 0
         self.wait_seconds = 0.0
@@ -56,12 +58,37 @@ class Egress:
         for lru in self.evicting:
             lru.on_evict.insert(0, self.before_spill)
 
-    def uninstall(self) -> None:
-        """Unhook spilling and restore the worker's ``get_data`` handler (event loop)."""
+    def uninstall(self, withheld: Collection[Hashable] = ()) -> None:
+        """Unhook spilling and restore the worker's ``get_data`` handler (event loop).
+
+        ``withheld``: corrupt keys still in memory (held for their dependents, see
+        :meth:`.Provenance.close`), which ``get_data`` keeps leaving out until
+        :meth:`restore` (their release): no peer or client gets their values.
+        """
         for lru in self.evicting:
             if self.before_spill in lru.on_evict:
                 lru.on_evict.remove(self.before_spill)
         if self.worker.handlers.get("get_data") == self.get_data:
+            if withheld:
+                self.withheld = frozenset(withheld)
+                self.worker.handlers["get_data"] = self.get_data_withheld
+            else:
+                self.worker.handlers["get_data"] = self._worker_get_data
+
+    async def get_data_withheld(
+        self,
+        comm: Any,
+        keys: Collection[Hashable],
+        who: str | None = None,
+        serializers: list[str] | None = None,
+    ) -> Any:
+        """``Worker.get_data``, the :attr:`withheld` keys left out (after the plugin's removal)."""
+        keys = [k for k in keys if k not in self.withheld]
+        return await self._worker_get_data(comm, keys=keys, who=who, serializers=serializers)
+
+    def restore(self) -> None:
+        """The withheld keys are released: the worker's own ``get_data`` again (event loop)."""
+        if self.worker.handlers.get("get_data") == self.get_data_withheld:
             self.worker.handlers["get_data"] = self._worker_get_data
 
     async def get_data(

@@ -104,8 +104,8 @@ Lifetime
     dependents is no longer held once it leaves memory on its own, or at
     teardown: a plugin removed while such dependents are queued makes those
     not started raise the key's error, and releases the key, asked every 50 ms,
-    once none needs it (no transition reaches the plugin after its removal).
-    Meanwhile the worker's own ``get_data`` would serve it (not handled).
+    once none needs it (no transition reaches the plugin after its removal);
+    until then ``get_data`` leaves it out.
     Each worker's plugin owns its
     runtime (in-process workers do not share one) and closes it at teardown,
     when it is removed or the worker closes: its streams and threads end.
@@ -367,8 +367,8 @@ class StreamsPlugin(WorkerPlugin):
                 self.provenance.drop_corrupt(failed)
         self._collector.stop()
         prometheus.unregister(worker)
-        self.egress.uninstall()
-        await self.provenance.close(self.close_timeout, self.execution.fail)
+        self.egress.uninstall(withheld=self.provenance.held)
+        await self.provenance.close(self.close_timeout, self.execution.fail, self.egress.restore)
         self._egress_threads.shutdown(wait=False)
 
     def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:

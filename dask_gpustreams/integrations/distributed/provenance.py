@@ -286,7 +286,12 @@ class Provenance:
         self._held.clear()
         self._needed_by.clear()
 
-    async def close(self, timeout: float, fail: Callable[[Hashable, BaseException], None]) -> None:
+    async def close(
+        self,
+        timeout: float,
+        fail: Callable[[Hashable, BaseException], None],
+        released: Callable[[], None],
+    ) -> None:
         """Forget every key, then close the runtime in an egress thread, waiting ``timeout`` s.
 
         The close ends the runtime's streams and threads once the work left on the
@@ -295,7 +300,8 @@ class Provenance:
         now on, and no check runs when they start. So each dependent not started
         yet is made to raise the key's error (``fail(key, error)``, as it would have
         when it started), and the keys are released once no dependent needs them,
-        asked every 50 ms (:meth:`_release_after_close`).
+        asked every 50 ms (:meth:`_release_after_close`); then ``released()`` is
+        called (at once, if none is held).
         """
         held = self._held
         if held:
@@ -307,7 +313,9 @@ class Provenance:
                     ts = tasks.get(key)
                     if ts is not None and ts.state in _NOT_STARTED:
                         fail(key, error)
-            self._worker.loop.add_callback(self._release_after_close, list(held))
+            self._worker.loop.add_callback(self._release_after_close, list(held), released)
+        else:
+            released()
         self.clear()  # before the close: the records refer to the streams
         runtime = self._runtime
         if runtime is None:
@@ -350,14 +358,17 @@ class Provenance:
             stimulus_id = f"{STIMULUS_PREFIX}-{time.time()}"
             worker.handle_stimulus(RemoveReplicasEvent(keys=now, stimulus_id=stimulus_id))
 
-    def _release_after_close(self, keys: list[Hashable]) -> None:
-        """Release the corrupt ``keys`` once no dependent needs them, asked every 50 ms."""
+    def _release_after_close(self, keys: list[Hashable], released: Callable[[], None]) -> None:
+        """Release the corrupt ``keys`` once no dependent needs them, asked every 50 ms; then
+        call ``released()`` (also once the worker no longer runs: nothing more is served)."""
         self._release(keys)
-        if self._held:
-            keys = list(self._held)
-            self._held.clear()
-            self._needed_by.clear()
-            self._worker.loop.call_later(0.05, self._release_after_close, keys)
+        if not self._held:
+            released()
+            return
+        keys = list(self._held)
+        self._held.clear()
+        self._needed_by.clear()
+        self._worker.loop.call_later(0.05, self._release_after_close, keys, released)
 
     def transitioned(self, key: Hashable, finish: str) -> None:
         """The plugin's hook, while a corrupt key is held: ``key`` went to state ``finish``.
