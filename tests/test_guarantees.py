@@ -530,3 +530,23 @@ def test_at_close_held_keys_fail_their_dependents_not_started_and_are_released_l
     again(*args)
     assert handled == [["k"]] and later == [] and not provenance.held
     assert worker.handlers["get_data"] is worker_get_data  # the worker's own again
+
+
+def test_a_plugin_registered_before_the_release_serves_the_keys_once_released():
+    """A new plugin's egress, set up while the old one withholds a key, wraps the filter as
+    the worker's handler: once the old one restores, the filter lets every key through."""
+    asked = []
+
+    async def worker_get_data(comm, keys, who=None, serializers=None):
+        asked.append(sorted(keys))
+
+    worker = SimpleNamespace(handlers={"get_data": worker_get_data}, data={})
+    old = Egress(worker, None, None)
+    old.install()
+    old.uninstall(withheld={"k"})
+    new = Egress(worker, None, None)
+    new.install()  # its "worker's own" get_data is the old filter
+    old.restore()
+    assert worker.handlers["get_data"] == new.get_data  # the new wrapper stays in place
+    asyncio.run(new._worker_get_data(None, keys=["k"]))
+    assert asked == [["k"]]  # recomputed, k is served again

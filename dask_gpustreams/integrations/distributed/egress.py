@@ -87,7 +87,12 @@ class Egress:
         return await self._worker_get_data(comm, keys=keys, who=who, serializers=serializers)
 
     def restore(self) -> None:
-        """The withheld keys are released: the worker's own ``get_data`` again (event loop)."""
+        """The withheld keys are released: the worker's own ``get_data`` again (event loop).
+
+        Nothing is withheld from now on, also where a plugin registered meanwhile
+        wraps :meth:`get_data_withheld` as the worker's handler (it stays in that chain).
+        """
+        self.withheld = frozenset()
         if self.worker.handlers.get("get_data") == self.get_data_withheld:
             self.worker.handlers["get_data"] = self._worker_get_data
 
