@@ -39,6 +39,7 @@ from dask_gpustreams.integrations.distributed.egress import Egress
 from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFIX
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
+from dask_gpustreams.integrations.distributed.withheld import WithheldKeys
 from dask_gpustreams.runtime import runtimes
 from dask_gpustreams.runtime.pinned import PinnedPool
 
@@ -485,50 +486,60 @@ def test_held_entries_go_when_the_key_leaves_memory_on_its_own_or_at_teardown():
     assert released == []
 
 
-def test_at_close_held_keys_fail_their_dependents_not_started_and_are_released_later():
-    """After its plugin is removed no hook sees a held key's dependents leave, and no check
-    runs when they start: those not started raise the key's recorded error, get_data leaves
-    the key out, and it is released, asked again every 50 ms, once none needs it; then
-    get_data is the worker's own again."""
-    handled, later, failed, asked = [], [], [], []
+def test_a_removed_plugins_guard_fails_the_readers_of_held_keys_and_withholds_them():
+    """distributed takes a plugin out of worker.plugins before its teardown: the teardown's
+    guard (WithheldKeys) makes every task that starts reading a held corrupt key raise its
+    recorded error (one that arrives later too), get_data leaves the key out, the key is
+    released once its last reader has left, and then the guard goes and get_data is the
+    worker's own again."""
+    handled, failed, asked = [], [], []
 
     async def worker_get_data(comm, keys, who=None, serializers=None):
         asked.append(sorted(keys))
 
-    loop = SimpleNamespace(
-        add_callback=lambda f, *args: f(*args),
-        call_later=lambda delay, f, *args: later.append((delay, f, args)),
-    )
     worker = SimpleNamespace(
         status=Status.running,
         state=SimpleNamespace(tasks={}),
-        loop=loop,
+        loop=SimpleNamespace(add_callback=lambda f, *args: f(*args)),
         handle_stimulus=lambda event: handled.append(sorted(event.keys)),
         handlers={"get_data": worker_get_data},
         data={},
+        plugins={},
     )
     provenance = Provenance(worker, StreamsConfig(backend="sim"), None, FailureRecords(10, 60.0))
     egress = Egress(worker, provenance, None)
     egress.install()
-    queued = SimpleNamespace(key="queued", state="waiting")
-    running = SimpleNamespace(key="running", state="executing")
-    worker.state.tasks.update({"k": SimpleNamespace(state="memory", dependents=[queued, running])})
-    worker.state.tasks.update(queued=queued, running=running)
+    k = SimpleNamespace(key="k", state="memory", dependents=[])
+    tasks = worker.state.tasks
+    for name, state in (("queued", "waiting"), ("running", "executing")):
+        tasks[name] = SimpleNamespace(key=name, state=state, dependencies=[k])
+        k.dependents.append(tasks[name])
+    tasks["k"] = k
     error = KernelError("k", "failed")
     provenance.drop_corrupt({"k": error})
     assert provenance.held == {"k": {"queued", "running"}}
-    # The plugin's teardown:
+    # The plugin's teardown, as StreamsPlugin.teardown does it:
+    guard = WithheldKeys(worker, provenance, egress, lambda key, exc: failed.append((key, exc)))
+    guard.install()
     egress.uninstall(withheld=provenance.held)
-    asyncio.run(provenance.close(1.0, lambda key, exc: failed.append((key, exc)), egress.restore))
-    assert failed == [("queued", error)]  # the running one has read its inputs already
-    assert handled == [] and len(later) == 1  # both still need k: asked again later
+    asyncio.run(provenance.close(1.0))
+    guard.torn_down()
+    assert worker.plugins == {guard.name: guard} and provenance.held
     asyncio.run(worker.handlers["get_data"](None, keys=["k", "other"]))
     assert asked == [["other"]]  # k is not served
-    queued.state = running.state = "memory"
-    delay, again, args = later.pop()
-    assert delay == 0.05 and args[0] == ["k"]
-    again(*args)
-    assert handled == [["k"]] and later == [] and not provenance.held
+    tasks["late"] = SimpleNamespace(key="late", state="executing", dependencies=[k])
+    k.dependents.append(tasks["late"])
+    for name in ("queued", "late"):  # each starts executing: it raises k's error instead
+        tasks[name].state = "executing"
+        guard.transition(name, "ready", "executing")
+    assert failed == [("queued", error), ("late", error)]
+    for name, finish in (("running", "memory"), ("queued", "error"), ("late", "error")):
+        tasks[name].state = finish
+        guard.transition(name, "executing", finish)
+    assert handled == [["k"]]  # released once its last reader had left
+    k.state = "released"
+    guard.transition("k", "memory", "released")
+    assert not provenance.held and worker.plugins == {}
     assert worker.handlers["get_data"] is worker_get_data  # the worker's own again
 
 
@@ -550,3 +561,44 @@ def test_a_plugin_registered_before_the_release_serves_the_keys_once_released():
     assert worker.handlers["get_data"] == new.get_data  # the new wrapper stays in place
     asyncio.run(new._worker_get_data(None, keys=["k"]))
     assert asked == [["k"]]  # recomputed, k is served again
+
+
+def reads(a):
+    """Reads its input on the host: a wrong value would show as a result."""
+    return float(sim.asnumpy(a)[0])
+
+
+def test_a_corrupt_key_held_at_teardown_is_neither_read_nor_served(cluster, gate, fail_gate):
+    """The plugin is removed while a corrupt key is held for a dependent that executes: a
+    task that reads the key and starts meanwhile raises its KernelError, get_data leaves the
+    key out, and it is released once that dependent has left."""
+    client, worker = cluster
+    x = client.submit(produce, 100, 1.0, pure=False)
+    k = client.submit(failing_later, x, pure=False)
+    d = client.submit(holds_its_input, k, pure=False)
+    assert ENTERED.wait(30)  # d executes (wrapped): the teardown waits for it
+    fail_gate.set()
+    got = client.sync(get_data_from_worker, client.rpc, [k.key], worker.address)
+    assert got["data"] == {} and k.key in worker.plugins["gpustreams"].provenance.held
+    removing = threading.Thread(target=client.unregister_worker_plugin, args=("gpustreams",))
+    removing.start()
+    try:
+        until(lambda: "gpustreams" not in worker.plugins)  # popped before its teardown
+        late = client.submit(reads, k, pure=False)  # starts during the teardown
+        with pytest.raises(KernelError) as info:
+            late.result(timeout=30)
+        assert info.value.key == k.key
+        got = client.sync(get_data_from_worker, client.rpc, [k.key], worker.address)
+        assert got["data"] == {}  # withheld
+    finally:
+        gate.set()
+        removing.join(30)
+    assert d.result(timeout=30) == 1
+
+    def released():
+        return [e for e in worker.state.log if e[0] == k.key and e[1] == "remove-replica"]
+
+    until(released)  # by the guard, once d had left
+    assert released()[0][2].startswith(STIMULUS_PREFIX)
+    until(lambda: not any(n.startswith("gpustreams-withheld") for n in worker.plugins))
+    client.cancel([x, k, d, late])

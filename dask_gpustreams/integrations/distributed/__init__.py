@@ -9,6 +9,7 @@ One module per part of the plugin, each the owner of its state:
   of corrupt results (*Failures*);
 - :mod:`.failures`: the records of corrupt results, which their recomputation raises;
 - :mod:`.execution`: the run_spec of each task that starts executing (*Execution*);
-- :mod:`.egress`: the waits of ``get_data`` and spilling (*Egress*)."""
+- :mod:`.egress`: the waits of ``get_data`` and spilling (*Egress*);
+- :mod:`.withheld`: what stays of a removed plugin while corrupt keys it found are held."""
 
 from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin as StreamsPlugin

@@ -43,7 +43,7 @@ class Egress:
         self.evicting: list = []
         self._worker_get_data: Any = None  # the handler that get_data wraps
         #: Corrupt keys get_data leaves out after the plugin's removal, until restore().
-        self.withheld: frozenset = frozenset()
+        self.withheld: Collection[Hashable] = ()
         #: Requests (get_data, spills) that waited for events, and their seconds in all.
         self.waits = 0
         self.wait_seconds = 0.0
@@ -61,16 +61,17 @@ class Egress:
     def uninstall(self, withheld: Collection[Hashable] = ()) -> None:
         """Unhook spilling and restore the worker's ``get_data`` handler (event loop).
 
-        ``withheld``: corrupt keys still in memory (held for their dependents, see
-        :meth:`.Provenance.close`), which ``get_data`` keeps leaving out until
-        :meth:`restore` (their release): no peer or client gets their values.
+        ``withheld``: the corrupt keys still in memory, held for their dependents
+        (:attr:`.Provenance.held`, read live: a key released is served again),
+        which ``get_data`` leaves out until :meth:`restore`
+        (:class:`.WithheldKeys`): no peer or client gets their values.
         """
         for lru in self.evicting:
             if self.before_spill in lru.on_evict:
                 lru.on_evict.remove(self.before_spill)
         if self.worker.handlers.get("get_data") == self.get_data:
             if withheld:
-                self.withheld = frozenset(withheld)
+                self.withheld = withheld
                 self.worker.handlers["get_data"] = self.get_data_withheld
             else:
                 self.worker.handlers["get_data"] = self._worker_get_data
@@ -92,7 +93,7 @@ class Egress:
         Nothing is withheld from now on, also where a plugin registered meanwhile
         wraps :meth:`get_data_withheld` as the worker's handler (it stays in that chain).
         """
-        self.withheld = frozenset()
+        self.withheld = ()
         if self.worker.handlers.get("get_data") == self.get_data_withheld:
             self.worker.handlers["get_data"] = self._worker_get_data
 

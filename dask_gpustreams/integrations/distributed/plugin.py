@@ -102,10 +102,11 @@ Lifetime
     :attr:`StreamsPlugin.max_failures` are kept, each for at most
     :attr:`StreamsPlugin.failure_ttl` seconds). A corrupt key held for its
     dependents is no longer held once it leaves memory on its own, or at
-    teardown: a plugin removed while such dependents are queued makes those
-    not started raise the key's error, and releases the key, asked every 50 ms,
-    once none needs it (no transition reaches the plugin after its removal);
-    until then ``get_data`` leaves it out.
+    teardown: distributed takes a plugin out of ``worker.plugins`` before its
+    teardown, which therefore installs :class:`.WithheldKeys` first. Until
+    the held keys have left memory, it makes each task that starts with one
+    as input raise the key's error, the keys are released as before once
+    their last readers have left, and ``get_data`` leaves them out.
     Each worker's plugin owns its
     runtime (in-process workers do not share one) and closes it at teardown,
     when it is removed or the worker closes: its streams and threads end.
@@ -159,6 +160,7 @@ from dask_gpustreams.integrations.distributed.erred_inputs import ErredInputs
 from dask_gpustreams.integrations.distributed.execution import Execution, fail_task
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
+from dask_gpustreams.integrations.distributed.withheld import WithheldKeys
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 
 logger = logging.getLogger("dask_gpustreams")
@@ -357,7 +359,12 @@ class StreamsPlugin(WorkerPlugin):
         if self.error is not None:
             return
         self._active = False
-        if worker.status not in (Status.closing, Status.closed, Status.failed):
+        closing = worker.status in (Status.closing, Status.closed, Status.failed)
+        guard = WithheldKeys(worker, self.provenance, self.egress, self.execution.fail)
+        if not closing:
+            # First, before any await: this plugin is out of worker.plugins already, so
+            # only the guard sees the tasks that read held corrupt keys start.
+            guard.install()
             with contextlib.suppress(Exception):  # no scheduler plugin: nothing to undo
                 await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
             while self.execution.running_wrapped():
@@ -368,7 +375,11 @@ class StreamsPlugin(WorkerPlugin):
         self._collector.stop()
         prometheus.unregister(worker)
         self.egress.uninstall(withheld=self.provenance.held)
-        await self.provenance.close(self.close_timeout, self.execution.fail, self.egress.restore)
+        await self.provenance.close(self.close_timeout)
+        if closing:
+            guard.remove()
+        else:
+            guard.torn_down()
         self._egress_threads.shutdown(wait=False)
 
     def transition(self, key: Hashable, start: str, finish: str, **kwargs: Any) -> None:

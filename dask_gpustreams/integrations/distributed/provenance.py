@@ -28,8 +28,6 @@ from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, ru
 logger = logging.getLogger("dask_gpustreams")
 
 # Worker task states of a dependent that still needs its inputs in this worker's memory.
-#: The states of a dependent that has not started: it can still be made to fail instead.
-_NOT_STARTED = frozenset({"waiting", "ready", "constrained"})
 # "cancelled" and "resumed": a task whose thread may still run (its inputs read, or not yet).
 _NEEDS_INPUTS = frozenset(
     {"waiting", "ready", "constrained", "executing", "long-running", "cancelled", "resumed"}
@@ -278,45 +276,32 @@ class Provenance:
             self._runtime.collect()
         self._failures.expire()
 
-    def clear(self) -> None:
-        """Forget every key (the plugin is removed, or the worker closes)."""
+    def clear(self, keep_held: bool = False) -> None:
+        """Forget every key (the plugin is removed, or the worker closes).
+
+        ``keep_held``: but the corrupt keys held for their dependents, and their
+        failure records.
+        """
         self._registry.clear()
         self._taint.clear()
-        self._failures.clear()
-        self._held.clear()
-        self._needed_by.clear()
+        if not keep_held:
+            self._failures.clear()
+            self._held.clear()
+            self._needed_by.clear()
+            return
+        failures = self._failures
+        for key in [k for k in failures if k not in self._held]:
+            del failures[key]
 
-    async def close(
-        self,
-        timeout: float,
-        fail: Callable[[Hashable, BaseException], None],
-        released: Callable[[], None],
-    ) -> None:
+    async def close(self, timeout: float) -> None:
         """Forget every key, then close the runtime in an egress thread, waiting ``timeout`` s.
 
         The close ends the runtime's streams and threads once the work left on the
         device is done; a kernel that never ends leaves it going on in its thread.
-        Corrupt keys still held for their dependents: no hook sees those leave from
-        now on, and no check runs when they start. So each dependent not started
-        yet is made to raise the key's error (``fail(key, error)``, as it would have
-        when it started), and the keys are released once no dependent needs them,
-        asked every 50 ms (:meth:`_release_after_close`); then ``released()`` is
-        called (at once, if none is held).
+        The corrupt keys still held for their dependents, and their failure
+        records, stay: :class:`.WithheldKeys` sees them go.
         """
-        held = self._held
-        if held:
-            tasks = self._worker.state.tasks
-            for corrupt, needing in held.items():
-                recorded = self._failures.get(corrupt)
-                error = recorded[0] if recorded else KernelError(corrupt, "its result is corrupt")
-                for key in needing:
-                    ts = tasks.get(key)
-                    if ts is not None and ts.state in _NOT_STARTED:
-                        fail(key, error)
-            self._worker.loop.add_callback(self._release_after_close, list(held), released)
-        else:
-            released()
-        self.clear()  # before the close: the records refer to the streams
+        self.clear(keep_held=True)  # before the close: the records refer to the streams
         runtime = self._runtime
         if runtime is None:
             return
@@ -325,6 +310,24 @@ class Provenance:
             await asyncio.wait_for(closing, timeout)
         except TimeoutError:
             logger.warning("gpustreams: %r did not close within %s s", runtime, timeout)
+
+    def fail_if_reads_held(
+        self, key: Hashable, fail: Callable[[Hashable, BaseException], None]
+    ) -> None:
+        """``key``'s task starts executing: if an input is a held corrupt key, it raises its error.
+
+        For a removed plugin (:class:`.WithheldKeys`), whose check of inputs no
+        longer runs. ``fail(key, error)`` replaces the task's run_spec.
+        """
+        held = self._held
+        ts = self._worker.state.tasks.get(key)
+        if ts is None or not held:
+            return
+        for dep in ts.dependencies:
+            if dep.key in held:
+                recorded = self._failures.get(dep.key)
+                fail(key, recorded[0] if recorded else KernelError(dep.key, "result corrupt"))
+                return
 
     def drop_corrupt(self, failed: dict[Hashable, KernelError]) -> None:
         """Record the errors of corrupt results and release them, so they are recomputed.
@@ -340,6 +343,11 @@ class Provenance:
         """Release those of the corrupt ``keys`` still in memory; hold those still needed."""
         worker = self._worker
         if worker.status not in (Status.running, Status.paused):
+            if worker.status == Status.closing_gracefully:  # its peers would copy them: keep
+                for key in keys:  # them held (and withheld) until the worker closes
+                    ts = worker.state.tasks.get(key)
+                    if ts is not None and ts.state == "memory":
+                        self._held.setdefault(key, set())
             return
         tasks = worker.state.tasks
         now = []
@@ -358,18 +366,6 @@ class Provenance:
             stimulus_id = f"{STIMULUS_PREFIX}-{time.time()}"
             worker.handle_stimulus(RemoveReplicasEvent(keys=now, stimulus_id=stimulus_id))
 
-    def _release_after_close(self, keys: list[Hashable], released: Callable[[], None]) -> None:
-        """Release the corrupt ``keys`` once no dependent needs them, asked every 50 ms; then
-        call ``released()`` (also once the worker no longer runs: nothing more is served)."""
-        self._release(keys)
-        if not self._held:
-            released()
-            return
-        keys = list(self._held)
-        self._held.clear()
-        self._needed_by.clear()
-        self._worker.loop.call_later(0.05, self._release_after_close, keys, released)
-
     def transitioned(self, key: Hashable, finish: str) -> None:
         """The plugin's hook, while a corrupt key is held: ``key`` went to state ``finish``.
 
@@ -381,8 +377,13 @@ class Provenance:
         """
         held = self._held
         if finish != "memory" and key in held:
+            needed_by = self._needed_by
             for dependent in held.pop(key):
-                self._needed_by.get(dependent, set()).discard(key)
+                corrupts = needed_by.get(dependent)
+                if corrupts is not None:
+                    corrupts.discard(key)
+                    if not corrupts:
+                        del needed_by[dependent]
         if finish in _NEEDS_INPUTS:
             return
         needs = self._needed_by.pop(key, None)
