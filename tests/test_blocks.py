@@ -1139,3 +1139,20 @@ def test_blocks_hold_no_more_device_memory_than_task_per_key(monkeypatch):
             if mode == "auto":
                 assert formed(client) == (9, 82)
     assert 0 < peaks["auto"] <= 1.25 * peaks["off"], peaks
+
+
+def test_a_blocks_tasks_are_in_dependency_order_whatever_their_priorities():
+    """User priorities may rank a task above what it reads: the block still runs its tasks
+    (on the host, in its order) after their inputs, and in priority order otherwise."""
+    from dask_gpustreams.integrations.distributed.blocks import dependency_order
+
+    class ts:  # a TaskState's fields that the order reads (hashed by identity, as TaskStates)
+        def __init__(self, key, priority, *deps):
+            self.key, self.priority, self.dependencies = key, priority, set(deps)
+
+    a = ts("a", (0, 0, 0))
+    b = ts("b", (-10, 0, 1), a)  # annotated above a, which it reads
+    c = ts("c", (0, 0, 2))
+    d = ts("d", (-20, 0, 3), b, c)
+    assert [t.key for t in dependency_order([d, c, b, a])] == ["a", "b", "c", "d"]
+    assert [t.key for t in dependency_order([c, a])] == ["a", "c"]

@@ -414,9 +414,11 @@ def partition(
             groups.extend(banded)
         groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
     pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, order or sort_key)]
-    if order is not None and not _acyclic([p for p, _ in pieces], level, dependencies):
+    acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
+    if order is not None and not acyclic:
         pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, sort_key)]
-    if not _acyclic([p for p, _ in pieces], level, dependencies):
+        acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
+    if not acyclic:
         chains = [
             c for part in parts.values() for c in _chains(part, members, dependencies, dependents)
         ]

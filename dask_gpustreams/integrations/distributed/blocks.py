@@ -378,13 +378,39 @@ class _Plan:
     blocks: list[_BlockPlan]
 
 
+def dependency_order(members: list) -> list:
+    """``members`` (TaskStates) in priority order, each moved after its dependencies among them.
+
+    A block's tasks run in this order on the host (``StreamBlock.__call__``); the
+    scheduler's priority alone is no dependency order where user priorities
+    (annotations) rank a task above what it reads.
+    """
+    by_priority = operator.attrgetter("priority")
+    inside = set(members)
+    placed: set = set()
+    ordered = []
+    for root in sorted(members, key=by_priority):
+        stack = [root]
+        while stack:
+            ts = stack[-1]
+            waiting = [d for d in ts.dependencies if d in inside and d not in placed]
+            if waiting:
+                stack.append(min(waiting, key=by_priority))
+                continue
+            stack.pop()
+            if ts not in placed:
+                placed.add(ts)
+                ordered.append(ts)
+    return ordered
+
+
 def _block_plan(members: list, worker: str | None = None, rootish: bool = False) -> _BlockPlan:
     """The block of ``members`` (TaskStates): its inputs, outputs, task and getters.
 
     ``rootish``: whether a member is a task the scheduler would queue (root-ish);
     the block's task is then a data producer, which the scheduler queues too.
     """
-    members = sorted(members, key=operator.attrgetter("priority"))
+    members = dependency_order(members)
     inside = set(members)
     inputs: dict[Any, None] = {}
     outputs = []
