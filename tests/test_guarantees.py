@@ -552,7 +552,7 @@ def test_a_plugin_registered_before_the_release_serves_the_keys_once_released():
         asked.append(sorted(keys))
 
     worker = SimpleNamespace(handlers={"get_data": worker_get_data}, data={})
-    old = Egress(worker, None, None)
+    old = Egress(worker, SimpleNamespace(registry=()), None)  # closed: no record left
     old.install()
     old.uninstall(withheld={"k"})
     new = Egress(worker, None, None)

@@ -62,39 +62,25 @@ class Egress:
         """Unhook spilling and restore the worker's ``get_data`` handler (event loop).
 
         ``withheld``: the corrupt keys still in memory, held for their dependents
-        (:attr:`.Provenance.held`, read live: a key released is served again),
-        which ``get_data`` leaves out until :meth:`restore`
-        (:class:`.WithheldKeys`): no peer or client gets their values.
+        (:attr:`.Provenance.held`, read live: a key released is served again):
+        :meth:`get_data` stays the handler and leaves them out until :meth:`restore`
+        (:class:`.WithheldKeys`), so no peer or client gets their values.
         """
         for lru in self.evicting:
             if self.before_spill in lru.on_evict:
                 lru.on_evict.remove(self.before_spill)
-        if self.worker.handlers.get("get_data") == self.get_data:
-            if withheld:
-                self.withheld = withheld
-                self.worker.handlers["get_data"] = self.get_data_withheld
-            else:
-                self.worker.handlers["get_data"] = self._worker_get_data
-
-    async def get_data_withheld(
-        self,
-        comm: Any,
-        keys: Collection[Hashable],
-        who: str | None = None,
-        serializers: list[str] | None = None,
-    ) -> Any:
-        """``Worker.get_data``, the :attr:`withheld` keys left out (after the plugin's removal)."""
-        keys = [k for k in keys if k not in self.withheld]
-        return await self._worker_get_data(comm, keys=keys, who=who, serializers=serializers)
+        self.withheld = withheld
+        if not withheld:
+            self.restore()
 
     def restore(self) -> None:
-        """The withheld keys are released: the worker's own ``get_data`` again (event loop).
+        """Nothing is withheld: the worker's own ``get_data`` again (event loop).
 
-        Nothing is withheld from now on, also where a plugin registered meanwhile
-        wraps :meth:`get_data_withheld` as the worker's handler (it stays in that chain).
+        Also where a plugin registered meanwhile wraps :meth:`get_data` as the
+        worker's handler (it stays in that chain, passing every key through).
         """
         self.withheld = ()
-        if self.worker.handlers.get("get_data") == self.get_data_withheld:
+        if self.worker.handlers.get("get_data") == self.get_data:
             self.worker.handlers["get_data"] = self._worker_get_data
 
     async def get_data(
@@ -104,7 +90,12 @@ class Egress:
         who: str | None = None,
         serializers: list[str] | None = None,
     ) -> Any:
-        """``Worker.get_data`` once the events of ``keys`` have completed; failed keys left out."""
+        """``Worker.get_data`` once the events of ``keys`` have completed; failed keys left out.
+
+        After the plugin's removal, also the :attr:`withheld` keys.
+        """
+        if self.withheld:
+            keys = [k for k in keys if k not in self.withheld]
         provenance = self.provenance
         if len(provenance.registry):
             with context_meter.add_callback(self._get_data_digest, allow_offload=True):
