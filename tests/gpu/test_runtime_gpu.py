@@ -214,10 +214,12 @@ def test_a_closed_runtime_frees_the_blocks_cupy_cached_for_its_streams():
 
 
 def test_without_the_release_closed_runtimes_grow_the_pool(monkeypatch):
-    """The control: with ``destroy_stream`` freeing nothing, each runtime's 64 MiB stay held."""
+    """The control: with ``destroy_stream`` freeing nothing, the closed runtimes' blocks stay
+    held. Not all 64 MiB of each: a new stream may get a closed one's handle, and CuPy then
+    reuses its arena (rapidsai/rmm#654's case). On the H200 at 0062085: +64 MiB, then +48."""
     from dask_gpustreams.backends.cupy import CupyBackend
 
     cupy.get_default_memory_pool().free_all_blocks()
     monkeypatch.setattr(CupyBackend, "destroy_stream", lambda self, stream, timeout=None: None)
     held = _held_after_three_runtimes()
-    assert held[2] >= held[0] + 2 * (8 << 23) - (8 << 20), held
+    assert held[2] >= held[0] + (8 << 23), held  # at least one runtime's 64 MiB
