@@ -232,6 +232,10 @@ class OnPoolStream:
         return on_pool_stream()
 
 
+class UnhashableOnPoolStream(OnPoolStream):
+    __hash__ = None  # the worker cannot keep how its tasks run: it decides at each one
+
+
 def wrapped_keys(dask_worker, keys):
     """Those of ``keys`` whose task ran on the streams (it recorded an event)."""
     registry = dask_worker.plugins["gpustreams"].registry
@@ -240,7 +244,8 @@ def wrapped_keys(dask_worker, keys):
 
 def test_coroutines_stay_unwrapped_and_every_other_callable_runs_on_the_streams(client):
     """Coroutine functions (also a partial of one, a tornado-marked one) run on the event loop
-    as in plain distributed; plain functions, builtins and callable objects on the streams."""
+    as in plain distributed; plain functions, builtins and callable objects on the streams.
+    The worker keeps the decision per function: a second task of each is decided the same."""
     a, _ = workers(client)
     kinds = {
         "coroutine": (coroutine, 2),
@@ -249,17 +254,19 @@ def test_coroutines_stay_unwrapped_and_every_other_callable_runs_on_the_streams(
         "plain": (on_pool_stream, True),
         "with-attribute": (with_attribute, True),
         "callable-object": (OnPoolStream(), True),
+        "unhashable-object": (UnhashableOnPoolStream(), True),
         "builtin": (operator.neg, -1),
     }
-    futures = {
-        kind: client.submit(func, 1, key=f"kind-{kind}", workers=[a], pure=False)
-        for kind, (func, _) in kinds.items()
-    }
-    assert {k: f.result() for k, f in futures.items()} == {k: v for k, (_, v) in kinds.items()}
-    keys = [f.key for f in futures.values()]
-    wrapped = client.run(wrapped_keys, keys=keys, workers=[a])[a]
-    unwrapped = {"kind-coroutine", "kind-partial-coroutine", "kind-tornado-style"}
-    assert set(wrapped) == set(keys) - unwrapped
+    unwrapped = {"coroutine", "partial-coroutine", "tornado-style"}
+    for round_ in range(2):
+        futures = {
+            kind: client.submit(func, 1, key=f"kind-{kind}-{round_}", workers=[a], pure=False)
+            for kind, (func, _) in kinds.items()
+        }
+        assert {k: f.result() for k, f in futures.items()} == {k: v for k, (_, v) in kinds.items()}
+        keys = [f.key for f in futures.values()]
+        wrapped = client.run(wrapped_keys, keys=keys, workers=[a])[a]
+        assert set(wrapped) == {f"kind-{k}-{round_}" for k in kinds.keys() - unwrapped}
 
 
 def test_dask_array_with_fused_tasks(client):
@@ -570,6 +577,7 @@ def test_host_side_tasks_wait_for_their_inputs(monkeypatch):
     with cluster(n_workers=1) as client:  # in-process: the workers share this class
         for host_modules, complete in (((), False), (("hostside_for_tests",), True)):
             monkeypatch.setattr(StreamsPlugin, "host_modules", host_modules)
+            client.register_plugin(StreamsPlugin())  # read at setup
             x = client.submit(produce, 100, 3.0, 0.1, pure=False)
             got = values(pickle.loads(client.submit(snapshot, x, pure=False).result()))
             assert (got == 3.0).all() == complete
@@ -689,7 +697,7 @@ def test_a_backend_that_cannot_start_fails_the_task():
 
 
 def test_a_failure_while_wrapping_fails_the_task_instead_of_running_it_unwrapped(monkeypatch):
-    def broken(self, key, host_modules):
+    def broken(self, key):
         raise RuntimeError(f"cannot wrap {key}")
 
     monkeypatch.setattr(Execution, "prepare", broken)

@@ -24,19 +24,20 @@ from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin as Plu
 
 # A task per key: stream blocks would make each chain one task.
 CONFIG = {"gpustreams.backend": "sim", "gpustreams.streams": 4, "gpustreams.blocks": "off"}
-#: Python calls of the hook per task, all its transitions together: 12.0 when this was set,
+#: Python calls of the hook per task, all its transitions together: 10.07 when this was set,
 #: 1 per transition for the hook itself; the checks of the inputs' events run in the worker
 #: thread. The hook made 41 before it was first made cheap, then 22 (8 of them
-#: ``Task.is_coro``).
-MAX_CALLS_PER_TASK = 12.5
+#: ``Task.is_coro``), then 12.0 (before the wrapping decision was kept per function).
+MAX_CALLS_PER_TASK = 10.5
 #: Python calls per transition, the hook's own included, by finish state. ``executing``: the
-#: hook, ``Execution.prepare``, ``stream_node``, ``rewrite_transfers`` and
-#: ``StreamTask.__init__`` (the rewrite looks into the rare task nested in arguments: 5.01 here);
-#: ``released``: the hook, ``Provenance.forget`` and ``EventRegistry.discard``; the others
-#: only the hook.
+#: hook, ``Execution.prepare`` and ``StreamTask.__init__``, and the rare task with a transfer
+#: or a task in its arguments ``rewrite_transfers`` (3.07 here; the module, coroutine and
+#: transfer checks are made at a function's first task only); ``released``: the hook,
+#: ``Provenance.forget`` and ``EventRegistry.retire`` (the record is freed in a task thread:
+#: no finalizer runs here); the others only the hook.
 CALLS_PER_TRANSITION = {
-    "executing": 5.05,
-    "released": 3.05,  # dropping a record may run a finalizer (its event back to the pool)
+    "executing": 3.1,
+    "released": 3,
     "waiting": 1,
     "ready": 1,
     "memory": 1,

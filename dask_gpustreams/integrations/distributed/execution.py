@@ -9,16 +9,22 @@ keep their run_spec.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from dask._task_spec import GraphNode, Task, TaskRef
+from dask._task_spec import GraphNode, Task, TaskRef, _execute_subgraph
 from distributed import Reschedule
 
 from dask_gpustreams.diagnostics.fine_metrics import launch_meter
 from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock
 from dask_gpustreams.integrations.distributed.provenance import Provenance
-from dask_gpustreams.integrations.tasks import StreamTask, stream_node, transfer_rewrites
+from dask_gpustreams.integrations.tasks import (
+    StreamTask,
+    rewrite_transfers,
+    stream_node,
+    transfer_rewrites,
+)
 from dask_gpustreams.runtime import StreamRuntime
 
 
@@ -84,6 +90,7 @@ class WorkerStreamTask(StreamTask):
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         provenance = self.provenance
+        provenance.free_retired()  # here, not on the event loop that retired them
         error, pending = provenance.input_states(self._dependencies)
         if error is not None:
             provenance.clear_stream_errors_soon()
@@ -127,16 +134,32 @@ def fail_task(tasks: Mapping[Hashable, Any], key: Hashable, exc: BaseException) 
         ts.run_spec = _replace(node, _Raise(exc), tuple(node.dependencies))
 
 
+#: How the tasks of one function run (:attr:`Execution._kinds`): as they are (coroutines), on
+#: the host side after their inputs' work, or on the streams (rewritten whole by
+#: :func:`stream_node`, or only where a task stands in their arguments).
+_AS_IS, _HOST, _STREAM, _REWRITE = 0, 1, 2, 3
+
+
 class Execution:
     """Replaces the run_spec of each task that starts executing on one worker (event loop).
 
     :meth:`prepare` runs once per task on the worker's event loop, so it reads
-    only what the task needs and caches what is per executor, not per task.
+    only what the task needs and caches what is per executor or per function,
+    not per task. ``host_modules``: the modules of the functions of host-side
+    tasks (the plugin's, read at setup).
     """
 
-    def __init__(self, worker: Any, provenance: Provenance):
+    #: The most task functions whose kind is kept (:meth:`_remember`).
+    max_kinds = 4096
+
+    def __init__(self, worker: Any, provenance: Provenance, host_modules: tuple[str, ...]):
         self.worker = worker
         self.provenance = provenance
+        self._host_modules = host_modules
+        #: task function -> how its tasks run (``_AS_IS``, ``_HOST``, ...), decided
+        #: at its first task: the module and coroutine checks are per function, not per task.
+        #: Cleared when full (callables made per task would grow it).
+        self._kinds: dict[Any, int] = {}
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
         # What each task reads of the provenance, bound once (no call per task): the failure
@@ -154,13 +177,12 @@ class Execution:
         self._runtime: StreamRuntime | None = None
         self._rewrites: dict[int, Any] = {}
 
-    def prepare(self, key: Hashable, host_modules: tuple[str, ...]) -> None:
+    def prepare(self, key: Hashable) -> None:
         """Give ``key``'s task, which starts executing, the run_spec to run it with.
 
-        ``host_modules``: the modules of the functions of host-side tasks. A task
-        that runs on the streams (one that :func:`wrap_task` would wrap) checks its
-        inputs in its worker thread (:class:`WorkerStreamTask`); the others are
-        checked here.
+        A task that runs on the streams (one that :func:`wrap_task` would wrap)
+        checks its inputs in its worker thread (:class:`WorkerStreamTask`); the
+        others, host-side tasks among them, are checked here.
         """
         ts = self._tasks.get(key)
         if ts is None:
@@ -173,15 +195,18 @@ class Execution:
             if error is not None:
                 ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
                 return
-        provenance = self.provenance
-        if (self._actors and key in self._actors) or not (
+        kind = _AS_IS
+        if not (self._actors and key in self._actors) and (
             self._thread_pool(ts) if ts.annotations else self._default_on_threads
         ):
-            host_side = False
-        else:
-            module = getattr(getattr(node, "func", None), "__module__", None)
-            host_side = (module or "").startswith(host_modules)
-            if not host_side:
+            if type(node) is Task:
+                try:
+                    kind = self._kinds[node.func]
+                except (KeyError, TypeError):  # a new function, or an unhashable callable
+                    kind = self._remember(node)
+            else:
+                kind = self._kind(node)
+            if kind >= _STREAM:
                 runtime = self._runtime
                 if runtime is None:
                     try:
@@ -189,10 +214,20 @@ class Execution:
                     except Exception as e:  # a bad backend: fail the task, not the worker
                         ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
                         return
-                inner = stream_node(node, self._rewrites)
-                if inner is not None:  # as wrap_task, with what is per worker looked up once
-                    ts.run_spec = self._task_class(inner, runtime, self._registry)
-                    return
+                    kind = self._kind(node)  # with the backend's transfer functions
+                # As wrap_task (stream_node): a plain task's transfers are rewritten only if
+                # a task stands in its arguments (the rare case).
+                inner = node
+                if kind == _REWRITE:
+                    inner = stream_node(node, self._rewrites)
+                else:
+                    for a in node.args:  # a loop, not any(): no call
+                        if isinstance(a, Task):
+                            inner = rewrite_transfers(node, self._rewrites)
+                            break
+                ts.run_spec = self._task_class(inner, runtime, self._registry)
+                return
+        provenance = self.provenance
         error, pending = provenance.input_states(node.dependencies)
         if error is not None:
             provenance.clear_stream_errors_soon()
@@ -200,15 +235,42 @@ class Execution:
             return
         if pending:
             provenance.note_pending(key, pending)
-            if host_side:  # it waits for its inputs' work first, in its thread
+            if kind == _HOST:  # it waits for its inputs' work first, in its thread
                 dep_keys = tuple(node.dependencies)
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)
                 ts.run_spec = _replace(node, host, dep_keys)
+
+    def _kind(self, node: GraphNode) -> int:
+        """How ``node`` runs: on the host side (``host_modules``), on the streams, or as it is.
+
+        On the streams, a plain task whose function is neither a transfer nor a
+        fused subgraph is :data:`_STREAM`; others are :data:`_REWRITE`, and go
+        through :func:`stream_node` whole.
+        """
+        func = getattr(node, "func", None)
+        if (getattr(func, "__module__", None) or "").startswith(self._host_modules):
+            return _HOST
+        if stream_node(node, {}) is None:
+            return _AS_IS
+        if type(node) is not Task or func is _execute_subgraph or id(func) in self._rewrites:
+            return _REWRITE
+        return _STREAM
+
+    def _remember(self, node: Task) -> int:
+        """:meth:`_kind` of a plain task, kept for its function's next tasks if it is hashable."""
+        kind = self._kind(node)
+        kinds = self._kinds
+        if len(kinds) >= self.max_kinds:
+            kinds.clear()
+        with contextlib.suppress(TypeError):
+            kinds[node.func] = kind
+        return kind
 
     def _start_runtime(self) -> StreamRuntime:
         """The worker's runtime (made at its first task), and what is per runtime."""
         runtime = self.provenance.task_runtime()
         self._rewrites = transfer_rewrites(runtime)
+        self._kinds.clear()  # decided without the backend's transfer functions
         self._runtime = runtime
         return runtime
 

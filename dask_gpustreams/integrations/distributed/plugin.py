@@ -212,7 +212,8 @@ class StreamsPlugin(WorkerPlugin):
 
     name = "gpustreams"
     idempotent = False  # registering again applies the new settings (see above)
-    #: Modules whose task functions give their inputs to host-side machinery (P2P).
+    #: Modules whose task functions give their inputs to host-side machinery (P2P): read at
+    #: setup.
     host_modules: tuple[str, ...] = ("distributed.shuffle",)
     #: How many kernel-failure records a worker keeps for keys not yet recomputed,
     #: and for how many seconds (a recomputation normally follows within milliseconds):
@@ -305,7 +306,7 @@ class StreamsPlugin(WorkerPlugin):
         failures = FailureRecords(self.max_failures, self.failure_ttl)
         self.provenance = Provenance(worker, self.config, self._egress_threads, failures)
         self._held = self.provenance.held
-        self.execution = Execution(worker, self.provenance)
+        self.execution = Execution(worker, self.provenance, self.host_modules)
         self.egress = Egress(worker, self.provenance, self._egress_threads)
         self._collector = PeriodicCallback(self.provenance.collect, self.collect_interval * 1000)
         try:
@@ -394,7 +395,7 @@ class StreamsPlugin(WorkerPlugin):
         if finish == "executing":  # a dependent that starts executing still needs its inputs
             if self._active:
                 try:
-                    self.execution.prepare(key, self.host_modules)
+                    self.execution.prepare(key)
                 except Exception as e:  # distributed only logs this: fail the task instead
                     self.execution.fail(key, e)
             elif self.error is not None:

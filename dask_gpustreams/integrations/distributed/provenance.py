@@ -265,13 +265,23 @@ class Provenance:
                 raise self._failed(record, error)
 
     def forget(self, key: Hashable) -> None:
-        """Drop the entries of ``key``, which is no longer this worker's to serve."""
-        self._registry.discard(key)
+        """Drop the entries of ``key``, which is no longer this worker's to serve.
+
+        On the event loop: its record is freed later, in a task thread
+        (:meth:`free_retired`) or at the next :meth:`collect`.
+        """
+        self._registry.retire(key)
         if self._taint:
             self._taint.pop(key, None)
 
+    def free_retired(self) -> None:
+        """Worker thread: free the records of the keys forgotten since the last call."""
+        self._registry.free_retired()
+
     def collect(self) -> None:
-        """Release the inputs held for completed tasks; drop the expired failure records."""
+        """Release the inputs held for completed tasks and the records of forgotten keys;
+        drop the expired failure records."""
+        self._registry.free_retired()
         if self._runtime is not None:
             self._runtime.collect()
         self._failures.expire()
