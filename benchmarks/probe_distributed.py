@@ -23,9 +23,9 @@ their time. ``--hook-times`` instead times, on the worker, each call of the
 plugin's ``transition`` hook and its ``Execution.prepare``, of
 ``StreamRuntime.run``, of the kernel launch inside it and (with CuPy) of
 ``cupy.empty`` inside that, with the plugin on; ``transition`` also by the state the key
-goes to. The wall clock's window holds two ``perf_counter`` reads and the wrapper's call;
-``transition ->executing`` also holds the timer of the ``prepare`` inside it (about 1 us,
-a thread CPU clock read among it). ``--blocks`` is the plugin's stream blocks setting,
+goes to. The hook is timed in a first pass, the calls inside it and the task's in a
+second, so no timer stands inside another's window; the wall clock's window holds two
+``perf_counter`` reads and the wrapper's call. ``--blocks`` is the plugin's stream blocks setting,
 ``off`` (as shipped) unless given.
 
 ::
@@ -134,8 +134,11 @@ def profile_loops(client, prepare, reps: int) -> None:
         print(text)
 
 
-def _install_hook_timers(dask_worker):
-    """Wrap the plugin's per-task calls on this worker with timers (kept per call)."""
+def _install_hook_timers(dask_worker, hook: bool):
+    """Wrap the plugin's hook (``hook``), else the calls inside it and the task's, with timers.
+
+    Apart, so that no timer stands inside another's window.
+    """
     from collections import defaultdict
 
     from benchmarks.kernels import Spin
@@ -167,18 +170,16 @@ def _install_hook_timers(dask_worker):
         patch.start()
         patches.append(patch)
 
-    targets = [
-        (StreamsPlugin, "transition"),
-        (Execution, "prepare"),
-        (StreamRuntime, "run"),
-        (Spin, "__call__"),
-    ]
-    try:
-        import cupy
+    if hook:
+        targets = [(StreamsPlugin, "transition")]
+    else:
+        targets = [(Execution, "prepare"), (StreamRuntime, "run"), (Spin, "__call__")]
+        try:
+            import cupy
 
-        targets.append((cupy, "empty"))  # the launch's allocation, from the memory pool
-    except ImportError:
-        pass
+            targets.append((cupy, "empty"))  # the launch's allocation, from the memory pool
+        except ImportError:
+            pass
     for cls, name in targets:
         timed(cls, name)
 
@@ -205,11 +206,12 @@ def hook_times(dist, loads, shapes: str, reps: int) -> None:
     CPU time in the hook (``time.thread_time``), its cost without those waits.
     """
     client = dist.client
-    client.run(_install_hook_timers)
-    try:
-        _hook_rows(dist, loads, shapes, reps)
-    finally:
-        client.run(_remove_hook_timers)
+    for hook in (True, False):  # the hook alone, then what is inside it and the task
+        client.run(_install_hook_timers, hook=hook)
+        try:
+            _hook_rows(dist, loads, shapes, reps)
+        finally:
+            client.run(_remove_hook_timers)
 
 
 def _hook_rows(dist, loads, shapes: str, reps: int) -> None:

@@ -19,6 +19,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -40,7 +41,7 @@ from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFI
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.distributed.withheld import WithheldKeys
-from dask_gpustreams.runtime import runtimes
+from dask_gpustreams.runtime import StreamPool, TaskRecord, runtimes
 from dask_gpustreams.runtime.pinned import PinnedPool
 
 #: Opened by the test that closes it, and by the ``gate`` fixture at the end (a failed
@@ -484,6 +485,32 @@ def test_held_entries_go_when_the_key_leaves_memory_on_its_own_or_at_teardown():
     assert provenance.held == {}
     provenance.transitioned("b-dependent", "memory")
     assert released == []
+
+
+class _Referenced:
+    """An event stand-in that a weak reference can watch."""
+
+
+def test_forgotten_keys_records_are_freed_at_free_retired_not_on_the_event_loop():
+    """Freeing a record frees its event (a driver call): the event loop only moves the records
+    of a forgotten key, its own and its taint's, aside; a task thread frees them."""
+    worker = SimpleNamespace(status=Status.running, state=SimpleNamespace(tasks={}))
+    provenance = Provenance(worker, StreamsConfig(backend="sim"), None, FailureRecords(10, 60.0))
+    slot = StreamPool(SimBackend(), 1).slots[0]
+    events = {key: _Referenced() for key in ("input", "key")}
+    watched = [weakref.ref(e) for e in events.values()]
+    records = {key: TaskRecord(key, slot, event, 1) for key, event in events.items()}
+    for record in records.values():
+        provenance.registry.add(record)
+    provenance.note_pending("key", (records["input"],))
+    del events, records, record
+    provenance.forget("input")
+    provenance.free_retired()  # the input's record lives on in the key's taint
+    for key in ("key", "never-seen"):
+        provenance.forget(key)
+    assert (len(provenance.registry), [w() is not None for w in watched]) == (0, [True, True])
+    provenance.free_retired()
+    assert [w() for w in watched] == [None, None]
 
 
 def test_a_removed_plugins_guard_fails_the_readers_of_held_keys_and_withholds_them():

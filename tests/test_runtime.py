@@ -328,24 +328,12 @@ def test_registry():
     assert repr(b) == "<TaskRecord 'b' stream=0 seq=2>"
 
 
-class _Referenced:
-    """An event stand-in that a weak reference can watch."""
-
-
-def test_a_retired_record_is_freed_at_free_retired_not_at_retire():
-    """A worker's event loop retires the records of released keys; its task threads free them
-    (freeing a record destroys its event, a driver call)."""
+def test_discard_hands_the_record_back_for_its_caller_to_free():
     reg = EventRegistry()
     slot = StreamPool(SimBackend(), 1).slots[0]
-    event = _Referenced()
-    watch = weakref.ref(event)
-    reg.add(TaskRecord("a", slot, event, 1))
-    del event
-    reg.retire("a")
-    reg.retire("never-added")
-    assert ("a" in reg, len(reg), watch() is not None) == (False, 0, True)
-    reg.free_retired()
-    assert watch() is None
+    record = TaskRecord("a", slot, sim.Event(), 1)
+    reg.add(record)
+    assert (reg.discard("a"), reg.discard("a"), "a" in reg, len(reg)) == (record, None, False, 0)
 
 
 def test_pool_records_in_stream_order_and_skips_covered_waits():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
@@ -48,7 +47,6 @@ class EventRegistry:
     def __init__(self) -> None:
         self._records: dict[Hashable, TaskRecord] = {}
         self._planned: dict[Hashable, int] = {}  # levels of keys assigned, not yet added
-        self._retired: deque[TaskRecord] = deque()  # dropped entries, not yet freed
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -94,32 +92,20 @@ class EventRegistry:
             pop(key, None)
             unplan(key, None)
 
-    def discard(self, key: Hashable) -> None:
-        """Drop the entry of ``key``, if any."""
-        self._records.pop(key, None)
-        self._planned.pop(key, None)
+    def discard(self, key: Hashable) -> TaskRecord | None:
+        """Drop the entry of ``key``; return its record (None if it had none).
 
-    def retire(self, key: Hashable) -> None:
-        """Drop the entry of ``key``, if any; its record is freed at :meth:`free_retired`.
-
-        Freeing a record frees its event, a driver call on a GPU: a worker's event
-        loop retires the records of the keys it releases, and its task threads
-        free them. Deque appends and clears are atomic, so neither takes a lock.
+        Freeing a record frees its event, a driver call on a GPU: a caller on a
+        thread that must not wait for it (a worker's event loop) keeps it to free
+        elsewhere.
         """
-        record = self._records.pop(key, None)
         self._planned.pop(key, None)
-        if record is not None:
-            self._retired.append(record)
-
-    def free_retired(self) -> None:
-        """Free the records that :meth:`retire` dropped."""
-        self._retired.clear()
+        return self._records.pop(key, None)
 
     def clear(self) -> None:
-        """Drop every entry, and free the retired records."""
+        """Drop every entry."""
         self._records.clear()
         self._planned.clear()
-        self._retired.clear()
 
     def records(self, keys: Iterable[Hashable]) -> list[TaskRecord]:
         """The records of those ``keys`` that have one."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -93,6 +94,8 @@ class Provenance:
         #: key -> records of the work its value derives from on this worker, not yet known
         #: to have succeeded (its inputs, their inputs, ...).
         self._taint = Taints()
+        #: The records and taints of forgotten keys, not yet freed (:meth:`forget`).
+        self._retired: deque[Any] = deque()
         #: The taints' writers (:meth:`Taints.note`: ``key``'s value derives from ``pending``,
         #: work not complete when its task started; :meth:`Taints.succeeded`: all that work
         #: completed fine). Bound here: ``note_pending`` runs once per task, with no call added.
@@ -267,21 +270,23 @@ class Provenance:
     def forget(self, key: Hashable) -> None:
         """Drop the entries of ``key``, which is no longer this worker's to serve.
 
-        On the event loop: its record is freed later, in a task thread
-        (:meth:`free_retired`) or at the next :meth:`collect`.
+        On the event loop: its record and its taint (records, each with its event)
+        are freed later, in a task thread (:meth:`free_retired`) or at the next
+        :meth:`collect`. Deque appends and clears are atomic: no lock.
         """
-        self._registry.retire(key)
+        retired = self._retired
+        retired.append(self._registry.discard(key))
         if self._taint:
-            self._taint.pop(key, None)
+            retired.append(self._taint.pop(key, None))
 
     def free_retired(self) -> None:
         """Worker thread: free the records of the keys forgotten since the last call."""
-        self._registry.free_retired()
+        self._retired.clear()
 
     def collect(self) -> None:
         """Release the inputs held for completed tasks and the records of forgotten keys;
         drop the expired failure records."""
-        self._registry.free_retired()
+        self._retired.clear()
         if self._runtime is not None:
             self._runtime.collect()
         self._failures.expire()
@@ -294,6 +299,7 @@ class Provenance:
         """
         self._registry.clear()
         self._taint.clear()
+        self._retired.clear()
         if not keep_held:
             self._failures.clear()
             self._held.clear()
