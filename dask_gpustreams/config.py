@@ -191,7 +191,7 @@ class StreamsConfig:
     nvtx: bool = False
     #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``
     #: not (YAML reads a bare ``off`` as False, which means ``off`` too).
-    blocks: str = "off"
+    blocks: str = "auto"
     #: The most tasks in one stream block, from 2 to :data:`MAX_BLOCK_SIZE`.
     block_size: int = 64
 
