@@ -572,14 +572,20 @@ def test_spilling_needs_the_spill_wait():
         assert np.isnan(values(x.result())).all()
 
 
-def test_host_side_tasks_wait_for_their_inputs(monkeypatch):
-    """Tasks of ``host_modules`` (P2P) run after their inputs' events, off the streams."""
-    with cluster(n_workers=1) as client:  # in-process: the workers share this class
+@pytest.mark.parametrize("blocks", ["auto", "off"])
+def test_host_side_tasks_wait_for_their_inputs(monkeypatch, blocks):
+    """Tasks of ``host_modules`` (P2P) run after their inputs' events, off the streams; no
+    stream block takes them, even in one graph with their producer."""
+    with cluster(n_workers=1, config={"gpustreams.blocks": blocks}) as client:
         for host_modules, complete in (((), False), (("hostside_for_tests",), True)):
+            # In-process: the workers share this class. Read at setup.
             monkeypatch.setattr(StreamsPlugin, "host_modules", host_modules)
-            client.register_plugin(StreamsPlugin())  # read at setup
+            client.register_plugin(StreamsPlugin())
             x = client.submit(produce, 100, 3.0, 0.1, pure=False)
             got = values(pickle.loads(client.submit(snapshot, x, pure=False).result()))
+            assert (got == 3.0).all() == complete
+            one_graph = delayed(snapshot, pure=False)(delayed(produce, pure=False)(100, 3.0, 0.1))
+            got = values(pickle.loads(one_graph.compute()))
             assert (got == 3.0).all() == complete
 
 

@@ -513,6 +513,24 @@ def test_forgotten_keys_records_are_freed_at_free_retired_not_on_the_event_loop(
     assert [w() for w in watched] == [None, None]
 
 
+def test_the_collector_frees_forgotten_keys_records_in_an_egress_thread():
+    """With no task started since, the periodic collect (on the event loop) hands the records
+    of forgotten keys to an egress thread to free."""
+    worker = SimpleNamespace(status=Status.running, state=SimpleNamespace(tasks={}))
+    threads = ThreadPoolExecutor(1, thread_name_prefix="egress-for-test")
+    provenance = Provenance(worker, StreamsConfig(backend="sim"), threads, FailureRecords(10, 60))
+    slot = StreamPool(SimBackend(), 1).slots[0]
+    freed_in = []
+    event = _Referenced()
+    weakref.finalize(event, lambda: freed_in.append(threading.current_thread().name))
+    provenance.registry.add(TaskRecord("key", slot, event, 1))
+    del event
+    provenance.forget("key")
+    provenance.collect()
+    threads.shutdown(wait=True)
+    assert len(freed_in) == 1 and freed_in[0].startswith("egress-for-test"), freed_in
+
+
 def test_a_removed_plugins_guard_fails_the_readers_of_held_keys_and_withholds_them():
     """distributed takes a plugin out of worker.plugins before its teardown: the teardown's
     guard (WithheldKeys) makes every task that starts reading a held corrupt key raise its

@@ -33,7 +33,7 @@ MAX_CALLS_PER_TASK = 10.5
 #: hook, ``Execution.prepare`` and ``StreamTask.__init__``, and the rare task with a transfer
 #: or a task in its arguments ``rewrite_transfers`` (3.07 here; the module, coroutine and
 #: transfer checks are made at a function's first task only); ``released``: the hook,
-#: ``Provenance.forget`` and ``EventRegistry.retire`` (the record is freed in a task thread:
+#: ``Provenance.forget`` and ``EventRegistry.discard`` (the record is freed in a task thread:
 #: no finalizer runs here); the others only the hook.
 CALLS_PER_TRANSITION = {
     "executing": 3.1,

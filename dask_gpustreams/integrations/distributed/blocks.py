@@ -76,6 +76,11 @@ class StreamBlocks(SchedulerPlugin):
         self.modes: dict[str, str] = {}
         #: worker address -> its ``gpustreams.block-size`` (the most tasks in one block).
         self.sizes: dict[str, int] = {}
+        #: worker address -> the modules of its plugin's host-side task functions
+        #: (``StreamsPlugin.host_modules``), and the prefixes of the modules whose tasks no
+        #: block takes: distributed's (P2P) and those of every worker.
+        self.host_modules: dict[str, tuple[str, ...]] = {}
+        self._host_side: tuple[str, ...] = ("distributed",)
         #: Blocks formed, and tasks they stand for, since the scheduler started (diagnostics).
         self.blocks_formed = 0
         self.tasks_grouped = 0
@@ -86,20 +91,35 @@ class StreamBlocks(SchedulerPlugin):
         scheduler.handlers["gpustreams_blocks"] = self.set_mode
         logging.getLogger("distributed.scheduler").addFilter(_quiet_block_collisions)
 
-    def set_mode(self, worker: str, mode: str | None, size: int | None = None) -> None:
-        """Handler: ``worker``'s plugin has ``gpustreams.blocks`` = ``mode`` (None: removed)
-        and ``gpustreams.block-size`` = ``size``."""
+    def set_mode(
+        self,
+        worker: str,
+        mode: str | None,
+        size: int | None = None,
+        host_modules: tuple[str, ...] = (),
+    ) -> None:
+        """Handler: ``worker``'s plugin has ``gpustreams.blocks`` = ``mode`` (None: removed),
+        ``gpustreams.block-size`` = ``size`` and ``host_modules``, whose functions' tasks
+        wait on the host for their inputs' work and so never run inside a block."""
         if mode is None:
-            self.modes.pop(worker, None)
-            self.sizes.pop(worker, None)
-        else:
-            self.modes[worker] = mode
-            if size is not None:
-                self.sizes[worker] = size
+            self.remove_worker(None, worker)
+            return
+        self.modes[worker] = mode
+        if size is not None:
+            self.sizes[worker] = size
+        self.host_modules[worker] = tuple(host_modules)
+        self._host_modules_changed()
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         self.modes.pop(worker, None)
         self.sizes.pop(worker, None)
+        if self.host_modules.pop(worker, None) is not None:
+            self._host_modules_changed()
+
+    def _host_modules_changed(self) -> None:
+        """Recompute the prefixes :meth:`_candidate` reads (once per change, not per task)."""
+        modules = {m for ms in self.host_modules.values() for m in ms}
+        self._host_side = ("distributed", *sorted(modules))
 
     def transition(
         self, key: Hashable, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any
@@ -159,8 +179,8 @@ class StreamBlocks(SchedulerPlugin):
         if ts.state != "released" or ts.actor or ts.waiters:
             return False
         if isinstance(spec, Task):
-            if spec.is_coro or _module(spec.func).startswith("distributed"):
-                return False  # coroutines, P2P shuffles: they need a task of their own
+            if spec.is_coro or _module(spec.func).startswith(self._host_side):
+                return False  # coroutines, P2P shuffles, host-side tasks: a task of their own
         elif not isinstance(spec, Alias):
             return False  # data, or no run_spec yet
         if ts.who_wants and any(cs.client_key != client for cs in ts.who_wants):

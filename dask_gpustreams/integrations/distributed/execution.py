@@ -9,7 +9,7 @@ keep their run_spec.
 
 from __future__ import annotations
 
-import contextlib
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -90,13 +90,13 @@ class WorkerStreamTask(StreamTask):
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         provenance = self.provenance
-        provenance.free_retired()  # here, not on the event loop that retired them
         error, pending = provenance.input_states(self._dependencies)
         if error is not None:
             provenance.clear_stream_errors_soon()
             raise error.with_traceback(None)  # not the frames of the sync that found it
         node = self.node
         if type(node) is Task and type(node.func) is StreamBlock:
+            provenance.free_retired()  # here, not on the event loop that retired them
             if pending:  # its tasks launch on other streams: the inputs' work must be done
                 provenance.wait_inputs(tuple(self._dependencies))
             try:
@@ -106,8 +106,11 @@ class WorkerStreamTask(StreamTask):
                 raise Reschedule() from None
         if pending:
             provenance.note_pending(self.key, pending)
-        with launch_meter():
-            return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
+        try:
+            with launch_meter():
+                return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
+        finally:  # after the launch, and here, not on the event loop that retired them
+            provenance.free_retired()
 
     def copy(self) -> WorkerStreamTask:
         return type(self)(self.node, self.runtime, self.registry, self.critical)
@@ -156,10 +159,12 @@ class Execution:
         self.worker = worker
         self.provenance = provenance
         self._host_modules = host_modules
-        #: task function -> how its tasks run (``_AS_IS``, ``_HOST``, ...), decided
-        #: at its first task: the module and coroutine checks are per function, not per task.
-        #: Cleared when full (callables made per task would grow it).
-        self._kinds: dict[Any, int] = {}
+        #: id(task function) -> (a weak reference to it, how its tasks run: ``_AS_IS``,
+        #: ``_HOST``, ...), decided at its first task: the module and coroutine checks are
+        #: per function, not per task. Weak, so that a function shipped by value with each
+        #: graph (a closure over a device array, a block's) is not kept: its entry goes with
+        #: it. Functions with no weak reference (builtins) are decided at each task.
+        self._kinds: dict[int, tuple[weakref.ref, int]] = {}
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
         # What each task reads of the provenance, bound once (no call per task): the failure
@@ -200,9 +205,11 @@ class Execution:
             self._thread_pool(ts) if ts.annotations else self._default_on_threads
         ):
             if type(node) is Task:
-                try:
-                    kind = self._kinds[node.func]
-                except (KeyError, TypeError):  # a new function, or an unhashable callable
+                func = node.func
+                known = self._kinds.get(id(func))
+                if known is not None and known[0]() is func:
+                    kind = known[1]
+                else:  # a new function, or one with no weak reference
                     kind = self._remember(node)
             else:
                 kind = self._kind(node)
@@ -214,7 +221,8 @@ class Execution:
                     except Exception as e:  # a bad backend: fail the task, not the worker
                         ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
                         return
-                    kind = self._kind(node)  # with the backend's transfer functions
+                    # again, with the backend's transfer functions
+                    kind = self._remember(node) if type(node) is Task else self._kind(node)
                 # As wrap_task (stream_node): a plain task's transfers are rewritten only if
                 # a task stands in its arguments (the rare case).
                 inner = node
@@ -257,20 +265,23 @@ class Execution:
         return _STREAM
 
     def _remember(self, node: Task) -> int:
-        """:meth:`_kind` of a plain task, kept for its function's next tasks if it is hashable."""
+        """:meth:`_kind` of a plain task, kept while its function lives (if it can be)."""
         kind = self._kind(node)
         kinds = self._kinds
         if len(kinds) >= self.max_kinds:
             kinds.clear()
-        with contextlib.suppress(TypeError):
-            kinds[node.func] = kind
+        key = id(node.func)
+        try:  # the entry goes when the function does, before its id can be reused
+            ref = weakref.ref(node.func, lambda _, key=key: kinds.pop(key, None))
+        except TypeError:  # no weak reference to it: decided at each task
+            return kind
+        kinds[key] = (ref, kind)
         return kind
 
     def _start_runtime(self) -> StreamRuntime:
         """The worker's runtime (made at its first task), and what is per runtime."""
         runtime = self.provenance.task_runtime()
         self._rewrites = transfer_rewrites(runtime)
-        self._kinds.clear()  # decided without the backend's transfer functions
         self._runtime = runtime
         return runtime
 

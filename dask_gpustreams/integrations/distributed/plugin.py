@@ -340,7 +340,10 @@ class StreamsPlugin(WorkerPlugin):
                 plugin=dumps(StreamBlocks()), name=StreamBlocks.name, idempotent=True
             )
             await worker.scheduler.gpustreams_blocks(
-                worker=worker.address, mode=self.config.blocks, size=self.config.block_size
+                worker=worker.address,
+                mode=self.config.blocks,
+                size=self.config.block_size,
+                host_modules=self.host_modules,
             )
         except Exception as e:
             logger.warning(

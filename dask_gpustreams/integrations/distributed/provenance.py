@@ -274,19 +274,24 @@ class Provenance:
         are freed later, in a task thread (:meth:`free_retired`) or at the next
         :meth:`collect`. Deque appends and clears are atomic: no lock.
         """
-        retired = self._retired
-        retired.append(self._registry.discard(key))
+        record = self._registry.discard(key)
+        if record is not None:
+            self._retired.append(record)
         if self._taint:
-            retired.append(self._taint.pop(key, None))
+            taint = self._taint.pop(key, None)
+            if taint:
+                self._retired.append(taint)
 
     def free_retired(self) -> None:
         """Worker thread: free the records of the keys forgotten since the last call."""
         self._retired.clear()
 
     def collect(self) -> None:
-        """Release the inputs held for completed tasks and the records of forgotten keys;
-        drop the expired failure records."""
-        self._retired.clear()
+        """Release the inputs held for completed tasks; free the records of forgotten keys
+        in an egress thread (none ran a task since); drop the expired failure records."""
+        if self._retired:  # the loop alone appends, and this runs on the loop: no race
+            retired, self._retired = self._retired, deque()
+            self._threads.submit(retired.clear)
         if self._runtime is not None:
             self._runtime.collect()
         self._failures.expire()

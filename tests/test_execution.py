@@ -1,0 +1,79 @@
+"""How a distributed worker's plugin decides, at ``executing``, what runs a task.
+
+``Execution.prepare`` runs once per task on the worker's event loop: the
+checks that depend only on the task's function are made at its first task
+and kept while that function lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from dask._task_spec import Task
+from distributed.core import Status
+
+from dask_gpustreams import StreamsConfig, sim
+from dask_gpustreams.integrations.distributed.execution import Execution
+from dask_gpustreams.integrations.distributed.failures import FailureRecords
+from dask_gpustreams.integrations.distributed.provenance import Provenance
+from dask_gpustreams.integrations.tasks import StreamTask
+from dask_gpustreams.transfers import to_device
+
+
+class _Payload:
+    """What a closure holds (a device array, say), watched by a weak reference."""
+
+
+def _closure(payload):
+    return lambda x: (payload, x)
+
+
+@pytest.fixture
+def execution():
+    threads = ThreadPoolExecutor(1)
+    worker = SimpleNamespace(
+        status=Status.running,
+        state=SimpleNamespace(tasks={}, actors={}),
+        executors={"default": threads},
+    )
+    provenance = Provenance(worker, StreamsConfig(backend="sim"), threads, FailureRecords(10, 60))
+    yield Execution(worker, provenance, ("hostside_for_tests",)), worker.state.tasks
+    asyncio.run(provenance.close(10.0))
+    threads.shutdown()
+
+
+def _prepare(execution, tasks, key, func, *args):
+    tasks[key] = SimpleNamespace(run_spec=Task(key, func, *args), annotations=None)
+    execution.prepare(key)
+    return tasks[key].run_spec
+
+
+def test_a_functions_tasks_are_decided_once_while_it_lives(execution, monkeypatch):
+    execution, tasks = execution
+    decided = []
+    kind = Execution._kind
+    monkeypatch.setattr(
+        Execution, "_kind", lambda self, node: decided.append(node.key) or kind(self, node)
+    )
+    payload = _Payload()
+    watch = weakref.ref(payload)
+    f = _closure(payload)
+    del payload
+    specs = [_prepare(execution, tasks, i, f, i) for i in range(3)]
+    assert all(isinstance(s, StreamTask) for s in specs)
+    assert decided == [0, 0]  # the first task: before and after the runtime started
+    del f, specs
+    tasks.clear()
+    assert watch() is None  # the worker keeps no closure of a graph that is gone
+
+
+def test_uploads_are_rewritten_from_the_first_task_on(execution):
+    """The upload functions are known once the runtime starts, at the first wrapped task."""
+    execution, tasks = execution
+    specs = [_prepare(execution, tasks, i, sim.asarray, np.zeros(4)) for i in range(3)]
+    assert [s.node.func is to_device for s in specs] == [True, True, True]
