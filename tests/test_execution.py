@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,6 +32,16 @@ class _Payload:
 
 def _closure(payload):
     return lambda x: (payload, x)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A callable that each task message brings as a new object, equal to the others."""
+
+    k: int
+
+    def __call__(self, x):
+        return x + self.k
 
 
 @pytest.fixture
@@ -77,3 +88,18 @@ def test_uploads_are_rewritten_from_the_first_task_on(execution):
     execution, tasks = execution
     specs = [_prepare(execution, tasks, i, sim.asarray, np.zeros(4)) for i in range(3)]
     assert [s.node.func is to_device for s in specs] == [True, True, True]
+
+
+def test_equal_callables_shipped_anew_with_each_task_are_decided_once(execution, monkeypatch):
+    execution, tasks = execution
+    decided = []
+    kind = Execution._kind
+    monkeypatch.setattr(
+        Execution, "_kind", lambda self, node: decided.append(node.key) or kind(self, node)
+    )
+    first = _Step(1)
+    specs = [_prepare(execution, tasks, i, _Step(1) if i else first, i) for i in range(3)]
+    assert all(isinstance(s, StreamTask) for s in specs)
+    assert decided == [0, 0]  # the first task (before and after the runtime started) only
+    _prepare(execution, tasks, "other", _Step(2), 0)
+    assert decided == [0, 0, "other"]

@@ -9,6 +9,7 @@ keep their run_spec.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -159,12 +160,16 @@ class Execution:
         self.worker = worker
         self.provenance = provenance
         self._host_modules = host_modules
-        #: id(task function) -> (a weak reference to it, how its tasks run: ``_AS_IS``,
-        #: ``_HOST``, ...), decided at its first task: the module and coroutine checks are
-        #: per function, not per task. Weak, so that a function shipped by value with each
-        #: graph (a closure over a device array, a block's) is not kept: its entry goes with
-        #: it. Functions with no weak reference (builtins) are decided at each task.
-        self._kinds: dict[int, tuple[weakref.ref, int]] = {}
+        #: A weak reference to a task function -> how its tasks run (``_AS_IS``, ``_HOST``,
+        #: ...), decided at its first task: the module and coroutine checks are per function,
+        #: not per task. Keyed as ``weakref.WeakKeyDictionary`` keys them (a reference equals
+        #: another whose live referents are equal), with no Python call per lookup: a callable
+        #: shipped anew in each task message (a frozen dataclass instance) finds its equal.
+        #: Weak, so that a function shipped by value with each graph (a closure over a device
+        #: array, a block's) is not kept alive; its dead entry is found by nothing and goes at
+        #: the next clear. Functions with no weak reference (builtins) are decided at each
+        #: task.
+        self._kinds: dict[weakref.ref, int] = {}
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
         # What each task reads of the provenance, bound once (no call per task): the failure
@@ -205,11 +210,9 @@ class Execution:
             self._thread_pool(ts) if ts.annotations else self._default_on_threads
         ):
             if type(node) is Task:
-                func = node.func
-                known = self._kinds.get(id(func))
-                if known is not None and known[0]() is func:
-                    kind = known[1]
-                else:  # a new function, or one with no weak reference
+                try:  # by equality (a callable shipped by value arrives as a new, equal object)
+                    kind = self._kinds[weakref.ref(node.func)]
+                except (KeyError, TypeError):  # new; or no weak reference to it, or unhashable
                     kind = self._remember(node)
             else:
                 kind = self._kind(node)
@@ -270,12 +273,11 @@ class Execution:
         kinds = self._kinds
         if len(kinds) >= self.max_kinds:
             kinds.clear()
-        key = id(node.func)
-        try:  # the entry goes when the function does, before its id can be reused
-            ref = weakref.ref(node.func, lambda _, key=key: kinds.pop(key, None))
-        except TypeError:  # no weak reference to it: decided at each task
-            return kind
-        kinds[key] = (ref, kind)
+        # A dead reference equals only itself, so it is never found again and pins nothing;
+        # the dead go at the next clear. No weak reference to it, or unhashable (TypeError):
+        # decided at each task.
+        with contextlib.suppress(TypeError):
+            kinds[weakref.ref(node.func)] = kind
         return kind
 
     def _start_runtime(self) -> StreamRuntime:
