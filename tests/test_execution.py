@@ -58,19 +58,25 @@ def execution():
     threads.shutdown()
 
 
+@pytest.fixture
+def decided(monkeypatch):
+    """The keys of the tasks whose function's checks ran (``Execution._kind``), in order."""
+    keys = []
+    kind = Execution._kind
+    monkeypatch.setattr(
+        Execution, "_kind", lambda self, node: keys.append(node.key) or kind(self, node)
+    )
+    return keys
+
+
 def _prepare(execution, tasks, key, func, *args):
     tasks[key] = SimpleNamespace(run_spec=Task(key, func, *args), annotations=None)
     execution.prepare(key)
     return tasks[key].run_spec
 
 
-def test_a_functions_tasks_are_decided_once_while_it_lives(execution, monkeypatch):
+def test_a_functions_tasks_are_decided_once_while_it_lives(execution, decided):
     execution, tasks = execution
-    decided = []
-    kind = Execution._kind
-    monkeypatch.setattr(
-        Execution, "_kind", lambda self, node: decided.append(node.key) or kind(self, node)
-    )
     payload = _Payload()
     watch = weakref.ref(payload)
     f = _closure(payload)
@@ -90,13 +96,8 @@ def test_uploads_are_rewritten_from_the_first_task_on(execution):
     assert [s.node.func is to_device for s in specs] == [True, True, True]
 
 
-def test_equal_callables_shipped_anew_with_each_task_are_decided_once(execution, monkeypatch):
+def test_equal_callables_shipped_anew_with_each_task_are_decided_once(execution, decided):
     execution, tasks = execution
-    decided = []
-    kind = Execution._kind
-    monkeypatch.setattr(
-        Execution, "_kind", lambda self, node: decided.append(node.key) or kind(self, node)
-    )
     first = _Step(1)
     specs = [_prepare(execution, tasks, i, _Step(1) if i else first, i) for i in range(3)]
     assert all(isinstance(s, StreamTask) for s in specs)
