@@ -104,3 +104,69 @@ def test_equal_callables_shipped_anew_with_each_task_are_decided_once(execution,
     assert decided == [0, 0]  # the first task (before and after the runtime started) only
     _prepare(execution, tasks, "other", _Step(2), 0)
     assert decided == [0, 0, "other"]
+
+
+class _Base:
+    """Equal to any instance of its class or a subclass (isinstance in ``__eq__``)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __eq__(self, other):
+        return isinstance(other, _Base) and other.k == self.k
+
+    def __hash__(self):
+        return hash(self.k)
+
+    def __call__(self, x):
+        return x
+
+
+class _HostSide(_Base):
+    pass
+
+
+_HostSide.__module__ = "hostside_for_tests"  # the fixture's host_modules
+
+
+def test_an_equal_callable_of_another_type_is_decided_for_itself(execution):
+    execution, tasks = execution
+    assert isinstance(_prepare(execution, tasks, "gpu", _Base(1), 0), StreamTask)
+    assert type(_prepare(execution, tasks, "host", _HostSide(1), 0)) is Task  # not wrapped
+
+
+class _Touchy:
+    """A callable whose equality raises, and whose instances all share a hash."""
+
+    def __eq__(self, other):
+        raise ValueError("no comparing")
+
+    def __hash__(self):
+        return 1
+
+    def __call__(self, x):
+        return x
+
+
+def test_a_callable_whose_equality_raises_is_decided_at_each_task(execution, decided):
+    execution, tasks = execution
+    keep = [_Touchy(), _Touchy()]  # alive together: the second's lookup meets the first's entry
+    specs = [_prepare(execution, tasks, i, f, 0) for i, f in enumerate(keep)]
+    assert all(isinstance(s, StreamTask) for s in specs)
+    assert decided == [0, 0, 1]
+
+
+def test_callables_with_no_weak_reference_held_by_their_module_are_decided_once(execution, decided):
+    execution, tasks = execution
+    specs = [_prepare(execution, tasks, i, np.negative, np.ones(2)) for i in range(3)]
+    assert all(isinstance(s, StreamTask) for s in specs)
+    assert decided == [0, 0]
+
+
+def test_the_entries_of_dead_functions_do_not_pile_up(execution):
+    """Each task brings a new equal callable that dies with it: its entry is swept, not kept."""
+    execution, tasks = execution
+    for i in range(500):
+        _prepare(execution, tasks, i, _Step(1), i)
+        del tasks[i]  # the task and its callable go
+    assert len(execution._kinds) <= 64

@@ -107,7 +107,10 @@ class StreamBlocks(SchedulerPlugin):
         self.modes[worker] = mode
         if size is not None:
             self.sizes[worker] = size
-        self.host_modules[worker] = tuple(host_modules)
+        # One module named as a string is a prefix, as str.startswith reads it on the worker.
+        self.host_modules[worker] = (
+            (host_modules,) if isinstance(host_modules, str) else tuple(host_modules)
+        )
         self._host_modules_changed()
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:

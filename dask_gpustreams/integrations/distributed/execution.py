@@ -9,7 +9,7 @@ keep their run_spec.
 
 from __future__ import annotations
 
-import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
@@ -144,6 +144,17 @@ def fail_task(tasks: Mapping[Hashable, Any], key: Hashable, exc: BaseException) 
 _AS_IS, _HOST, _STREAM, _REWRITE = 0, 1, 2, 3
 
 
+#: Entries of :attr:`Execution._kinds` from which dead ones are swept, at the least.
+_SWEEP_AT_LEAST = 64
+
+
+def _held_by_its_module(func: Any) -> bool:
+    """Whether ``func`` is what its module holds under its name (a singleton: ``numpy.add``)."""
+    module = sys.modules.get(getattr(func, "__module__", None) or "")
+    name = getattr(func, "__name__", None)
+    return module is not None and isinstance(name, str) and getattr(module, name, None) is func
+
+
 class Execution:
     """Replaces the run_spec of each task that starts executing on one worker (event loop).
 
@@ -153,23 +164,21 @@ class Execution:
     tasks (the plugin's, read at setup).
     """
 
-    #: The most task functions whose kind is kept (:meth:`_remember`).
-    max_kinds = 4096
-
     def __init__(self, worker: Any, provenance: Provenance, host_modules: tuple[str, ...]):
         self.worker = worker
         self.provenance = provenance
         self._host_modules = host_modules
-        #: A weak reference to a task function -> how its tasks run (``_AS_IS``, ``_HOST``,
-        #: ...), decided at its first task: the module and coroutine checks are per function,
-        #: not per task. Keyed as ``weakref.WeakKeyDictionary`` keys them (a reference equals
-        #: another whose live referents are equal), with no Python call per lookup: a callable
-        #: shipped anew in each task message (a frozen dataclass instance) finds its equal.
-        #: Weak, so that a function shipped by value with each graph (a closure over a device
-        #: array, a block's) is not kept alive; its dead entry is found by nothing and goes at
-        #: the next clear. Functions with no weak reference (builtins) are decided at each
-        #: task.
-        self._kinds: dict[weakref.ref, int] = {}
+        #: A weak reference to a task function -> (its type, how its tasks run: ``_AS_IS``,
+        #: ``_HOST``, ...), decided at its first task: the module and coroutine checks are
+        #: per function, not per task. Keyed as ``weakref.WeakKeyDictionary`` keys them (a
+        #: reference equals another whose live referents are equal), with no Python call per
+        #: lookup: a callable shipped anew in each task message (a frozen dataclass) finds its
+        #: equal, of its own type only. Weak, so that a function shipped by value with each
+        #: graph (a closure over a device array) is not kept alive; a dead entry equals only
+        #: itself, and :meth:`_sweep` drops it. A callable with no weak reference (numpy's
+        #: ufuncs) is its own key if its module holds it (a singleton), else decided per task.
+        self._kinds: dict[Any, tuple[type, int]] = {}
+        self._sweep_at = _SWEEP_AT_LEAST
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
         # What each task reads of the provenance, bound once (no call per task): the failure
@@ -210,9 +219,14 @@ class Execution:
             self._thread_pool(ts) if ts.annotations else self._default_on_threads
         ):
             if type(node) is Task:
+                func = node.func
                 try:  # by equality (a callable shipped by value arrives as a new, equal object)
-                    kind = self._kinds[weakref.ref(node.func)]
-                except (KeyError, TypeError):  # new; or no weak reference to it, or unhashable
+                    known = self._kinds.get(weakref.ref(func))
+                except Exception:  # no weak reference to it; or its __hash__ or __eq__ raised
+                    known = self._known_strongly(func)
+                if known is not None and known[0] is type(func):
+                    kind = known[1]
+                else:
                     kind = self._remember(node)
             else:
                 kind = self._kind(node)
@@ -270,15 +284,35 @@ class Execution:
     def _remember(self, node: Task) -> int:
         """:meth:`_kind` of a plain task, kept while its function lives (if it can be)."""
         kind = self._kind(node)
-        kinds = self._kinds
-        if len(kinds) >= self.max_kinds:
-            kinds.clear()
-        # A dead reference equals only itself, so it is never found again and pins nothing;
-        # the dead go at the next clear. No weak reference to it, or unhashable (TypeError):
-        # decided at each task.
-        with contextlib.suppress(TypeError):
-            kinds[weakref.ref(node.func)] = kind
+        func = node.func
+        if len(self._kinds) >= self._sweep_at:
+            self._sweep()
+        try:
+            key = weakref.ref(func)
+        except TypeError:  # no weak reference to it
+            key = func if _held_by_its_module(func) else None
+        if key is None:
+            return kind
+        try:  # a try, not contextlib.suppress (two calls): this runs for each new function
+            self._kinds[key] = (type(func), kind)
+        except Exception:  # unhashable, or its __hash__ raised: decided at each task
+            return kind
         return kind
+
+    def _known_strongly(self, func: Any) -> tuple[type, int] | None:
+        """The entry of ``func`` as its own key (no weak reference to it), if any."""
+        try:
+            return self._kinds.get(func)
+        except Exception:  # unhashable, or its __hash__ or __eq__ raised
+            return None
+
+    def _sweep(self) -> None:
+        """Drop the entries of dead functions: dead references, equal hashes among them,
+        would lengthen every lookup. The next sweep is due when the live entries doubled."""
+        kinds = self._kinds
+        for key in [k for k in kinds if type(k) is weakref.ref and k() is None]:
+            del kinds[key]
+        self._sweep_at = 2 * len(kinds) + _SWEEP_AT_LEAST
 
     def _start_runtime(self) -> StreamRuntime:
         """The worker's runtime (made at its first task), and what is per runtime."""

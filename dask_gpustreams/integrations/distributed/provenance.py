@@ -289,12 +289,15 @@ class Provenance:
     def collect(self) -> None:
         """Release the inputs held for completed tasks; free the records of forgotten keys
         in an egress thread (none ran a task since); drop the expired failure records."""
-        if self._retired:  # the loop alone appends, and this runs on the loop: no race
-            retired, self._retired = self._retired, deque()
-            self._threads.submit(retired.clear)
         if self._runtime is not None:
             self._runtime.collect()
         self._failures.expire()
+        if self._retired:  # the loop alone appends, and this runs on the loop: no race
+            retired, self._retired = self._retired, deque()
+            try:
+                self._threads.submit(retired.clear)
+            except RuntimeError:  # the threads are shut down (the interpreter exits): here
+                retired.clear()
 
     def clear(self, keep_held: bool = False) -> None:
         """Forget every key (the plugin is removed, or the worker closes).
