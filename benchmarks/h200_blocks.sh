@@ -8,11 +8,8 @@
 # Everything goes to $OUT/blocks.tar.gz (written last: one file, under the return's limits).
 set -u
 source benchmarks/h200_setup.sh
-R="/tmp/blocks-${1:-unknown}"
-mkdir -p "$R"
-echo "commit ${1:-unknown}" > "$R/commit.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
-echo "gpu tests rc $?" >> "$R/gpu-tests.txt"
+results blocks
+gpu_tests 150
 timeout 80 python3 -m benchmarks.probe_distributed --hook-times --reps 3 > "$R/hook-times.txt" 2>&1
 timeout 230 python3 -m benchmarks.bench_cluster --backend cupy \
     --workloads matmul,qr,stencil,tiny-tasks,fft,std --set tiny-tasks.leaves=1024 \
@@ -27,4 +24,4 @@ tail -14 "$R/gpu-tests.txt"
 grep "transition" "$R/hook-times.txt"
 grep -v "^\[" "$R/cluster.log" | tail -22
 tail -30 "$R/shapes-8ms.log"
-tar -czf "$OUT/blocks.tar.gz" -C /tmp "blocks-${1:-unknown}"
+tar -czf "$OUT/blocks.tar.gz" -C /tmp "blocks-$COMMIT"

@@ -9,8 +9,8 @@ set -u
 source benchmarks/h200_setup.sh
 R="$OUT/cluster"
 mkdir -p "$R"
-echo "commit ${1:-unknown}" > "$R/commit.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
+echo "commit $COMMIT" > "$R/commit.txt"
+gpu_tests 150
 timeout 50 python3 -m benchmarks.probe_distributed --hook-times --reps 3 > "$R/hook-times.txt" 2>&1
 timeout 190 python3 -m benchmarks.bench_cluster --backend cupy --samples 3 --out "$R/workloads" \
     > "$R/workloads.log" 2>&1

@@ -6,15 +6,12 @@
 # bash benchmarks/h200_default.sh COMMIT. Everything goes to $OUT/default.tar.gz.
 set -u
 source benchmarks/h200_setup.sh
-R="/tmp/default-${1:-unknown}"
-mkdir -p "$R"
-echo "commit ${1:-unknown}" > "$R/commit.txt"
-timeout 140 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
-echo "gpu tests rc $?" >> "$R/gpu-tests.txt"
+results default
+gpu_tests 140
 timeout 100 python3 -m benchmarks.bench_cluster --backend cupy --workloads std,small-chunks \
     --modes off,on-noblocks,on --samples 2 --rounds 2 --warmup 1 --out "$R/cluster" \
     > "$R/cluster.log" 2>&1
 echo "cluster rc $?" >> "$R/cluster.log"
 tail -14 "$R/gpu-tests.txt"
 grep -v "^\[" "$R/cluster.log" | tail -10
-tar -czf "$OUT/default.tar.gz" -C /tmp "default-${1:-unknown}"
+tar -czf "$OUT/default.tar.gz" -C /tmp "default-$COMMIT"

@@ -4,3 +4,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD:$PWD/.site" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import cupy, dask, distributed, numpy; print('cupy', cupy.__version__, 'dask', dask.__version__, 'distributed', distributed.__version__, 'numpy', numpy.__version__)"
+# What the calling scripts share: `results NAME` makes R=/tmp/NAME-COMMIT (COMMIT: the
+# script's first argument) with commit.txt in it; `gpu_tests SECONDS` runs tests/gpu into
+# $R/gpu-tests.txt and appends its exit status.
+COMMIT="${1:-unknown}"
+results() { R="/tmp/$1-$COMMIT"; mkdir -p "$R"; echo "commit $COMMIT" > "$R/commit.txt"; }
+gpu_tests() {
+    timeout "$1" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
+    echo "gpu tests rc $?" >> "$R/gpu-tests.txt"
+}

@@ -8,11 +8,8 @@
 # Everything goes to $OUT/verify.tar.gz (written last: one file, under the return's limits).
 set -u
 source benchmarks/h200_setup.sh
-R="/tmp/verify-${1:-unknown}"
-mkdir -p "$R"
-echo "commit ${1:-unknown}" > "$R/commit.txt"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
-echo "gpu tests rc $?" >> "$R/gpu-tests.txt"
+results verify
+gpu_tests 200
 timeout 130 python3 -m benchmarks.bench_workloads --backend cupy \
     --modes threads,sync,launcher --samples 4 --rounds 2 --warmup 1 --set rechunk.n=4096 \
     --out "$R/workloads" > "$R/workloads.log" 2>&1
@@ -30,4 +27,4 @@ grep -v "^\[" "$R/workloads.log" | tail -30
 tail -8 "$R/overhead.txt"
 tail -40 "$R/hook-times.txt"
 grep "^\[\|rc " "$R/cluster.log"
-tar -czf "$OUT/verify.tar.gz" -C /tmp "verify-${1:-unknown}"
+tar -czf "$OUT/verify.tar.gz" -C /tmp "verify-$COMMIT"
