@@ -1097,6 +1097,36 @@ def test_a_large_part_is_cut_in_the_schedulers_order_so_pieces_keep_few_outputs(
     assert len(partials) <= k * (len(groups) - 1) < n * n * k, partials
 
 
+def test_a_wavefront_is_cut_by_levels_where_that_keeps_its_critical_path():
+    """chainlink: each task reads two of the level before. Its 128 tasks on one worker, in
+    blocks of 64: dask.order's diagonal order cut it into two triangles, 10 and 12 levels
+    deep, run one after the other (55% of ideal on the sim at e320eb2, 52% on the H200); by
+    levels, 8 and 8, with fewer outputs held (8 against 14)."""
+    from dask.order import order
+
+    width, depth = 8, 16
+    dsk: dict = {f"src-{i}": i for i in range(width)}
+    for d in range(depth):
+        for i in range(width):
+            j = (i + 1) % width
+            before = [f"src-{i}", f"src-{j}"] if d == 0 else [f"w-{d - 1}-{i}", f"w-{d - 1}-{j}"]
+            dsk[f"w-{d}-{i}"] = (sum, before)
+    deps = {key: [x for x in _flat(v) if x in dsk] for key, v in dsk.items()}
+    dependents: dict = {key: [] for key in dsk}
+    for key, ds in deps.items():
+        for x in ds:
+            dependents[x].append(key)
+    level = {key: (-1 if key.startswith("src") else int(key.split("-")[1])) for key in dsk}
+    priority = order(dsk)
+    candidates = [key for key in dsk if key.startswith("w")]
+    groups = partition(
+        candidates, deps.__getitem__, dependents.__getitem__, level, 1, 64, priority.__getitem__
+    )
+    assert sorted(key for g in groups for key in g) == sorted(candidates)
+    levels = sorted(sorted({level[key] for key in g}) for g in groups)
+    assert levels == [list(range(8)), list(range(8, 16))]
+
+
 def _flat(value):
     if isinstance(value, (tuple, list)):
         for v in value:

@@ -25,6 +25,7 @@ its tasks in priority order on the host, as Dask would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -413,7 +414,11 @@ def partition(
             banded, left = _bands(part, members, dependencies, level, workers, sort_key, first)
             groups.extend(banded)
         groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
-    pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, order or sort_key)]
+    pieces = [
+        (p, tag)
+        for g, tag in groups
+        for p in _cut_shortest(g, max_tasks, order, sort_key, dependencies, dependents, level)
+    ]
     acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
     if order is not None and not acyclic:
         pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, sort_key)]
@@ -549,6 +554,88 @@ def _cut(group: list[Hashable], max_tasks: int, sort_key: Callable) -> list[list
     bounds = [len(ordered) * i // n for i in range(n + 1)]
     pieces = [ordered[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     return [p for p in pieces if len(p) >= 2]
+
+
+def _cut_shortest(
+    group: list[Hashable],
+    max_tasks: int,
+    order: Callable[[Hashable], Any] | None,
+    sort_key: Callable[[Hashable], Any],
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    dependents: Callable[[Hashable], Iterable[Hashable]],
+    level: Mapping[Hashable, int],
+) -> list[list[Hashable]]:
+    """``group`` cut in ``order`` (few outputs held), or level by level where that holds
+    no more outputs and its pieces, run one after another, have a shorter critical path.
+
+    A block waits for every block it reads, so a cut's length is the longest path
+    through its pieces, each as long as the longest path inside it. A wavefront
+    (each task reads two of the level before, as chainlink does) cut in
+    dask.order's diagonal order gives two triangles, each almost as deep as the
+    whole; cut by levels, the depths add up to the whole's.
+    """
+    by_order = _cut(group, max_tasks, order or sort_key)
+    if order is None or len(by_order) < 2:
+        return by_order
+    by_level = _cut(group, max_tasks, sort_key)
+    held, span = _cut_cost(by_order, group, dependencies, dependents, level)
+    held_by_level, span_by_level = _cut_cost(by_level, group, dependencies, dependents, level)
+    if held_by_level <= held and span_by_level < span:
+        return by_level
+    return by_order
+
+
+def _cut_cost(
+    pieces: list[list[Hashable]],
+    group: list[Hashable],
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    dependents: Callable[[Hashable], Iterable[Hashable]],
+    level: Mapping[Hashable, int],
+) -> tuple[int, float]:
+    """(outputs held: tasks of ``pieces`` read outside their piece, the longest path in
+    tasks through ``group`` cut into ``pieces``; inf where the pieces form a cycle)."""
+    unit = {k: i for i, piece in enumerate(pieces) for k in piece}
+    units = len(pieces)
+    for k in group:
+        if k not in unit:  # a task left out of the pieces runs alone
+            unit[k] = units
+            units += 1
+    depth = [0] * units  # the longest path inside each unit, in tasks
+    inside: dict[Hashable, int] = {}
+    before: list[set[int]] = [set() for _ in range(units)]
+    for k in sorted(group, key=level.__getitem__):
+        u = unit[k]
+        longest = 0
+        for d in dependencies(k):
+            v = unit.get(d)
+            if v == u:
+                longest = max(longest, inside[d])
+            elif v is not None:
+                before[u].add(v)
+        inside[k] = longest + 1
+        depth[u] = max(depth[u], inside[k])
+    pieced = len(pieces)
+    held = sum(
+        1 for k, u in unit.items() if u < pieced and any(unit.get(c) != u for c in dependents(k))
+    )
+    after: list[list[int]] = [[] for _ in range(units)]
+    waiting = [len(b) for b in before]
+    for u, b in enumerate(before):
+        for v in b:
+            after[v].append(u)
+    end = [0] * units
+    ready = [u for u in range(units) if not waiting[u]]
+    done = 0
+    while ready:
+        v = ready.pop()
+        done += 1
+        end[v] += depth[v]
+        for u in after[v]:
+            end[u] = max(end[u], end[v])
+            waiting[u] -= 1
+            if not waiting[u]:
+                ready.append(u)
+    return held, (max(end, default=0) if done == units else math.inf)
 
 
 def _acyclic(
