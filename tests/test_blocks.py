@@ -792,6 +792,39 @@ def test_blocks_hold_no_more_tasks_than_the_block_size():
         assert largest(client) <= 5
 
 
+def test_a_block_read_only_by_the_next_reads_straight_from_it_with_no_getters():
+    """chainlink (width 4, depth 6: 28 tasks) on one worker in blocks of 14: the second block
+    reads the first's tuple itself. 2 blocks and the 4 getters of the wanted outputs run,
+    not 4 more getters between the blocks, each a round trip of the scheduler's."""
+    with cluster(1, config={"gpustreams.block-size": 14}) as client:
+        outs = shape("chainlink", np.random.default_rng(5), width=4, depth=6)
+        got = client.compute([t for t, _ in outs], sync=True)
+        for value, (_, ref) in zip(got, outs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert formed(client) == (2, 28)
+        assert executed(client) == 2 + 4
+
+
+def test_a_failure_read_straight_from_another_block_names_the_inner_key():
+    """Blocks of 4: ``src, a, inner-failure, g`` (outputs ``inner-failure`` and ``g``, read
+    by ``b`` only) and ``b, c0, c1, c2``. The second reads the first's failed output straight
+    from its tuple and raises the ``KernelError`` naming the inner key; no getter runs."""
+    with cluster(1, config={"gpustreams.block-size": 4}) as client:
+        s = delayed(source)(0, 0.0, dask_key_name="src")
+        a = delayed(mix)(1, s, dask_key_name="a")
+        k = delayed(bad)(a, dask_key_name="inner-failure")
+        g = delayed(mix)(2, a, dask_key_name="g")
+        t = delayed(mix)(3, k, g, dask_key_name="b")
+        for i in range(3):
+            t = delayed(mix)(4 + i, t, dask_key_name=f"c{i}")
+        future = client.compute(t)
+        with pytest.raises(KernelError, match="boom in a block") as info:
+            future.result(timeout=30)
+        assert info.value.key == "inner-failure"
+        assert formed(client) == (2, 8)
+        assert executed(client) == 2
+
+
 def counted_mix(salt, *arrays, delay=0.0):
     """``mix``, counted on the worker's runtime when it runs inside a block (the launcher)."""
     from dask_gpustreams.runtime.context import task_state

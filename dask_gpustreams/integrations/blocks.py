@@ -94,10 +94,12 @@ class StreamBlock:
     the value of its one output, or the tuple of ``outputs``' values. ``key``
     is its task's key (for errors); ``rescheduled`` counts the times its task
     was rescheduled after :class:`BlockSkipped` (the scheduler's
-    :class:`~.distributed.blocks.StreamBlocks` counts them).
+    :class:`~.distributed.blocks.StreamBlocks` counts them). ``sources`` maps
+    an input read straight from another block's tuple to ``(that block's key,
+    index)``: :meth:`launch` finds it there, with no getter task between.
     """
 
-    __slots__ = ("nodes", "inputs", "outputs", "key", "rescheduled")
+    __slots__ = ("nodes", "inputs", "outputs", "key", "rescheduled", "sources")
 
     #: The most launches again after other tasks' failures skipped the block's kernels.
     relaunches = 3
@@ -111,15 +113,18 @@ class StreamBlock:
         outputs: Sequence[Hashable],
         key: Hashable | None = None,
         rescheduled: int = 0,
+        sources: Mapping[Hashable, tuple[Hashable, int]] | None = None,
     ):
         self.nodes = tuple(nodes)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.key = key
         self.rescheduled = rescheduled
+        self.sources = dict(sources or {})
 
     def __reduce__(self):
-        return StreamBlock, (self.nodes, self.inputs, self.outputs, self.key, self.rescheduled)
+        args = (self.nodes, self.inputs, self.outputs, self.key, self.rescheduled, self.sources)
+        return StreamBlock, args
 
     def __repr__(self) -> str:
         return f"StreamBlock({len(self.nodes)} tasks, outputs={list(self.outputs)!r})"
@@ -148,7 +153,9 @@ class StreamBlock:
     def launch(self, runtime: StreamRuntime, values: Mapping[Hashable, Any]) -> Any:
         """Launch the block onto ``runtime``'s streams; return once its outputs are complete.
 
-        ``values`` holds the inputs, whose work must be complete and good (the
+        ``values`` holds the inputs (or, for those in :attr:`sources`, the
+        tuples of the blocks they come from: an input whose slot there holds a
+        failure raises its error), whose work must be complete and good (the
         worker checks them first). Every event of the block is checked, so its
         outputs are known good when it returns (they need no event nor taint),
         even where a sync elsewhere reported the failure first.
@@ -177,6 +184,11 @@ class StreamBlock:
         task's ``distributed.Reschedule`` is raised as is: the block is
         rescheduled, whole.
         """
+        sources = self.sources
+        values = {
+            k: block_output(values[s[0]], s[1]) if (s := sources.get(k)) else values[k]
+            for k in self.inputs
+        }
         nodes: Sequence[GraphNode] = self.nodes
         wanted = self.outputs
         failed: dict[Hashable, _Failed] = {}

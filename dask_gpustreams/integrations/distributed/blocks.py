@@ -42,10 +42,10 @@ import functools
 import logging
 import operator
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from time import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from dask._task_spec import Alias, Task, TaskRef
 from distributed import SchedulerPlugin
@@ -232,9 +232,12 @@ class StreamBlocks(SchedulerPlugin):
         is_rootish = self.scheduler.is_rootish
         rootish = [any(is_rootish(tasks[k]) for k in group) for group in groups]
         places = self._spread(groups, bands, rootish)
+        layouts = [_layout([tasks[k] for k in group]) for group in groups]
+        block_of = {ts: b for b, layout in enumerate(layouts) for ts in layout.members}
+        direct = _direct_reads(layouts, places, len(self.scheduler.workers) == 1, block_of)
         plan.blocks = [
-            _block_plan([tasks[k] for k in group], place, root)
-            for group, place, root in zip(groups, places, rootish, strict=True)
+            _block_plan(layout, place, root, direct, b, block_of)
+            for b, (layout, place, root) in enumerate(zip(layouts, places, rootish, strict=True))
         ]
         return plan
 
@@ -304,6 +307,11 @@ class StreamBlocks(SchedulerPlugin):
         try:
             for block in plan.blocks:
                 self._form(block, undo)
+            tasks = self.scheduler.tasks
+            for block in plan.blocks:  # every block task exists now: link the direct reads
+                head = block.outputs[0] if block.key is None else tasks[block.key]
+                for key in block.reads:
+                    head.add_dependency(tasks[key])
         except Exception as e:
             for step in reversed(undo):
                 step()
@@ -341,8 +349,9 @@ class StreamBlocks(SchedulerPlugin):
             undo.append(functools.partial(self._drop_task, head))
             self._join_span(head, block.members[0])
             for ts, getter in zip(block.outputs, block.getters, strict=True):
-                ts.run_spec = getter
-                ts.add_dependency(head)
+                if getter is not None:  # None: read by other blocks only, straight from it
+                    ts.run_spec = getter
+                    ts.add_dependency(head)
         head.priority = block.priority
         head.retries = block.retries
         # A bin of a band: meant for this worker, else any. Never a root-ish block (one
@@ -388,11 +397,21 @@ class _BlockPlan:
     outputs: list  # members a client wants or a task outside reads
     spec: Task  # the run_spec of the block's task
     key: Hashable | None  # the block task's own key (several outputs), or None
-    getters: list  # the outputs' run_specs (several outputs)
+    getters: list  # the outputs' run_specs (several outputs; None: no getter needed)
     priority: Any
     retries: int
     forget: dict = field(default_factory=dict)  # the members no one outside needs
     worker: str | None = None  # the worker a bin of a band is meant for
+    reads: list = field(default_factory=list)  # keys of the blocks it reads straight from
+
+
+class _Layout(NamedTuple):
+    """A block's tasks before any is changed: ``key`` is None where it has one output."""
+
+    members: list  # TaskStates, in dependency order
+    inputs: list  # TaskStates outside the block that its tasks read
+    outputs: list  # members a client wants or a task outside reads
+    key: Hashable | None
 
 
 @dataclass
@@ -427,12 +446,8 @@ def dependency_order(members: list) -> list:
     return ordered
 
 
-def _block_plan(members: list, worker: str | None = None, rootish: bool = False) -> _BlockPlan:
-    """The block of ``members`` (TaskStates): its inputs, outputs, task and getters.
-
-    ``rootish``: whether a member is a task the scheduler would queue (root-ish);
-    the block's task is then a data producer, which the scheduler queues too.
-    """
+def _layout(members: list) -> _Layout:
+    """The layout of the block of ``members`` (TaskStates): inputs, outputs and key."""
     members = dependency_order(members)
     inside = set(members)
     inputs: dict[Any, None] = {}
@@ -444,23 +459,90 @@ def _block_plan(members: list, worker: str | None = None, rootish: bool = False)
         if ts.who_wants or any(d not in inside for d in ts.dependents):
             outputs.append(ts)
     key = None if len(outputs) == 1 else (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0)
+    return _Layout(members, list(inputs), outputs, key)
+
+
+def _direct_reads(
+    layouts: list[_Layout], places: list[str | None], one_worker: bool, block_of: Mapping[Any, int]
+) -> dict[tuple[int, Any], tuple[Hashable, int]]:
+    """``(reader, input) -> (block key, index)``: the inputs a block reads straight from
+    another block's tuple, with no getter task (and its round trip) between.
+
+    Only from a block whose outputs one other block reads, and no task outside
+    a block (a client may want them): the tuple then lives as long as getters'
+    values would (a block holds its inputs until it ends), and no longer. And
+    only where both run on one worker (the cluster has one, or both are meant
+    for the same): the whole tuple would move to read one output elsewhere.
+    """
+    direct = {}
+    for b, layout in enumerate(layouts):
+        if layout.key is None:
+            continue
+        readers = {block_of.get(x) for ts in layout.outputs for x in ts.dependents} - {b}
+        if len(readers) != 1 or None in readers:
+            continue
+        [c] = readers
+        if not (one_worker or (places[b] is not None and places[b] == places[c])):
+            continue
+        for i, ts in enumerate(layout.outputs):
+            if any(block_of.get(x) == c for x in ts.dependents):
+                direct[c, ts] = (layout.key, i)
+    return direct
+
+
+def _block_plan(
+    layout: _Layout,
+    worker: str | None,
+    rootish: bool,
+    direct: Mapping[tuple[int, Any], tuple[Hashable, int]],
+    index: int,
+    block_of: Mapping[Any, int],
+) -> _BlockPlan:
+    """The block of ``layout``: its task and getters.
+
+    ``rootish``: whether a member is a task the scheduler would queue (root-ish);
+    the block's task is then a data producer, which the scheduler queues too.
+    ``direct`` (of :func:`_direct_reads`) says which inputs of block ``index``
+    it reads straight from another block, and which outputs of it only other
+    blocks read that way (they get no getter; ``block_of``: each grouped
+    task's block).
+    """
+    members, inputs, outputs, key = layout
+    refs: list[Any] = []
+    sources: dict[Hashable, tuple[Hashable, int]] = {}
+    for d in inputs:
+        src = direct.get((index, d))
+        if src is None:
+            refs.append(TaskRef(d.key))
+        else:
+            sources[d.key] = src
+            refs.append(Task(None, block_output, TaskRef(src[0]), src[1]))
     block = StreamBlock(
         [ts.run_spec for ts in members],
         [d.key for d in inputs],
         [ts.key for ts in outputs],
         outputs[0].key if key is None else key,
+        0,
+        sources,
     )
-    refs = [TaskRef(d.key) for d in inputs]
+    gone: list = []
     if key is None:
-        getters = []
+        getters: list = []
         spec = Task(outputs[0].key, block, *refs, _data_producer=rootish)
     else:
         spec = Task(key, block, *refs, _data_producer=rootish)
-        getters = [Task(ts.key, block_output, TaskRef(key), i) for i, ts in enumerate(outputs)]
-    kept = set(outputs)
+        getters = []
+        for i, ts in enumerate(outputs):
+            readers = (block_of.get(x) for x in ts.dependents)
+            if ts.who_wants or any(c != index and (c, ts) not in direct for c in readers):
+                getters.append(Task(ts.key, block_output, TaskRef(key), i))
+            else:
+                getters.append(None)
+                gone.append(ts)
+    kept = set(outputs).difference(gone)
     return _BlockPlan(
         members,
-        list(inputs),
+        [d for d in inputs if (index, d) not in direct],
         outputs,
         spec,
         key,
@@ -469,6 +551,7 @@ def _block_plan(members: list, worker: str | None = None, rootish: bool = False)
         max(ts.retries for ts in members),
         {ts.key: "forgotten" for ts in members if ts not in kept},
         worker,
+        sorted({src[0] for src in sources.values()}, key=str),
     )
 
 
