@@ -3,7 +3,8 @@
 # the cluster workloads with blocks, plugin off / on, for time and memory; the wide shapes on
 # distributed with blocks, 8 ms and 2 ms kernels, and width 32 on 32 streams with
 # CUDA_DEVICE_MAX_CONNECTIONS=32 in the workers' environment; and distributed's own floor
-# (plain, no plugin: a graph of 8 and of 128 no-op tasks). The timeouts add up to 575 s,
+# (plain, no plugin: a graph of 8 and of 128 no-op tasks); the exit time after a compute
+# (benchmarks/probes/probe_exit.py). The timeouts add up to 590 s,
 # under the device's 600 s a call. Usage on the device, with the dask-cuda wheels carried
 # (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_reads.sh COMMIT.
 # Everything goes to $OUT/reads.tar.gz.
@@ -11,14 +12,14 @@ set -u
 source benchmarks/h200_setup.sh
 results reads
 gpu_tests 140
-timeout 240 python3 -m benchmarks.bench_cluster --backend cupy \
+timeout 220 python3 -m benchmarks.bench_cluster --backend cupy \
     --workloads matmul,qr,stencil,fft,std,delayed --modes off,on --samples 2 --rounds 2 \
     --warmup 1 --out "$R/cluster" > "$R/cluster.log" 2>&1
 echo "cluster rc $?" >> "$R/cluster.log"
 shapes() {  # NAME, then bench_shapes arguments
     local name=$1
     shift
-    timeout 60 python3 -m benchmarks.bench_shapes --backend cupy --schedulers distributed \
+    timeout 55 python3 -m benchmarks.bench_shapes --backend cupy --schedulers distributed \
         --families wide --modes ptds-sync,gpustreams,ideal --dist-blocks auto --policies auto \
         --warmup 1 --samples 3 --out "$R/shapes-$name" "$@" > "$R/shapes-$name.log" 2>&1
     echo "shapes rc $?" >> "$R/shapes-$name.log"
@@ -42,9 +43,10 @@ for n in (8, 128):
 client.close()
 cluster.close()
 PY
+timeout 50 python3 -m benchmarks.probes.probe_exit --backend cupy --workloads fft,elementwise --timeout 20 > "$R/exit.txt" 2>&1
 tail -14 "$R/gpu-tests.txt"
 grep -v "^\[" "$R/cluster.log" | tail -16
 tail -19 "$R/shapes-8ms.log" "$R/shapes-2ms.log"
 grep -A6 "^== distributed" "$R/shapes-w32-8ms.log"
-cat "$R/floor.txt"
+cat "$R/floor.txt" "$R/exit.txt"
 tar -czf "$OUT/reads.tar.gz" -C /tmp "reads-$COMMIT"

@@ -8,7 +8,9 @@ print text, check their results where they compute any, and are not part of
 - ``probe_host``: where a threaded-scheduler run loses time against the hand launch
   (``python -m benchmarks.probes.probe_host``);
 - ``probe_copy``: the copy pipeline's chunks against Dask's final concatenation
-  (``python -m benchmarks.probes.probe_copy``).
+  (``python -m benchmarks.probes.probe_copy``);
+- ``probe_exit``: how long a process takes to exit after a compute with the plugin on
+  (tests/gpu did not exit on the H200; ``python -m benchmarks.probes.probe_exit``).
 
 The diagnostics still run at each GPU session stay at the top of ``benchmarks/``:
 ``probe_distributed`` (``--hook-times`` in ``h200_cluster.sh``) and ``probe_diagnostics``.
