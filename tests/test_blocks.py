@@ -31,6 +31,7 @@ from dask_gpustreams.integrations.blocks import (
     BlockSkipped,
     BlockSkippedError,
     StreamBlock,
+    _Failed,
     block_output,
     partition,
 )
@@ -111,9 +112,14 @@ def launch_failing(func, *args):
 
 def launch(block):
     """``block`` launched on the sim's runtime of :data:`CONFIG`, its input ``x`` 0..N-1."""
+    return launch_values(block, {"x": sim.asarray(np.arange(N) + 0.0)})
+
+
+def launch_values(block, values):
+    """``block`` launched on the sim's runtime of :data:`CONFIG`, from ``values``."""
     with dask.config.set(CONFIG):
         runtime = get_runtime()
-    return block.launch(runtime, {"x": sim.asarray(np.arange(N) + 0.0)})
+    return block.launch(runtime, values)
 
 
 def clear_errors(a):
@@ -823,6 +829,60 @@ def test_a_failure_read_straight_from_another_block_names_the_inner_key():
         assert info.value.key == "inner-failure"
         assert formed(client) == (2, 8)
         assert executed(client) == 2
+
+
+def test_a_reader_with_retries_reads_through_getters_and_is_not_rerun_for_a_failure():
+    """As above, with ``retries=3`` on the second block's tasks: read straight from the
+    tuple, the failure would fail the reader itself, run again for each retry; through the
+    getters, the erred getter errs it without a run (the first block and 2 getters run)."""
+    with cluster(1, config={"gpustreams.block-size": 4}) as client:
+        s = delayed(source)(0, 0.0, dask_key_name="src")
+        a = delayed(mix)(1, s, dask_key_name="a")
+        k = delayed(bad)(a, dask_key_name="inner-failure")
+        g = delayed(mix)(2, a, dask_key_name="g")
+        with dask.annotate(retries=3):
+            t = delayed(mix)(3, k, g, dask_key_name="b")
+            for i in range(3):
+                t = delayed(mix)(4 + i, t, dask_key_name=f"c{i}")
+        future = client.compute(t)
+        with pytest.raises(KernelError, match="boom in a block") as info:
+            future.result(timeout=30)
+        assert info.value.key == "inner-failure"
+        assert formed(client) == (2, 8)
+        assert executed(client) == 3
+
+
+def test_a_failure_read_from_a_tuple_keeps_none_of_the_readers_inputs_alive():
+    """The error in a tuple's failed slot is shared: raised itself, it kept the frames of the
+    reader's launch, which hold all its inputs, in a cycle through the tuple that only the
+    garbage collector frees. A copy is raised: with the collector off, they are freed."""
+    with dask.config.set(CONFIG):
+        runtime = get_runtime()
+    other = sim.asarray(np.arange(N) + 1.0)
+    alive = weakref.ref(other)
+    slot = _Failed(KernelError("inner", "boom"))
+    nodes = [Task("y", mix, 1, TaskRef("x"), TaskRef("o"))]
+    block = StreamBlock(nodes, ["x", "o"], ["y"], "y", 0, {"x": (("blk", 0), 0)})
+    values = {("blk", 0): (slot, sim.asarray(np.arange(N) + 2.0)), "o": other}
+    gc.disable()
+    try:
+        with pytest.raises(KernelError) as info:
+            block.launch(runtime, values)
+        assert info.value.key == "inner"
+        del values, other, info
+        assert alive() is None
+        assert slot.error.__traceback__ is None
+    finally:
+        gc.enable()
+
+
+def test_a_block_reading_from_a_tuple_pickles_with_its_sources():
+    block = StreamBlock([Task("y", mix, 1, TaskRef("x"))], ["x"], ["y"], "y", 2, {"x": ("b", 1)})
+    copy = cloudpickle.loads(cloudpickle.dumps(block))
+    assert (copy.sources, copy.rescheduled) == ({"x": ("b", 1)}, 2)
+    x = np.arange(N) + 7.0
+    got = launch_values(copy, {"b": (None, sim.asarray(x))})
+    np.testing.assert_array_equal(sim.asnumpy(got), host_mix(1, x))
 
 
 def counted_mix(salt, *arrays, delay=0.0):

@@ -25,6 +25,7 @@ its tasks in priority order on the host, as Dask would.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -312,8 +313,23 @@ def block_output(values: Sequence[Any], i: int) -> Any:
         tb = None if value.traceback is None else value.traceback.as_traceback()
         # The error is shared by the outputs that derive from one task: not the frames of
         # an earlier raise, only the task's own.
-        raise value.error.with_traceback(tb)
+        raise _fresh(value.error).with_traceback(tb)
     return value
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A copy of ``error`` to raise, with its cause and context: the shared one stays
+    frameless. Raised itself, it would keep the frames of each raise, and their values (a
+    block reading it from another's tuple holds all its inputs there), in a cycle through
+    the tuple that only the garbage collector frees. One that cannot be copied is raised
+    itself."""
+    try:
+        fresh = copy.copy(error)
+    except Exception:
+        return error
+    fresh.__cause__, fresh.__context__ = error.__cause__, error.__context__
+    fresh.__suppress_context__ = error.__suppress_context__
+    return fresh
 
 
 def _downstream(nodes: Sequence[GraphNode], key: Hashable) -> set[Hashable]:
@@ -590,6 +606,8 @@ def _cut_shortest(
     if order is None or len(by_order) < 2:
         return by_order
     by_level = _cut(group, max_tasks, sort_key)
+    if by_level == by_order:  # a chain, say: nothing to choose
+        return by_order
     held, span = _cut_cost(by_order, group, dependencies, dependents, level)
     held_by_level, span_by_level = _cut_cost(by_level, group, dependencies, dependents, level)
     if held_by_level <= held and span_by_level < span:

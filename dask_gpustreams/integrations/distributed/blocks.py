@@ -393,8 +393,8 @@ class _BlockPlan:
     """One block to make: every object it needs, built before anything is changed."""
 
     members: list  # TaskStates, in priority order
-    inputs: list  # TaskStates outside the block that its tasks read
-    outputs: list  # members a client wants or a task outside reads
+    inputs: list  # TaskStates outside that its tasks read, but those in ``reads``' tuples
+    outputs: list  # the tuple's: a None getter's is read by a block only, and forgotten
     spec: Task  # the run_spec of the block's task
     key: Hashable | None  # the block task's own key (several outputs), or None
     getters: list  # the outputs' run_specs (several outputs; None: no getter needed)
@@ -470,9 +470,12 @@ def _direct_reads(
 
     Only from a block whose outputs one other block reads, and no task outside
     a block (a client may want them): the tuple then lives as long as getters'
-    values would (a block holds its inputs until it ends), and no longer. And
-    only where both run on one worker (the cluster has one, or both are meant
-    for the same): the whole tuple would move to read one output elsewhere.
+    values would (a block holds its inputs until it ends), and no longer. Only
+    where both run on one worker (the cluster has one, or both are meant for
+    the same): the whole tuple would move to read one output elsewhere. And
+    only for a reader without retries: a failed output read from the tuple
+    fails the reader itself, which would run again for each retry, where an
+    erred getter errs it without a run.
     """
     direct = {}
     for b, layout in enumerate(layouts):
@@ -483,6 +486,8 @@ def _direct_reads(
             continue
         [c] = readers
         if not (one_worker or (places[b] is not None and places[b] == places[c])):
+            continue
+        if any(ts.retries for ts in layouts[c].members):
             continue
         for i, ts in enumerate(layout.outputs):
             if any(block_of.get(x) == c for x in ts.dependents):
@@ -522,7 +527,7 @@ def _block_plan(
         [d.key for d in inputs],
         [ts.key for ts in outputs],
         outputs[0].key if key is None else key,
-        0,
+        0,  # rescheduled
         sources,
     )
     gone: list = []
