@@ -1190,14 +1190,17 @@ def test_a_large_part_is_cut_in_the_schedulers_order_so_pieces_keep_few_outputs(
     assert len(partials) <= k * (len(groups) - 1) < n * n * k, partials
 
 
-def test_a_wavefront_is_cut_by_levels_where_that_keeps_its_critical_path():
-    """chainlink: each task reads two of the level before. Its 128 tasks on one worker, in
-    blocks of 64: dask.order's diagonal order cut it into two triangles, 10 and 12 levels
-    deep, run one after the other (55% of ideal on the sim at e320eb2, 52% on the H200); by
-    levels, 8 and 8, with fewer outputs held (8 against 14)."""
+@pytest.mark.parametrize("width", [8, 32])
+def test_a_wavefront_is_cut_by_levels_where_that_keeps_its_critical_path(width):
+    """chainlink: each task reads two of the level before. Its tasks on one worker, in
+    blocks of 64. Width 8: dask.order's diagonal order cut them into two triangles, 10 and
+    12 levels deep, run one after the other (55% of ideal on the sim at e320eb2, 52% on the
+    H200); by levels, 8 and 8, with fewer outputs held (8 against 14). Width 32: into 8
+    skinny diagonals, 114 levels in all (on the H200 at 73a54ba, 0.77x blocks off); by
+    levels, 8 blocks of 2, with 32 outputs held at once against 31."""
     from dask.order import order
 
-    width, depth = 8, 16
+    depth = 16
     dsk: dict = {f"src-{i}": i for i in range(width)}
     for d in range(depth):
         for i in range(width):
@@ -1217,7 +1220,8 @@ def test_a_wavefront_is_cut_by_levels_where_that_keeps_its_critical_path():
     )
     assert sorted(key for g in groups for key in g) == sorted(candidates)
     levels = sorted(sorted({level[key] for key in g}) for g in groups)
-    assert levels == [list(range(8)), list(range(8, 16))]
+    per = 64 // width
+    assert levels == [list(range(a, a + per)) for a in range(0, depth, per)]
 
 
 def _flat(value):

@@ -26,6 +26,7 @@ its tasks in priority order on the host, as Dask would.
 from __future__ import annotations
 
 import copy
+import heapq
 import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -584,6 +585,13 @@ def _cut(group: list[Hashable], max_tasks: int, sort_key: Callable) -> list[list
     return [p for p in pieces if len(p) >= 2]
 
 
+#: A cut level by level may hold this many times the outputs at once of a cut in the
+#: scheduler's order (a wavefront at width 32: 32 against 31), no more: a tiled reduction's
+#: or a rechunk's would hold all their partial results (matmul 463 against 63, rechunk 64
+#: against 8). The bound that tests/test_blocks.py holds blocks' memory to.
+HELD_SLACK = 1.25
+
+
 def _cut_shortest(
     group: list[Hashable],
     max_tasks: int,
@@ -593,14 +601,17 @@ def _cut_shortest(
     dependents: Callable[[Hashable], Iterable[Hashable]],
     level: Mapping[Hashable, int],
 ) -> list[list[Hashable]]:
-    """``group`` cut in ``order`` (few outputs held), or level by level where that holds
-    no more outputs and its pieces, run one after another, have a shorter critical path.
+    """``group`` cut in ``order`` (few outputs held), or level by level where that has a
+    shorter critical path through its pieces and holds at most :data:`HELD_SLACK` times
+    as many outputs at once as ``order``'s cut.
 
     A block waits for every block it reads, so a cut's length is the longest path
     through its pieces, each as long as the longest path inside it. A wavefront
     (each task reads two of the level before, as chainlink does) cut in
-    dask.order's diagonal order gives two triangles, each almost as deep as the
-    whole; cut by levels, the depths add up to the whole's.
+    dask.order's diagonal order gives skinny diagonals, each almost as deep as the
+    whole (at width 32, 8 of them one after the other); cut by levels, the depths
+    add up to the whole's, and one level's outputs are held at a time. A tiled
+    reduction cut by levels would hold all its partial products at once.
     """
     by_order = _cut(group, max_tasks, order or sort_key)
     if order is None or len(by_order) < 2:
@@ -610,7 +621,7 @@ def _cut_shortest(
         return by_order
     held, span = _cut_cost(by_order, group, dependencies, dependents, level)
     held_by_level, span_by_level = _cut_cost(by_level, group, dependencies, dependents, level)
-    if held_by_level <= held and span_by_level < span:
+    if span_by_level < span and held_by_level <= HELD_SLACK * held:
         return by_level
     return by_order
 
@@ -621,9 +632,11 @@ def _cut_cost(
     dependencies: Callable[[Hashable], Iterable[Hashable]],
     dependents: Callable[[Hashable], Iterable[Hashable]],
     level: Mapping[Hashable, int],
-) -> tuple[int, float]:
-    """(outputs held: tasks of ``pieces`` read outside their piece, the longest path in
-    tasks through ``group`` cut into ``pieces``; inf where the pieces form a cycle)."""
+) -> tuple[float, float]:
+    """(the most outputs held at once, the longest path in tasks) of ``group`` cut into
+    ``pieces``, run one at a time in their order as their inputs allow (inf, inf: the
+    pieces form a cycle). An output is held from its piece's end until the last piece
+    that reads it ends; one read outside ``group``, to the end."""
     unit = {k: i for i, piece in enumerate(pieces) for k in piece}
     units = len(pieces)
     for k in group:
@@ -633,6 +646,7 @@ def _cut_cost(
     depth = [0] * units  # the longest path inside each unit, in tasks
     inside: dict[Hashable, int] = {}
     before: list[set[int]] = [set() for _ in range(units)]
+    reads: list[set[Hashable]] = [set() for _ in range(units)]  # inputs from other units
     for k in sorted(group, key=level.__getitem__):
         u = unit[k]
         longest = 0
@@ -642,12 +656,17 @@ def _cut_cost(
                 longest = max(longest, inside[d])
             elif v is not None:
                 before[u].add(v)
+                reads[u].add(d)
         inside[k] = longest + 1
         depth[u] = max(depth[u], inside[k])
-    pieced = len(pieces)
-    held = sum(
-        1 for k, u in unit.items() if u < pieced and any(unit.get(c) != u for c in dependents(k))
-    )
+    readers: dict[Hashable, int] = {}  # output -> units still to read it (-1: read outside)
+    made: list[list[Hashable]] = [[] for _ in range(units)]
+    for k in group:
+        u = unit[k]
+        others = {unit.get(c) for c in dependents(k)} - {u}
+        if others:
+            readers[k] = -1 if None in others else len(others)
+            made[u].append(k)
     after: list[list[int]] = [[] for _ in range(units)]
     waiting = [len(b) for b in before]
     for u, b in enumerate(before):
@@ -655,17 +674,25 @@ def _cut_cost(
             after[v].append(u)
     end = [0] * units
     ready = [u for u in range(units) if not waiting[u]]
-    done = 0
+    heapq.heapify(ready)
+    done = held = peak = 0
     while ready:
-        v = ready.pop()
+        v = heapq.heappop(ready)
         done += 1
         end[v] += depth[v]
+        for k in reads[v]:
+            readers[k] -= 1
+            held -= readers[k] == 0
+        held += len(made[v])
+        peak = max(peak, held)
         for u in after[v]:
             end[u] = max(end[u], end[v])
             waiting[u] -= 1
             if not waiting[u]:
-                ready.append(u)
-    return held, (max(end, default=0) if done == units else math.inf)
+                heapq.heappush(ready, u)
+    if done < units:
+        return math.inf, math.inf
+    return peak, max(end, default=0)
 
 
 def _acyclic(
