@@ -3,7 +3,7 @@
 # wide shapes on distributed with blocks auto and off side by side at width 32 on 32
 # streams (CUDA_DEVICE_MAX_CONNECTIONS=32 in the workers' environment), with blocks at
 # width 8 on 8 streams (8 ms kernels), and qr on the cluster (the one suite workload whose
-# blocks the change cuts otherwise), plugin off / on. The timeouts add up to 200 s. Usage
+# blocks the change cuts otherwise), plugin off / on. The timeouts add up to 150 s. Usage
 # on the device, with the dask-cuda wheels carried (../shared/tools/gpu-wheels.sh
 # --dask-cuda): bash benchmarks/h200_slack.sh COMMIT. Everything goes to $OUT/slack.tar.gz.
 set -u
@@ -12,14 +12,14 @@ results slack
 shapes() {  # NAME, then bench_shapes arguments
     local name=$1
     shift
-    timeout 70 python3 -m benchmarks.bench_shapes --backend cupy --schedulers distributed \
+    timeout "${TIMEOUT:-70}" python3 -m benchmarks.bench_shapes --backend cupy --schedulers distributed \
         --families wide --modes gpustreams,ideal --policies auto --dist-kernel-ms 8 \
         --warmup 1 --samples 3 --out "$R/shapes-$name" "$@" > "$R/shapes-$name.log" 2>&1
     echo "shapes rc $?" >> "$R/shapes-$name.log"
 }
 CUDA_DEVICE_MAX_CONNECTIONS=32 shapes w32 --dist-streams 32 --width 32 --dist-blocks auto,off
-shapes w8 --dist-streams 8 --dist-blocks auto
-timeout 60 python3 -m benchmarks.bench_cluster --backend cupy --workloads qr --modes off,on \
+TIMEOUT=40 shapes w8 --dist-streams 8 --dist-blocks auto
+timeout 40 python3 -m benchmarks.bench_cluster --backend cupy --workloads qr --modes off,on \
     --samples 2 --rounds 2 --warmup 1 --out "$R/cluster" > "$R/cluster.log" 2>&1
 echo "cluster rc $?" >> "$R/cluster.log"
 grep -A18 "^== distributed" "$R/shapes-w32.log"
