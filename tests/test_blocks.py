@@ -1197,7 +1197,7 @@ def test_a_wavefront_is_cut_by_levels_where_that_keeps_its_critical_path(width):
     12 levels deep, run one after the other (55% of ideal on the sim at e320eb2, 52% on the
     H200); by levels, 8 and 8, with fewer outputs held (8 against 14). Width 32: into 8
     skinny diagonals, 114 levels in all (on the H200 at 73a54ba, 0.77x blocks off); by
-    levels, 8 blocks of 2, with 32 outputs held at once against 31."""
+    levels, 8 blocks of 2, with 64 outputs held at once against 49."""
     from dask.order import order
 
     depth = 16

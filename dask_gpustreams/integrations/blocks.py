@@ -401,10 +401,13 @@ def partition(
     just before what combines them, so a piece keeps few outputs for later
     pieces, as task per key keeps few results in memory). Cut level by level
     instead, the first pieces would be all of a matmul's partial products,
-    each held by its piece until a later one sums them. Where that order
-    makes the blocks depend on each other in a cycle (user priorities), the
-    cut is in the order of ``(level, order(key))``, a dependency order; with
-    neither ``order`` nor an acyclic cut, only the chains are grouped.
+    each held by its piece until a later one sums them; a group is cut level
+    by level only where that shortens its critical path and holds few more
+    outputs (:func:`_cut_shortest`). Where these cuts make the blocks depend
+    on each other in a cycle, every group is cut in ``order``, then, if that
+    too is cyclic (user priorities), in the order of ``(level, order(key))``,
+    a dependency order; with neither ``order`` nor an acyclic cut, only the
+    chains are grouped.
 
     ``bands``, if given, gets one entry per group returned: ``(band, bin)``
     for the groups of a part cut into bands (see :func:`_bands`), whose bins
@@ -449,8 +452,10 @@ def partition(
         for p in _cut_shortest(g, max_tasks, order, sort_key, dependencies, dependents, level)
     ]
     acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
-    if order is not None and not acyclic:
-        pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, sort_key)]
+    for fallback in (order, sort_key) if order is not None else ():
+        if acyclic:
+            break
+        pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, fallback)]
         acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
     if not acyclic:
         chains = [
@@ -586,10 +591,11 @@ def _cut(group: list[Hashable], max_tasks: int, sort_key: Callable) -> list[list
 
 
 #: A cut level by level may hold this many times the outputs at once of a cut in the
-#: scheduler's order (a wavefront at width 32: 32 against 31), no more: a tiled reduction's
-#: or a rechunk's would hold all their partial results (matmul 463 against 63, rechunk 64
-#: against 8). The bound that tests/test_blocks.py holds blocks' memory to.
-HELD_SLACK = 1.25
+#: scheduler's order, no more. A wavefront at width 32 holds 64 against 49 (a level's
+#: inputs and outputs at a block's end), a tall-skinny QR of 64 row blocks 1.49x (with 4%
+#: more bytes, and half the critical path); a tiled reduction or a rechunk would hold all
+#: its partial results (matmul 463 against 63, rechunk 64 against 8).
+HELD_SLACK = 1.5
 
 
 def _cut_shortest(
@@ -636,7 +642,8 @@ def _cut_cost(
     """(the most outputs held at once, the longest path in tasks) of ``group`` cut into
     ``pieces``, run one at a time in their order as their inputs allow (inf, inf: the
     pieces form a cycle). An output is held from its piece's end until the last piece
-    that reads it ends; one read outside ``group``, to the end."""
+    that reads it ends (a block holds its inputs until it ends); one read outside
+    ``group``, to the end."""
     unit = {k: i for i, piece in enumerate(pieces) for k in piece}
     units = len(pieces)
     for k in group:
@@ -680,11 +687,11 @@ def _cut_cost(
         v = heapq.heappop(ready)
         done += 1
         end[v] += depth[v]
+        held += len(made[v])  # its outputs, while its inputs are still held
+        peak = max(peak, held)
         for k in reads[v]:
             readers[k] -= 1
             held -= readers[k] == 0
-        held += len(made[v])
-        peak = max(peak, held)
         for u in after[v]:
             end[u] = max(end[u], end[v])
             waiting[u] -= 1
