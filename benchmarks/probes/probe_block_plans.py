@@ -1,0 +1,95 @@
+"""Which graphs get other stream blocks than at another commit (issue 13's cut changes).
+
+A change to ``dask_gpustreams.integrations.blocks.partition`` changes the blocks of some
+graphs and not others; the H200 numbers of the graphs whose blocks did not change still
+hold. This probe builds the graphs of the workload suite (``bench_workloads``, at the
+H200's sizes, NumPy-backed: nothing is computed) and the wide shapes (width 8 and 32,
+depth 16), partitions each for one worker in blocks of 64 with this tree's ``partition``
+and with that of ``--against`` (``git show COMMIT:...``), and prints whether the groups
+are the same. The scheduler's own levels and priorities are close to these, not equal.
+
+``python -m benchmarks.probes.probe_block_plans --against e320eb2``
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import dask
+from dask._task_spec import DataNode, convert_legacy_graph
+from dask.order import order
+
+from benchmarks import bench_workloads
+from benchmarks.shapes import WIDE, wide_shape
+from dask_gpustreams.integrations import blocks
+
+BLOCKS_PATH = "dask_gpustreams/integrations/blocks.py"
+
+
+def partition_at(commit: str) -> Callable:
+    """``partition`` of ``commit``'s ``integrations/blocks.py``, loaded as a module."""
+    source = subprocess.run(
+        ["git", "show", f"{commit}:{BLOCKS_PATH}"], capture_output=True, text=True, check=True
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / f"blocks_{commit}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.partition
+
+
+def graphs() -> Iterator[tuple[str, dict, list]]:
+    """(name, {key: dependencies}, candidates) of each workload and wide shape."""
+    arrays = bench_workloads.make_arrays("numpy")
+    sizes = bench_workloads.sizes_for("cupy", False)
+    for name, workload in bench_workloads.WORKLOADS.items():
+        collections = workload.build(arrays, sizes[name])
+        expr = dask.base.collections_to_expr(collections, optimize_graph=True)
+        dsk = convert_legacy_graph(dict(expr.__dask_graph__()))
+        deps = {k: list(v.dependencies) for k, v in dsk.items()}
+        yield name, deps, [k for k, v in dsk.items() if not isinstance(v, DataNode)]
+    for width in (8, 32):
+        for name in WIDE:
+            shape = wide_shape(name, width, 16)
+            deps = {k: [] for k in shape.sources}
+            deps.update({n.key: list(n.args) for n in shape.nodes})
+            yield f"{name} x{width}", deps, [n.key for n in shape.nodes]
+
+
+def groups(partition: Callable, deps: dict, candidates: list) -> list:
+    """``partition``'s groups of ``candidates`` on one worker, blocks of 64, sorted."""
+    dependents: dict = {k: [] for k in deps}
+    for k, ds in deps.items():
+        for d in ds:
+            dependents[d].append(k)
+    priority = order({k: (sum, ds) if ds else 1 for k, ds in deps.items()})
+    level: dict = {}
+    for k in sorted(deps, key=priority.__getitem__):
+        level[k] = 1 + max((level[d] for d in deps[k]), default=-1)
+    found = partition(
+        candidates, deps.__getitem__, dependents.__getitem__, level, 1, 64, priority.__getitem__
+    )
+    return sorted(sorted(map(str, g)) for g in found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--against", required=True, help="the commit to compare with")
+    args = p.parse_args(argv)
+    theirs = partition_at(args.against)
+    print(f"{'graph':<14} {'tasks':>6} {'blocks':>7} {args.against:>9}  same")
+    for name, deps, candidates in graphs():
+        ours, old = groups(blocks.partition, deps, candidates), groups(theirs, deps, candidates)
+        print(f"{name:<14} {len(deps):>6} {len(ours):>7} {len(old):>9}  {ours == old}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
