@@ -16,17 +16,11 @@ timeout 220 python3 -m benchmarks.bench_cluster --backend cupy \
     --workloads matmul,qr,stencil,fft,std,delayed --modes off,on --samples 2 --rounds 2 \
     --warmup 1 --out "$R/cluster" > "$R/cluster.log" 2>&1
 echo "cluster rc $?" >> "$R/cluster.log"
-shapes() {  # NAME, then bench_shapes arguments
-    local name=$1
-    shift
-    timeout 55 python3 -m benchmarks.bench_shapes --backend cupy --schedulers distributed \
-        --families wide --modes ptds-sync,gpustreams,ideal --dist-blocks auto --policies auto \
-        --warmup 1 --samples 3 --out "$R/shapes-$name" "$@" > "$R/shapes-$name.log" 2>&1
-    echo "shapes rc $?" >> "$R/shapes-$name.log"
-}
-shapes 8ms --dist-streams 8 --dist-kernel-ms 8
-shapes 2ms --dist-streams 8 --dist-kernel-ms 2
-CUDA_DEVICE_MAX_CONNECTIONS=32 shapes w32-8ms --dist-streams 32 --width 32 --dist-kernel-ms 8
+modes=(--modes ptds-sync,gpustreams,ideal --dist-blocks auto)
+shapes 8ms 55 "${modes[@]}" --dist-streams 8 --dist-kernel-ms 8
+shapes 2ms 55 "${modes[@]}" --dist-streams 8 --dist-kernel-ms 2
+CUDA_DEVICE_MAX_CONNECTIONS=32 shapes w32-8ms 55 "${modes[@]}" --dist-streams 32 --width 32 \
+    --dist-kernel-ms 8
 timeout 15 python3 - > "$R/floor.txt" 2>&1 <<'PY'
 import statistics, time
 import distributed

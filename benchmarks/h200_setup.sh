@@ -9,6 +9,17 @@ python3 -c "import cupy, dask, distributed, numpy; print('cupy', cupy.__version_
 # $R/gpu-tests.txt and appends its exit status.
 COMMIT="${1:-unknown}"
 results() { R="/tmp/$1-$COMMIT"; mkdir -p "$R"; echo "commit $COMMIT" > "$R/commit.txt"; }
+# `shapes NAME SECONDS ARGS...` runs bench_shapes' wide shapes on distributed (policy auto,
+# a warm-up and 3 samples) with ARGS into $R/shapes-NAME and its log, and appends its exit
+# status.
+shapes() {
+    local name=$1 seconds=$2
+    shift 2
+    timeout "$seconds" python3 -m benchmarks.bench_shapes --backend cupy --schedulers \
+        distributed --families wide --policies auto --warmup 1 --samples 3 \
+        --out "$R/shapes-$name" "$@" > "$R/shapes-$name.log" 2>&1
+    echo "shapes rc $?" >> "$R/shapes-$name.log"
+}
 gpu_tests() {
     timeout "$1" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
     echo "gpu tests rc $?" >> "$R/gpu-tests.txt"

@@ -9,16 +9,10 @@
 set -u
 source benchmarks/h200_setup.sh
 results slack
-shapes() {  # NAME, then bench_shapes arguments
-    local name=$1
-    shift
-    timeout "${TIMEOUT:-70}" python3 -m benchmarks.bench_shapes --backend cupy --schedulers distributed \
-        --families wide --modes gpustreams,ideal --policies auto --dist-kernel-ms 8 \
-        --warmup 1 --samples 3 --out "$R/shapes-$name" "$@" > "$R/shapes-$name.log" 2>&1
-    echo "shapes rc $?" >> "$R/shapes-$name.log"
-}
-CUDA_DEVICE_MAX_CONNECTIONS=32 shapes w32 --dist-streams 32 --width 32 --dist-blocks auto,off
-TIMEOUT=40 shapes w8 --dist-streams 8 --dist-blocks auto
+modes=(--modes gpustreams,ideal --dist-kernel-ms 8)
+CUDA_DEVICE_MAX_CONNECTIONS=32 shapes w32 70 "${modes[@]}" --dist-streams 32 --width 32 \
+    --dist-blocks auto,off
+shapes w8 40 "${modes[@]}" --dist-streams 8 --dist-blocks auto
 timeout 40 python3 -m benchmarks.bench_cluster --backend cupy --workloads qr --modes off,on \
     --samples 2 --rounds 2 --warmup 1 --out "$R/cluster" > "$R/cluster.log" 2>&1
 echo "cluster rc $?" >> "$R/cluster.log"

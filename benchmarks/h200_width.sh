@@ -8,21 +8,9 @@
 set -u
 source benchmarks/h200_setup.sh
 results width
-shapes() {  # NAME, then bench_shapes arguments
-    local name=$1
-    shift
-    timeout 95 python3 -m benchmarks.bench_shapes --backend cupy --schedulers distributed \
-        --families wide --modes ptds-sync,gpustreams,ideal --dist-blocks auto,off \
-        --policies auto --dist-kernel-ms 8 --warmup 1 --samples 3 --out "$R/shapes-$name" \
-        "$@" > "$R/shapes-$name.log" 2>&1
-    echo "shapes rc $?" >> "$R/shapes-$name.log"
-}
-CUDA_DEVICE_MAX_CONNECTIONS=32 shapes w32 --dist-streams 32 --width 32
-timeout 65 python3 -m benchmarks.bench_shapes --backend cupy --schedulers distributed \
-    --families wide --modes gpustreams,ideal --dist-blocks auto,off --policies auto \
-    --dist-kernel-ms 8 --warmup 1 --samples 3 --dist-streams 8 --out "$R/shapes-w8" \
-    > "$R/shapes-w8.log" 2>&1
-echo "shapes rc $?" >> "$R/shapes-w8.log"
+CUDA_DEVICE_MAX_CONNECTIONS=32 shapes w32 95 --modes ptds-sync,gpustreams,ideal \
+    --dist-blocks auto,off --dist-kernel-ms 8 --dist-streams 32 --width 32
+shapes w8 65 --modes gpustreams,ideal --dist-blocks auto,off --dist-kernel-ms 8 --dist-streams 8
 grep -A16 "^== distributed" "$R/shapes-w32.log"
 grep -A18 "^-- distributed · wide: serial" "$R/shapes-w8.log"
 tar -czf "$OUT/width.tar.gz" -C /tmp "width-$COMMIT"

@@ -811,36 +811,21 @@ def test_a_block_read_only_by_the_next_reads_straight_from_it_with_no_getters():
         assert executed(client) == 2 + 4
 
 
-def test_a_failure_read_straight_from_another_block_names_the_inner_key():
+@pytest.mark.parametrize("retries, runs", [(0, 2), (3, 3)])
+def test_a_failure_read_straight_from_another_block_names_the_inner_key(retries, runs):
     """Blocks of 4: ``src, a, inner-failure, g`` (outputs ``inner-failure`` and ``g``, read
-    by ``b`` only) and ``b, c0, c1, c2``. The second reads the first's failed output straight
-    from its tuple and raises the ``KernelError`` naming the inner key; no getter runs."""
+    by ``b`` only) and ``b, c0, c1, c2``. Without retries, the second reads the first's
+    failed output straight from its tuple and raises the ``KernelError`` naming the inner
+    key; no getter runs (2 tasks run). With ``retries=3`` on the second block's tasks, it
+    reads through the getters: read from the tuple, the failure would fail the reader
+    itself, run again for each retry, where the erred getter errs it without a run (the
+    first block and 2 getters run)."""
     with cluster(1, config={"gpustreams.block-size": 4}) as client:
         s = delayed(source)(0, 0.0, dask_key_name="src")
         a = delayed(mix)(1, s, dask_key_name="a")
         k = delayed(bad)(a, dask_key_name="inner-failure")
         g = delayed(mix)(2, a, dask_key_name="g")
-        t = delayed(mix)(3, k, g, dask_key_name="b")
-        for i in range(3):
-            t = delayed(mix)(4 + i, t, dask_key_name=f"c{i}")
-        future = client.compute(t)
-        with pytest.raises(KernelError, match="boom in a block") as info:
-            future.result(timeout=30)
-        assert info.value.key == "inner-failure"
-        assert formed(client) == (2, 8)
-        assert executed(client) == 2
-
-
-def test_a_reader_with_retries_reads_through_getters_and_is_not_rerun_for_a_failure():
-    """As above, with ``retries=3`` on the second block's tasks: read straight from the
-    tuple, the failure would fail the reader itself, run again for each retry; through the
-    getters, the erred getter errs it without a run (the first block and 2 getters run)."""
-    with cluster(1, config={"gpustreams.block-size": 4}) as client:
-        s = delayed(source)(0, 0.0, dask_key_name="src")
-        a = delayed(mix)(1, s, dask_key_name="a")
-        k = delayed(bad)(a, dask_key_name="inner-failure")
-        g = delayed(mix)(2, a, dask_key_name="g")
-        with dask.annotate(retries=3):
+        with dask.annotate(**({"retries": retries} if retries else {})):
             t = delayed(mix)(3, k, g, dask_key_name="b")
             for i in range(3):
                 t = delayed(mix)(4 + i, t, dask_key_name=f"c{i}")
@@ -849,7 +834,7 @@ def test_a_reader_with_retries_reads_through_getters_and_is_not_rerun_for_a_fail
             future.result(timeout=30)
         assert info.value.key == "inner-failure"
         assert formed(client) == (2, 8)
-        assert executed(client) == 3
+        assert executed(client) == runs
 
 
 def test_a_failure_read_from_a_tuple_keeps_none_of_the_readers_inputs_alive():

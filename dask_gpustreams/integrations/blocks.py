@@ -187,10 +187,11 @@ class StreamBlock:
         rescheduled, whole.
         """
         sources = self.sources
-        values = {
-            k: block_output(values[s[0]], s[1]) if (s := sources.get(k)) else values[k]
-            for k in self.inputs
-        }
+        if sources:  # (each launch below copies the inputs it reads from ``values``)
+            values = {
+                k: block_output(values[s[0]], s[1]) if (s := sources.get(k)) else values[k]
+                for k in self.inputs
+            }
         nodes: Sequence[GraphNode] = self.nodes
         wanted = self.outputs
         failed: dict[Hashable, _Failed] = {}
