@@ -7,9 +7,17 @@ plan at once ("cuFFT APIs are thread safe as long as different host threads
 execute FFTs using different plans", cuFFT docs; on the H200 at 14b8bc9, caches
 per stream shared by 8 threads gave a wrong tile). Turning the cache off makes
 every call plan anew (5x slower on the H200 for 1024² tiles). Instead, a thread
-after :func:`use` gets CuPy ``PlanCache`` objects of its own, one per (device,
-stream): a plan, and its work area, then only ever runs from that thread on the
-stream that made it, in that stream's order, and is reused by its later FFTs there.
+after :func:`use` gets plan caches of its own, one per (device, stream)
+(:class:`StreamPlans`): a plan, and its work area, then only ever runs from that
+thread on the stream that made it, in that stream's order, and is reused by its
+later FFTs there.
+
+They are not CuPy ``PlanCache`` objects: the end of one of those runs a full
+``gc.collect()`` (``cupy.fft._cache._clear_LinkedList``), so every thread that ended,
+and every cache dropped, paid one per stream it had used. At the exit of the GPU test
+process on the H200 (69ddf50), 167 of them took 248 s in all, 0.2-2.6 s each, across
+the dying threads. A thread still makes its own CuPy cache, to read its limits, and
+pays for that one, as any thread that runs a CuPy FFT does.
 
 CuPy's FFT functions find their cache through the module global ``get_plan_cache``
 of ``cupy.fft._fft`` and ``cupyx.scipy.fftpack._fft``. :func:`use` replaces those
@@ -22,8 +30,8 @@ A new cache takes the size and memory limit of the thread's own CuPy cache on th
 device at the time (``cupy.fft.config.get_plan_cache().set_size(0)`` before a
 compute turns new ones off). A thread keeps the caches of at most
 :data:`MAX_CACHES` streams, dropping the least recently used; they end with the
-thread. Multi-GPU plans (``cupy.fft.config.set_cufft_gpus``) go into CuPy's own
-caches, as CuPy adds them there, and are made anew on each call.
+thread. Multi-GPU plans (``cupy.fft.config.set_cufft_gpus``) are not cached: they
+are made anew on each call.
 """
 
 from __future__ import annotations
@@ -43,10 +51,61 @@ PLAN_CACHE_USERS = ("cupy.fft._fft", "cupyx.scipy.fftpack._fft")
 MAX_CACHES = 64
 
 #: .on: whether this thread's FFTs use its own caches; .caches: (device, stream handle)
-#: -> PlanCache, least recently used first.
+#: -> StreamPlans, least recently used first.
 _thread = threading.local()
 _install_lock = threading.Lock()
 _installed = False
+
+
+class StreamPlans:
+    """The cuFFT plans of one thread on one (device, stream), least recently used first.
+
+    What CuPy's FFT functions ask of a ``PlanCache`` (``get``, and item assignment
+    for a new plan), within its limits: at most ``size`` plans (-1: any number) whose
+    work areas hold at most ``memsize`` bytes (-1: any); either at 0 caches nothing,
+    and a plan larger than ``memsize`` is used once, not kept. Dropping a plan
+    destroys it; its work area goes back to the pool in its stream's order.
+    """
+
+    __slots__ = ("_plans", "_size", "_memsize", "_bytes")
+
+    def __init__(self, size: int, memsize: int):
+        self._plans: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self._size = size
+        self._memsize = memsize
+        self._bytes = 0
+
+    def get(self, key: tuple, default: Any = None) -> Any:
+        """The plan made for ``key`` (now the most recently used), or ``default``."""
+        entry = self._plans.get(key)
+        if entry is None:
+            return default
+        self._plans.move_to_end(key)
+        return entry[0]
+
+    def __setitem__(self, key: tuple, plan: Any) -> None:
+        size, memsize, plans = self._size, self._memsize, self._plans
+        if size == 0 or memsize == 0 or plan.gpus is not None:
+            return
+        work_area = plan.work_area
+        nbytes = 0 if work_area is None else work_area.mem.size
+        if 0 < memsize < nbytes:
+            return
+        old = plans.pop(key, None)
+        if old is not None:
+            self._bytes -= old[1]
+        while plans and (0 < size <= len(plans) or 0 < memsize < self._bytes + nbytes):
+            self._bytes -= plans.popitem(last=False)[1][1]
+        plans[key] = (plan, nbytes)
+        self._bytes += nbytes
+
+    def get_curr_size(self) -> int:
+        """Plans cached now (as ``PlanCache.get_curr_size``)."""
+        return len(self._plans)
+
+    def get_curr_memsize(self) -> int:
+        """Bytes of their work areas (as ``PlanCache.get_curr_memsize``)."""
+        return self._bytes
 
 
 def _plan_cache() -> Any:
@@ -60,7 +119,7 @@ def _plan_cache() -> Any:
         caches.move_to_end(key)
         return cache
     own = _cache.get_plan_cache()  # this thread's CuPy cache on this device: its limits
-    cache = caches[key] = _cache.PlanCache(own.get_size(), own.get_memsize(), key[0])
+    cache = caches[key] = StreamPlans(own.get_size(), own.get_memsize())
     if len(caches) > MAX_CACHES:
         caches.popitem(last=False)  # its plans go; their work areas return in stream order
     return cache
