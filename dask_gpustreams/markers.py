@@ -18,7 +18,7 @@ def host_task(fn: F) -> F:
     its host threads, after waiting on the host for their inputs, instead of
     on the launching thread: use it for functions that wait for the device
     (``.get()``, ``.item()``), compute on host data, do I/O, sleep or lock.
-    Unmarked functions that block are learned from their first slow call.
+    Unmarked functions that block are learned after two slow calls in a row.
     """
     setattr(fn, HOST_TASK_ATTR, True)
     return fn

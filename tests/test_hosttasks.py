@@ -14,28 +14,45 @@ def test_a_group_flips_at_info_once_then_at_debug(caplog):
     learned = HostTasks()
     slow, fast = 2 * learned.threshold_s, learned.threshold_s / 10
     for _ in range(2):
-        learned.observe("fill", slow)
+        for _ in range(learned.confirm):
+            learned.observe("fill", slow)
         assert "fill" in learned
         for _ in range(learned.recover):
             learned.observe("fill", fast)
         assert "fill" not in learned
     levels = [(r.levelname, r.getMessage().split(":")[1].strip()) for r in caplog.records]
     assert levels == [
-        ("INFO", "tasks of group 'fill' block the host (a call took 10.0 ms)"),
+        ("INFO", "tasks of group 'fill' block the host (2 calls in a row, the last took 10.0 ms)"),
         ("INFO", "tasks of group 'fill' no longer block the host (2 fast calls)"),
-        ("DEBUG", "tasks of group 'fill' block the host (a call took 10.0 ms)"),
+        ("DEBUG", "tasks of group 'fill' block the host (2 calls in a row, the last took 10.0 ms)"),
         ("DEBUG", "tasks of group 'fill' no longer block the host (2 fast calls)"),
     ]
 
 
-def test_a_group_is_marked_after_one_slow_call_and_kept_while_slow_calls_come():
+def test_a_group_is_marked_after_two_slow_calls_in_a_row_and_kept_while_slow_calls_come():
     learned = HostTasks()
     slow, fast = 2 * learned.threshold_s, learned.threshold_s / 10
     learned.observe("sleeper", fast)
     assert not learned
     learned.observe("sleeper", slow)
-    assert learned.groups() == ["sleeper"]
+    assert (learned.groups(), learned.suspecting()) == ([], True)
+    learned.observe("sleeper", slow)
+    assert (learned.groups(), learned.suspecting()) == (["sleeper"], False)
     for _ in range(3):  # fast, slow, fast...: never recover fast calls in a row
         learned.observe("sleeper", fast)
         learned.observe("sleeper", slow)
     assert learned.groups() == ["sleeper"]
+
+
+def test_a_slow_call_between_fast_ones_marks_nothing():
+    """A GPU group slow once (a cudaMalloc that waited for the device, a collection) stays
+    on the launcher: its next fast call clears the suspicion, whatever other groups do."""
+    learned = HostTasks()
+    slow, fast = 2 * learned.threshold_s, learned.threshold_s / 10
+    for _ in range(3):
+        learned.observe("fill", slow)
+        learned.observe("other", fast)
+        assert learned.suspecting()
+        learned.observe("fill", fast)
+        assert not learned.suspecting()
+    assert learned.groups() == []

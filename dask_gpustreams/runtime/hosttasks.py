@@ -4,11 +4,18 @@ A GPU task only enqueues work, so its call returns in microseconds; a task
 that waits for the device (a download, ``.item()``), computes on the host or
 sleeps takes as long as that work. The launcher times each call it makes and
 tells :class:`HostTasks`, keyed by the task's group (its key prefix, as
-distributed's task-prefix estimates are): a group whose call took longer
-than :attr:`HostTasks.threshold_s` is sent to host threads from then on, and
-goes back to the launcher after :attr:`HostTasks.recover` fast calls in a
-row (a first call that compiled a kernel or grew the memory pool is not a
-host task).
+distributed's task-prefix estimates are): a group whose calls took longer
+than :attr:`HostTasks.threshold_s` :attr:`HostTasks.confirm` times in a row
+is sent to host threads from then on, and goes back to the launcher after
+:attr:`HostTasks.recover` fast calls in a row.
+
+One slow call is not enough: a GPU task's call is slow now and then for
+reasons that are not its own (a kernel compiled, the memory pool grown with a
+``cudaMalloc`` that waits for the whole device, a garbage collection, a full
+launch queue). On host threads such a task would first wait on the host for
+its inputs, draining the device; on the H200 groups of std and stencil went
+back and forth in every run. A task that does block the host runs on the
+launching thread once more, noted, before it moves.
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ class HostTasks:
     #: fused chain of small CuPy operations takes about a millisecond of host time and is
     #: no host task: on host threads it would only wait for its inputs and fight for the GIL.
     threshold_s = 5e-3
+    #: Slow calls in a row on the launching thread that send a group to host threads.
+    confirm = 2
     #: Fast calls in a row on a host thread that send a group back to the launcher.
     recover = 2
 
     def __init__(self) -> None:
         self._fast_runs: dict[Hashable, int] = {}  # host groups -> fast calls in a row
+        self._slow_runs: dict[Hashable, int] = {}  # suspected groups -> slow calls in a row
         self._logged: set[Hashable] = set()  # groups whose verdicts were logged at INFO
         self._lock = threading.Lock()
 
@@ -46,20 +56,34 @@ class HostTasks:
         """The groups marked as host work."""
         return list(self._fast_runs)
 
+    def suspecting(self) -> bool:
+        """Whether a group's last call was slow but it is not marked yet: the launcher then
+        reports its fast calls too (:meth:`observe`), which clear the suspicion."""
+        return bool(self._slow_runs)
+
     def observe(self, group: Hashable, seconds: float) -> None:
         """Note a call of ``group`` that took ``seconds`` on the host."""
         fast = seconds < self.threshold_s
+        if fast and group not in self._slow_runs and group not in self._fast_runs:
+            return  # nothing to note: no lock (the launcher reports every call while suspecting)
         with self._lock:
             runs = self._fast_runs.get(group)
             if runs is None:
-                if not fast:
-                    self._fast_runs[group] = 0
-                    self._log(
-                        group,
-                        "gpustreams: tasks of group %r block the host (a call took %.1f ms): "
-                        "they run on host threads from now on",
-                        seconds * 1e3,
-                    )
+                if fast:
+                    self._slow_runs.pop(group, None)
+                    return
+                slow = self._slow_runs.pop(group, 0) + 1
+                if slow < self.confirm:
+                    self._slow_runs[group] = slow
+                    return
+                self._fast_runs[group] = 0
+                self._log(
+                    group,
+                    "gpustreams: tasks of group %r block the host (%d calls in a row, the last "
+                    "took %.1f ms): they run on host threads from now on",
+                    slow,
+                    seconds * 1e3,
+                )
             elif not fast:
                 self._fast_runs[group] = 0
             elif runs + 1 >= self.recover:
@@ -74,11 +98,11 @@ class HostTasks:
             else:
                 self._fast_runs[group] = runs + 1
 
-    def _log(self, group: Hashable, message: str, value: float) -> None:
+    def _log(self, group: Hashable, message: str, *values: float) -> None:
         """A verdict on ``group``: at INFO until it first went back, then at DEBUG.
 
         A GPU group whose calls are slow only now and then (a cold memory pool's
         allocations) goes back and forth; that shows at DEBUG.
         """
         level = logging.DEBUG if group in self._logged else logging.INFO
-        logger.log(level, message, group, value)
+        logger.log(level, message, group, *values)

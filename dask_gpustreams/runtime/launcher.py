@@ -227,7 +227,7 @@ class GraphLauncher:
                     if start is not None:
                         timeline.append(record)
                     results[key] = result
-                    if seconds > threshold:
+                    if seconds > threshold or learned.suspecting():
                         learned.observe(self.group_of(key), seconds)
                     if not len(launched) % COLLECT_EVERY:
                         pool.collect_all()  # streams not used lately hold finished inputs
