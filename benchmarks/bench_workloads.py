@@ -230,11 +230,14 @@ class CupyArrays(NumpyArrays):
     name = "cupy"
     plugin = "cupy"
 
-    def __init__(self) -> None:
+    def __init__(self, allocator: str = "pool") -> None:
         import cupy
 
         super().__init__()
         self.xp = cupy
+        #: ``pool``: CuPy's default pool (an arena per stream); ``async``: a
+        #: ``cupy.cuda.MemoryAsyncPool`` (``cudaMallocAsync``), for every mode alike.
+        self.allocator = allocator
         self.upload = cupy.asarray
         self.download = cupy.asnumpy
 
@@ -267,7 +270,11 @@ class CupyArrays(NumpyArrays):
     @contextlib.contextmanager
     def memory(self) -> Iterator[PoolPeaks]:
         cupy = self.xp
-        pool = cupy.get_default_memory_pool()
+        pool = (
+            cupy.cuda.MemoryAsyncPool()
+            if self.allocator == "async"
+            else cupy.get_default_memory_pool()
+        )
         peaks = PoolPeaks(pool)
         previous = cupy.cuda.get_allocator()
         cupy.cuda.set_allocator(peaks.track(pool.malloc))
@@ -300,9 +307,9 @@ def sim_has_ops() -> bool:
     return True
 
 
-def make_arrays(backend: str) -> NumpyArrays:
+def make_arrays(backend: str, allocator: str = "pool") -> NumpyArrays:
     if backend == "cupy":
-        return CupyArrays()
+        return CupyArrays(allocator)
     return SimArrays() if backend == "sim" else NumpyArrays()
 
 
@@ -880,6 +887,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME.KEY=INT",
         help="override a size, e.g. rechunk.n=16384 (repeatable)",
     )
+    p.add_argument(
+        "--allocator",
+        default="pool",
+        choices=("pool", "async"),
+        help="cupy: the device allocator of every mode (async: cupy.cuda.MemoryAsyncPool)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="print sizes and task counts only")
     args = p.parse_args(argv)
@@ -917,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "cupy":
         resolve_backend("cupy")  # raises, naming the reason, without a usable GPU
     sizes = sizes_for(backend, args.quick, dict(args.set))
-    arrays = make_arrays(backend)
+    arrays = make_arrays(backend, args.allocator)
     # The runtime's decisions (e.g. a task group learned as host work) go to the log.
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("dask_gpustreams").setLevel(logging.INFO)
