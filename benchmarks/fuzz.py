@@ -142,7 +142,7 @@ def _host(x: Any) -> np.ndarray:
 
 
 def host_get(a):
-    """An unmarked host task: the launcher learns it from its first slow call."""
+    """An unmarked host task: the launcher learns it after two slow calls in a row."""
     return (_host(a) * 3 + 1) % P
 
 

@@ -56,3 +56,18 @@ def test_a_slow_call_between_fast_ones_marks_nothing():
         learned.observe("fill", fast)
         assert not learned.suspecting()
     assert learned.groups() == []
+
+
+def test_the_oldest_suspicion_is_dropped_beyond_max_suspects():
+    """Groups slow once that never run again do not pile up: past ``max_suspects`` the
+    oldest is forgotten, so its next slow call counts as its first."""
+    learned = HostTasks()
+    learned.max_suspects = 4
+    slow = 2 * learned.threshold_s
+    learned.observe("first", slow)
+    for i in range(learned.max_suspects):
+        learned.observe(("other", i), slow)
+    learned.observe("first", slow)
+    assert learned.groups() == []
+    learned.observe("first", slow)
+    assert learned.groups() == ["first"]

@@ -265,6 +265,26 @@ def test_host_task_is_learned_after_two_slow_calls_in_a_row(launcher, caplog):
     assert all(ms > runtime.host_tasks.threshold_s * 1e3 for ms in took), marked
 
 
+def test_a_group_slow_once_between_fast_calls_stays_on_the_launcher(launcher):
+    """Slow, fast, slow: no two slow calls in a row, so the group is never moved. The
+    launcher reports the fast call (the group is suspected), which clears the suspicion."""
+    calls = iter([0.02, 0.0, 0.02])
+
+    def sometimes_slow(_):
+        seconds = next(calls)
+        time.sleep(seconds)
+        return seconds
+
+    with launcher(streams=2):
+        runtime = get_runtime()
+        for _ in range(3):
+            tasks = {"step": sometimes_slow}
+            GraphLauncher(
+                runtime, tasks, {"step": ()}, {"step": 0}, {"step"}, group_of=lambda k: "g"
+            ).run()
+        assert ("g" in runtime.host_tasks, runtime.host_tasks.suspecting()) == (False, True)
+
+
 def test_download_in_graph_is_a_host_task(launcher):
     A = np.arange(4 * 64.0)
     with launcher(streams=4):

@@ -62,9 +62,10 @@ class StreamPlans:
 
     What CuPy's FFT functions ask of a ``PlanCache`` (``get``, and item assignment
     for a new plan), within its limits: at most ``size`` plans (-1: any number) whose
-    work areas hold at most ``memsize`` bytes (-1: any); either at 0 caches nothing,
-    and a plan larger than ``memsize`` is used once, not kept. Dropping a plan
-    destroys it; its work area goes back to the pool in its stream's order.
+    work areas hold at most ``memsize`` bytes (-1: any); either at 0 caches nothing.
+    A plan larger than ``memsize`` is used once, not kept (``PlanCache`` raises
+    ``RuntimeError``, failing the FFT). Dropping a plan destroys it; its work area goes
+    back to the pool in its stream's order.
     """
 
     __slots__ = ("_plans", "_size", "_memsize", "_bytes")

@@ -34,10 +34,12 @@ class HostTasks:
     #: fused chain of small CuPy operations takes about a millisecond of host time and is
     #: no host task: on host threads it would only wait for its inputs and fight for the GIL.
     threshold_s = 5e-3
-    #: Slow calls in a row on the launching thread that send a group to host threads.
+    #: Slow calls in a row (on the launching thread) that send a group to host threads.
     confirm = 2
     #: Fast calls in a row on a host thread that send a group back to the launcher.
     recover = 2
+    #: Suspected groups kept at most (a group slow once may never run again), oldest dropped.
+    max_suspects = 256
 
     def __init__(self) -> None:
         self._fast_runs: dict[Hashable, int] = {}  # host groups -> fast calls in a row
@@ -75,6 +77,8 @@ class HostTasks:
                 slow = self._slow_runs.pop(group, 0) + 1
                 if slow < self.confirm:
                     self._slow_runs[group] = slow
+                    if len(self._slow_runs) > self.max_suspects:
+                        del self._slow_runs[next(iter(self._slow_runs))]
                     return
                 self._fast_runs[group] = 0
                 self._log(
