@@ -5,12 +5,14 @@
 #           runtime's cost per no-op task; cProfile of std under plain sync and the launcher
 #   shapes: the wide and Dagger shapes at 2 ms and the wide at 0.5 ms (serial, serial-sync,
 #           launcher, ideal); the cluster workloads with FFTs and learned host work (off/on)
+#   allocator: the workloads under plain sync and the launcher, on CuPy's default pool and
+#           on cudaMallocAsync (bench_workloads --allocator async), one after the other
 # Usage on the device, with the dask-cuda wheels carried (../shared/tools/gpu-wheels.sh
-# --dask-cuda): bash benchmarks/h200_launcher.sh COMMIT tests|shapes. Everything goes to
-# $OUT/launcher-PART.tar.gz.
+# --dask-cuda): bash benchmarks/h200_launcher.sh COMMIT tests|shapes|allocator. Everything
+# goes to $OUT/launcher-PART.tar.gz.
 set -u
 source benchmarks/h200_setup.sh
-PART="${2:?tests or shapes}"
+PART="${2:?tests, shapes or allocator}"
 results "launcher-$PART"
 if [ "$PART" = tests ]; then
     gpu_tests 140
@@ -41,5 +43,13 @@ elif [ "$PART" = shapes ]; then
     grep -v "^\[" "$R/shapes-2ms.log" | grep -E "launcher|ideal:layers|serial-sync|rc " | head -40
     grep -v "^\[" "$R/shapes-05ms.log" | grep -E "launcher|ideal:layers|serial-sync|rc " | head -20
     grep "^\[\|rc \|geometric" "$R/cluster.log"
+elif [ "$PART" = allocator ]; then
+    for allocator in pool async; do
+        timeout 100 python3 -m benchmarks.bench_workloads --backend cupy --modes sync,launcher \
+            --samples 4 --rounds 2 --warmup 1 --set rechunk.n=4096 --allocator "$allocator" \
+            --out "$R/$allocator" > "$R/$allocator.log" 2>&1
+        echo "workloads rc $?" >> "$R/$allocator.log"
+        grep -v "^\[" "$R/$allocator.log" | tail -34
+    done
 fi
 tar -czf "$OUT/launcher-$PART.tar.gz" -C /tmp "launcher-$PART-$COMMIT"
