@@ -21,7 +21,9 @@ def pytest_collection_modifyitems(config, items):
 
 #: Seconds after the session ends before every thread's stack is printed: on the H200 the
 #: process had not exited 28-44 s after pytest's summary (rc 124 from ``timeout`` at bda1af9,
-#: fb64bbc, 57470ab and bf8671a); the stacks say what keeps it.
+#: fb64bbc, 57470ab and bf8671a). The stacks showed threads inside ``weakref.finalize``: CuPy's
+#: cuFFT ``PlanCache`` runs ``gc.collect()`` as it ends, one per stream of each thread then
+#: (``backends/cufft_plans.py``, 419ebfc). Kept, so that a new cause shows the same way.
 EXIT_STACKS_AFTER_S = 15
 
 
