@@ -21,6 +21,9 @@ plain sync's std took 260 to 438 ms within 5 samples at 71dc3df):
 Backends: ``cupy`` (CuPy chunks), ``sim`` (chunks on the simulated device, uploaded with
 ``map_blocks(sim.asarray)``; the slicing stencil of ``numpy`` instead of ``ndimage``) and
 ``numpy`` (NumPy chunks, the plugin on the sim backend: a cheap check of the harness).
+Speedups: against the better plain mode (``min(threads, sync)`` by median) and against
+``threads``, as ratios of medians; ``paired`` is the median over rounds of each round's
+ratio, which a host that drifts between rounds moves less (use more ``--rounds`` for it).
 A workload that plain Dask cannot run on the sim is SKIPPED with the reason. Each sample
 is timed between device syncs and checked against plain Dask's ``sync`` result, computed
 once: exactly, or with ``allclose`` where a floating reduction, matmul or FFT may sum in
@@ -91,6 +94,7 @@ CSV_FIELDS = (
     "peak_used",
     "base_bytes",
     "speedup_vs_best",
+    "paired_vs_best",
     "speedup_vs_threads",
     "check",
     "status",
@@ -639,7 +643,8 @@ class Runner:
         """``measure(row, samples)`` for each row in turn, ``--rounds`` times, then summaries.
 
         ``--samples`` are shared out over the rounds, so that drift and the order of the
-        modes weigh on all of them alike.
+        modes weigh on all of them alike. Each row keeps its walls per round
+        (``round_walls_ms``), for speedups paired by round (:func:`derive`).
         """
         samples = self.args.samples
         rounds = min(self.args.rounds, samples)
@@ -647,7 +652,9 @@ class Runner:
             share = samples // rounds + (k < samples % rounds)
             for r in rows:
                 if r["status"] == "ok":
+                    before = len(r["walls_ms"])
                     measure(r, share)
+                    r.setdefault("round_walls_ms", []).append(r["walls_ms"][before:])
         for r in rows:
             self._summarize(r)
 
@@ -736,26 +743,42 @@ class Runner:
 def derive(rows: list[dict]) -> dict[str, dict]:
     """Speedups against the best plain mode (``min(threads, sync)``) and ``threads``.
 
+    ``paired_vs_best``: the median over rounds of the best plain mode's median in a round
+    over this mode's in the same round. The modes of one round run within seconds of
+    each other, so a host that drifts between rounds moves both sides of each ratio.
     Returns, per mode, the geometric means over the workloads that have both.
     """
-    plain: dict[str, dict[str, float]] = {}
+    plain: dict[str, dict[str, dict]] = {}
     for r in rows:
         if r["status"] == "ok" and r["mode"] in ("threads", "sync"):
-            plain.setdefault(r["workload"], {})[r["mode"]] = r["wall_median_ms"]
+            plain.setdefault(r["workload"], {})[r["mode"]] = r
     for r in rows:
         med = r.get("wall_median_ms") if r["status"] == "ok" else None
         base = plain.get(r["workload"], {})
-        r["speedup_vs_best"] = min(base.values()) / med if med and base else None
-        r["speedup_vs_threads"] = base["threads"] / med if med and "threads" in base else None
+        best = min(base.values(), key=lambda b: b["wall_median_ms"]) if base else None
+        r["speedup_vs_best"] = best["wall_median_ms"] / med if med and best else None
+        threads = base.get("threads")
+        r["speedup_vs_threads"] = threads["wall_median_ms"] / med if med and threads else None
+        r["paired_vs_best"] = _paired(best, r) if med and best else None
     means = {}
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
         means[mode] = {
             key: _geomean([r[key] for r in mine if r[key]])
-            for key in ("speedup_vs_best", "speedup_vs_threads")
+            for key in ("speedup_vs_best", "speedup_vs_threads", "paired_vs_best")
         }
         means[mode]["workloads"] = sum(1 for r in mine if r["speedup_vs_best"])
     return means
+
+
+def _paired(base: dict, row: dict) -> float | None:
+    """Median over rounds of ``base``'s median wall over ``row``'s (None: rounds differ)."""
+    ours, theirs = row.get("round_walls_ms", []), base.get("round_walls_ms", [])
+    if not ours or len(ours) != len(theirs) or not all(ours) or not all(theirs):
+        return None
+    return statistics.median(
+        statistics.median(b) / statistics.median(m) for b, m in zip(theirs, ours, strict=True)
+    )
 
 
 def _geomean(values: list[float]) -> float | None:
@@ -775,11 +798,11 @@ def table(rows: list[dict], means: dict[str, dict], meta: dict) -> str:
     out = [
         f"== workloads · backend {meta['backend']} (plugin backend {meta['plugin_backend']}) · "
         f"median of {meta['samples']} after {meta['warmup']} warm-up · speedup = plain median / "
-        "median (best = min(threads, sync)) · memory in MiB: peak held / peak used / base "
-        "(inputs and the reference) ==",
+        "median (best = min(threads, sync)); paired: the median over rounds of that ratio in "
+        "each round · memory in MiB: peak held / peak used / base (inputs and the reference) ==",
         f"{'workload':<13} {'tasks':>6} {'mode':<16} {'median ms':>10} {'[min - max]':>21} "
-        f"{'IQR':>7} {'held':>6} {'used':>6} {'base':>6} {'vs best':>7} {'vs thr':>7}  "
-        f"{'check':<20} status",
+        f"{'IQR':>7} {'held':>6} {'used':>6} {'base':>6} {'vs best':>7} {'paired':>6} "
+        f"{'vs thr':>7}  {'check':<20} status",
     ]
     for r in rows:
         spread = f"[{_num(r.get('wall_min_ms'), '.1f')} - {_num(r.get('wall_max_ms'), '.1f')}]"
@@ -789,14 +812,16 @@ def table(rows: list[dict], means: dict[str, dict], meta: dict) -> str:
             f"{_num(r.get('wall_iqr_ms'), '.1f'):>7} {_mib(r.get('peak_held')):>6} "
             f"{_mib(r.get('peak_used')):>6} {_mib(r.get('base_bytes')):>6} "
             f"{_num(r.get('speedup_vs_best'), '.2f'):>7} "
+            f"{_num(r.get('paired_vs_best'), '.2f'):>6} "
             f"{_num(r.get('speedup_vs_threads'), '.2f'):>7}  {r['check']:<20} "
             + (r["status"] if not r["error"] else f"{r['status']}: {r['error']}")
         )
     out.append("\n-- geometric mean of the speedups over the workloads --")
-    out.append(f"{'mode':<16} {'vs best':>7} {'vs threads':>10} {'workloads':>9}")
+    out.append(f"{'mode':<16} {'vs best':>7} {'paired':>6} {'vs threads':>10} {'workloads':>9}")
     for mode, m in means.items():
         out.append(
             f"{mode:<16} {_num(m['speedup_vs_best'], '.2f'):>7} "
+            f"{_num(m['paired_vs_best'], '.2f'):>6} "
             f"{_num(m['speedup_vs_threads'], '.2f'):>10} {m['workloads']:>9}"
         )
     return "\n".join(out)

@@ -53,3 +53,38 @@ def test_quick_run_is_correct_and_writes_its_outputs(tmp_path):
 def test_a_wrong_result_is_named(got, tol, expected):
     found = bw.problem(bw.NumpyArrays(), got, np.array([1.0, 2.0, 3.0]), tol)
     assert (found is None) if expected is None else (expected in found), found
+
+
+def _row(mode: str, rounds: list[list[float]]) -> dict:
+    walls = [w for r in rounds for w in r]
+    return {
+        "workload": "w",
+        "mode": mode,
+        "status": "ok",
+        "wall_median_ms": float(np.median(walls)),
+        "round_walls_ms": rounds,
+    }
+
+
+def test_paired_speedups_follow_the_rounds_through_a_host_that_drifts():
+    """The launcher is 5% faster than plain sync in two rounds of three; in the third the
+    host was three times slower while the launcher ran. The ratio of medians says 0.35x,
+    the median over rounds of each round's ratio 1.05x; against threads it follows the
+    better plain mode."""
+    rows = [
+        _row("threads", [[200.0], [200.0], [600.0]]),
+        _row("sync", [[105.0], [105.0], [315.0]]),
+        _row("launcher", [[100.0], [315.0], [300.0]]),
+    ]
+    means = bw.derive(rows)
+    launcher = rows[2]
+    assert launcher["speedup_vs_best"] == pytest.approx(105.0 / 300.0)
+    assert launcher["paired_vs_best"] == pytest.approx(1.05)
+    assert rows[1]["paired_vs_best"] == pytest.approx(1.0)
+    assert means["launcher"]["paired_vs_best"] == pytest.approx(1.05)
+
+
+def test_no_paired_speedup_where_the_rounds_differ():
+    rows = [_row("sync", [[100.0], [100.0]]), _row("launcher", [[90.0]])]
+    bw.derive(rows)
+    assert rows[1]["paired_vs_best"] is None and rows[1]["speedup_vs_best"] is not None
