@@ -15,7 +15,7 @@ later FFTs there.
 They are not CuPy ``PlanCache`` objects: the end of one of those runs a full
 ``gc.collect()`` (``cupy.fft._cache._clear_LinkedList``), so every thread that ended,
 and every cache dropped, paid one per stream it had used. At the exit of the GPU test
-process on the H200 (69ddf50), 167 of them took 248 s in all, 0.2-2.6 s each, across
+process on the H200 (69ddf50), 167 of them took 248 s in all, 0.2-6.4 s each, across
 the dying threads. A thread still makes its own CuPy cache, to read its limits, and
 pays for that one, as any thread that runs a CuPy FFT does.
 
