@@ -16,12 +16,7 @@ PART="${2:?tests, shapes or allocator}"
 results "launcher-$PART"
 if [ "$PART" = tests ]; then
     gpu_tests 140
-    timeout 150 python3 -m benchmarks.bench_workloads --backend cupy \
-        --modes threads,sync,launcher --samples 4 --rounds 2 --warmup 1 --set rechunk.n=4096 \
-        --out "$R/workloads" > "$R/workloads.log" 2>&1
-    echo "workloads rc $?" >> "$R/workloads.log"
-    timeout 70 python3 -m benchmarks.bench_overhead --backend cupy --tasks 10000 --repeats 3 \
-        --policies auto > "$R/overhead.txt" 2>&1
+    launcher_workloads 150 70
     timeout 60 python3 -m benchmarks.probes.probe_launcher_profile std > "$R/profile-std.txt" 2>&1
     tail -14 "$R/gpu-tests.txt"
     grep -v "^\[" "$R/workloads.log" | tail -24

@@ -10,12 +10,7 @@ set -u
 source benchmarks/h200_setup.sh
 results verify
 gpu_tests 200
-timeout 130 python3 -m benchmarks.bench_workloads --backend cupy \
-    --modes threads,sync,launcher --samples 4 --rounds 2 --warmup 1 --set rechunk.n=4096 \
-    --out "$R/workloads" > "$R/workloads.log" 2>&1
-echo "workloads rc $?" >> "$R/workloads.log"
-timeout 40 python3 -m benchmarks.bench_overhead --backend cupy --tasks 10000 --repeats 3 \
-    --policies auto > "$R/overhead.txt" 2>&1
+launcher_workloads 130 40
 timeout 80 python3 -m benchmarks.probe_distributed --hook-times --reps 3 > "$R/hook-times.txt" 2>&1
 timeout 130 python3 -m benchmarks.bench_cluster --backend cupy \
     --workloads elementwise,transpose,std,small-chunks,fft,delayed,pipeline \
