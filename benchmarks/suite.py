@@ -99,7 +99,14 @@ def _wall(case: str, mode: str, raw: dict, extra: tuple[str, ...]) -> dict:
 
 
 def workloads_rows(meta: dict, raw: dict) -> dict | None:
-    extra = ("n_tasks", "peak_held", "peak_used", "speedup_vs_best", "speedup_vs_threads")
+    extra = (
+        "n_tasks",
+        "peak_held",
+        "peak_used",
+        "speedup_vs_best",
+        "paired_vs_best",
+        "speedup_vs_threads",
+    )
     return _wall(raw["workload"], raw["mode"], raw, extra)
 
 
