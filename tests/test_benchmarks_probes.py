@@ -42,3 +42,22 @@ def test_probe_distributed_hook_times_restores_the_classes(capsys):
     assert _methods() == before
     out = capsys.readouterr().out
     assert "StreamRuntime.run" in out and "WRONG" not in out
+
+
+def test_probe_task_gaps_sees_every_task_under_both_schedulers(capsys):
+    """The probe runs on the sim, and its callbacks see the same tasks under plain sync and
+    the launcher (a scheduler whose tasks it missed would split a wrong wall)."""
+    from benchmarks import bench_workloads as bw
+    from benchmarks.probes import probe_task_gaps
+
+    arrays = bw.make_arrays("sim")
+    size = bw.sizes_for("sim", True, {})["transpose"]
+    collections = bw.WORKLOADS["transpose"].build(arrays, size)
+    seen = {}
+    for scheduler in probe_task_gaps.SCHEDULERS:
+        fields, groups = probe_task_gaps.split(arrays, collections, scheduler)
+        seen[scheduler] = (fields["n"], sorted(groups))
+    assert seen["sync"] == seen["gpustreams"] and seen["sync"][0] > 0, seen
+    argv = ["--backend", "sim", "--quick", "--workloads", "transpose", "--reps", "1"]
+    assert probe_task_gaps.main(argv) == 0
+    assert "in tasks of" in capsys.readouterr().out

@@ -9,6 +9,12 @@ one compute per child process, with the plugin on Dask's threaded scheduler (8 t
 and prints the seconds from the end of the child's main to its exit, with and without
 FFTs (the plugin gives each thread cuFFT plan caches of its own, per stream).
 
+Answered: a single compute exits in 1.13 s with FFTs, 0.48 s without (H200, 5547e35), so
+the cause lay in what the test session accumulates. A pytest plugin that logged each
+``weakref.finalize`` after the session found it (``benchmarks/results/h200-exitdiag-69ddf50/``):
+167 ends of CuPy ``PlanCache`` objects, one per (thread, stream), each a ``gc.collect()``,
+248 s in all. 419ebfc replaced them (``backends/cufft_plans.py``).
+
 ``python -m benchmarks.probes.probe_exit --backend cupy``
 """
 
