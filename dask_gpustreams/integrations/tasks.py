@@ -50,8 +50,9 @@ class StreamTask(Task):
     another process (the multiprocessing scheduler), it becomes ``node``
     again: streams and events stay in this process.
 
-    ``Task``'s own fields stay unset (``Task.__init__`` is not run: it would
-    walk the arguments again); every method that reads them is overridden.
+    ``Task.__init__`` is not run (it would walk the arguments again): of ``Task``'s own
+    fields only ``_data_producer`` is set, and every method that reads the others is
+    overridden.
     """
 
     __slots__ = ("node", "runtime", "registry", "critical")
@@ -69,6 +70,8 @@ class StreamTask(Task):
         self.runtime = runtime
         self.registry = registry
         self.critical = critical
+        # Task's slot, read by Task.data_producer (no property call); an Alias has none.
+        self._data_producer = getattr(node, "_data_producer", False)
 
     @property
     def func(self) -> Any:  # type: ignore[override]
@@ -86,12 +89,8 @@ class StreamTask(Task):
         return node.kwargs if isinstance(node, Task) else {}
 
     @property
-    def data_producer(self) -> bool:
-        return self.node.data_producer
-
-    @property
     def is_coro(self) -> bool:
-        return self.node.is_coro
+        return self.node.is_coro  # cached by the node: one check per graph node
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         return self.runtime.run(self.key, self.node, values, self.registry, self.critical)

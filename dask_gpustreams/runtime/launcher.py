@@ -57,6 +57,39 @@ class _HostDone:
         self.worker = worker
 
 
+class _HostOutcomes:
+    """Host tasks in flight, and the outcomes their threads hand back to the launcher."""
+
+    __slots__ = ("running", "_done", "_wake")
+
+    def __init__(self) -> None:
+        #: Host tasks submitted and not yet taken (read and written by the launching thread).
+        self.running = 0
+        self._done: deque[_HostDone] = deque()
+        self._wake = threading.Event()
+
+    def __len__(self) -> int:
+        """Outcomes handed back and not yet taken."""
+        return len(self._done)
+
+    def put(self, done: _HostDone) -> None:
+        """On a host thread: hand ``done`` back and wake the launcher."""
+        self._done.append(done)
+        self._wake.set()
+
+    def wait(self) -> None:
+        """Block until a host thread hands an outcome back (or has since the last wait)."""
+        self._wake.wait()
+        self._wake.clear()
+
+    def take(self) -> _HostDone | None:
+        """The oldest outcome handed back, or None."""
+        if not self._done:
+            return None
+        self.running -= 1
+        return self._done.popleft()
+
+
 class GraphLauncher:
     """Runs one graph through ``runtime`` from the calling thread; see :meth:`run`.
 
@@ -94,9 +127,7 @@ class GraphLauncher:
         self.hooks = hooks
         self.check = check
         self.registry = EventRegistry()
-        self._finished: deque[_HostDone] = deque()
-        self._wake = threading.Event()
-        self._host_running = 0
+        self._outcomes = _HostOutcomes()
         self._error: BaseException | None = None
         #: The key of the task whose exception :meth:`run` raised (None: no task's).
         self.failed: Hashable | None = None
@@ -155,16 +186,16 @@ class GraphLauncher:
         previous = state.get("runtime"), state.get("stream"), state.get("holds")
         nested = state.get("launching", False)
         state["runtime"], state["holds"], state["launching"] = runtime, held, True
+        outcomes = self._outcomes
         try:
-            while ready or self._host_running:
-                if self._finished:
+            while ready or outcomes.running:
+                if outcomes:
                     self._absorb(ready, dependents, missing, consumers)
                     if self._error is not None:
                         break
                     continue  # the last host task may have finished the graph
                 if not ready:
-                    self._wake.wait()
-                    self._wake.clear()
+                    outcomes.wait()
                     continue
                 # The `width` most urgent ready tasks, then those they made ready: independent
                 # work reaches every stream at once, and memory stays that of `width` paths.
@@ -301,11 +332,11 @@ class GraphLauncher:
         host task), since all host threads may be taken by tasks that wait for this one."""
         producers = self.registry.records(self.dependencies[key])
         if task_state.__dict__.get("host_thread"):
-            self._host_running += 1
+            self._outcomes.running += 1
             self._run_host(key, values, producers)
-            return
-        self.runtime.host_executor().submit(self._run_host, key, values, producers)
-        self._host_running += 1
+        else:
+            self.runtime.host_executor().submit(self._run_host, key, values, producers)
+            self._outcomes.running += 1  # not before: a refused submit must not be waited for
 
     def _run_host(self, key: Hashable, values: dict, producers: list[TaskRecord]) -> None:
         """On a host thread: wait for the inputs on the host, then run ``key`` on a stream."""
@@ -328,16 +359,12 @@ class GraphLauncher:
             state["launching"], state["host_thread"] = previous
         record = registry.get(key)  # also after a failure: its kernels are drained
         worker = threading.get_ident()
-        self._finished.append(_HostDone(key, result, record, error, seconds, worker))
-        self._wake.set()
+        self._outcomes.put(_HostDone(key, result, record, error, seconds, worker))
 
     def _absorb(self, ready, dependents, missing, consumers) -> None:
         """Take the outcomes of host tasks that finished (on the launching thread)."""
-        finished = self._finished
         learned = self.runtime.host_tasks
-        while finished:
-            done = finished.popleft()
-            self._host_running -= 1
+        while (done := self._outcomes.take()) is not None:
             if done.record is not None:
                 self._launched.append(done.record.event)
             if done.error is not None:
@@ -358,7 +385,6 @@ class GraphLauncher:
     def _join_host(self, dependents, missing, consumers) -> None:
         """Wait for every host task still running (their dependents are not launched)."""
         ready: list = []
-        while self._host_running:
-            self._wake.wait()
-            self._wake.clear()
+        while self._outcomes.running:
+            self._outcomes.wait()
             self._absorb(ready, dependents, missing, consumers)

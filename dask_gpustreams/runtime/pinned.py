@@ -67,13 +67,14 @@ class PinnedPool:
 
     def taken_bytes(self) -> int:
         """Pinned bytes handed out by :meth:`take` and still alive."""
-        with self._changed:
-            self._settle()
-            return self._taken
+        return self.stats().results_bytes
 
     def stats(self) -> PinnedStats:
-        """:meth:`total_bytes`, :meth:`taken_bytes` and :attr:`limit` at once."""
-        return PinnedStats(self.total_bytes(), self.taken_bytes(), self.limit)
+        """:meth:`total_bytes`, :meth:`taken_bytes` and :attr:`limit`, read together under
+        the pool's lock (one consistent snapshot)."""
+        with self._changed:
+            self._settle()
+            return PinnedStats(self._total, self._taken, self.limit)
 
     def inflight(self) -> int:
         """Buffers whose copy may still be running."""

@@ -111,13 +111,8 @@ class SimArray(NDArrayOperatorsMixin):
     def nbytes(self) -> int:
         return self._view.nbytes
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return self._view.size
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: self._view.size)
 
     @property
     def itemsize(self) -> int:

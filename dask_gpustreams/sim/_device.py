@@ -143,11 +143,6 @@ class Stream:
         """Whether a thread serves the stream (work may be pending); False: none is queued."""
         return self._server.serving
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called: the stream takes no more work."""
-        return self._closed
-
     def close(self, timeout: float | None = None) -> None:
         """End the stream now, as if it were garbage (``cudaStreamDestroy``); idempotent.
 
