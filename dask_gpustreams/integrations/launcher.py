@@ -22,6 +22,7 @@ from dask.local import nested_get
 from dask.order import order
 from dask.utils import key_split
 
+from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.integrations.tasks import rewrite_transfers, transfer_rewrites
 from dask_gpustreams.markers import host_task, is_host_task
 from dask_gpustreams.runtime import StreamRuntime, acquire_runtime
@@ -47,8 +48,10 @@ def launch_plan(
 ) -> tuple[dict[Hashable, GraphNode], dict[Hashable, Any], set[Hashable]]:
     """What :class:`GraphLauncher` takes of a graph's task nodes: ``(tasks, dependencies, host)``.
 
-    Transfers are rewritten for ``runtime``'s device, and the keys of
-    tasks that call a :func:`~dask_gpustreams.host_task` are collected in ``host``.
+    Transfers are rewritten for ``runtime``'s device, the keys of tasks that
+    call a :func:`~dask_gpustreams.host_task` are collected in ``host``, and
+    fused tasks run their inner tasks without ``dask.order``
+    (:func:`~dask_gpustreams.integrations.subgraphs.lean_subgraphs`).
     """
     table = transfer_rewrites(runtime)
     tasks: dict[Hashable, GraphNode] = {}
@@ -60,6 +63,7 @@ def launch_plan(
             node = rewrite_transfers(node, table)
             if blocks_host(node):
                 host.add(key)
+            node = lean_subgraphs(node)
         tasks[key] = node
         dependencies[key] = node.dependencies
     return tasks, dependencies, host

@@ -25,6 +25,7 @@ import dask.config
 from dask._task_spec import Alias, GraphNode, Task, TaskRef, _execute_subgraph
 from dask.sizeof import sizeof
 
+from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 from dask_gpustreams.transfers import to_device, to_host
 
@@ -181,8 +182,10 @@ def rewrite_transfers(node: GraphNode, table: dict[int, Any]) -> GraphNode:
 def stream_node(node: GraphNode, table: dict[int, Any]) -> GraphNode | None:
     """What a :class:`StreamTask` of ``node`` runs, or None if ``node`` is not wrapped.
 
-    A task's transfers are rewritten with ``table`` (:func:`rewrite_transfers`);
-    an ``Alias`` runs as it is. None for data, coroutine tasks, an alias of its
+    A task's transfers are rewritten with ``table`` (:func:`rewrite_transfers`),
+    and a fused task runs its inner tasks without ``dask.order``
+    (:func:`~dask_gpustreams.integrations.subgraphs.lean_subgraphs`); an ``Alias``
+    runs as it is. None for data, coroutine tasks, an alias of its
     own key and nodes already wrapped. Whether a task is a coroutine is
     ``Task.is_coro``, but a plain function without attributes (such as a
     coroutine marker) is answered by its code flags, and a builtin is none, with
@@ -196,7 +199,8 @@ def stream_node(node: GraphNode, table: dict[int, Any]) -> GraphNode | None:
                 return None
         elif type(func) is not BuiltinFunctionType and node.is_coro:
             return None
-        return rewrite_transfers(node, table)
+        node = rewrite_transfers(node, table)
+        return lean_subgraphs(node) if func is _execute_subgraph else node
     if isinstance(node, Alias) and node.target != node.key:
         return node
     return None

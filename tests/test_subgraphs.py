@@ -1,0 +1,156 @@
+"""Fused tasks on the launcher run their inner tasks without ``dask.order``, with Dask's results."""
+
+from __future__ import annotations
+
+import contextlib
+
+import dask
+import dask._task_spec
+import dask.array as da
+import numpy as np
+import pytest
+from dask._task_spec import Alias, DataNode, Task, TaskRef, _execute_subgraph
+
+from dask_gpustreams import host_task, sim
+from dask_gpustreams.integrations.launcher import launch_plan
+from dask_gpustreams.integrations.subgraphs import execute_subgraph, lean_subgraphs
+from dask_gpustreams.runtime import get_runtime
+from tests.test_distributed import cluster
+
+
+def mix(tag, *values):
+    """A value that records its inputs in order: any difference in what a task saw shows."""
+    return (tag, *values)
+
+
+def fused(inner: dict, out: str, inkeys: list[str], refs: list[str], key: str) -> Task:
+    """What dask's fusion makes: ``key`` computes ``out`` of ``inner`` from ``refs``' values."""
+    args = (TaskRef(k) for k in refs)
+    return Task(key, _execute_subgraph, inner, out, tuple(inkeys), *args)
+
+
+def random_inner(rng, n_inner: int, inkeys: list[str], depth: int = 0) -> dict:
+    """``n_inner`` tasks over ``inkeys`` (some data, aliases and, one level down, fused
+    tasks), then ``out-{depth}``, which reads them all: the one output."""
+    inner: dict = {}
+    keys = list(inkeys)
+    for i in range(n_inner):
+        key = f"t-{depth}-{i}"
+        kind = rng.integers(0, 8)
+        if kind == 0:
+            inner[key] = DataNode(key, int(rng.integers(0, 100)))
+        elif kind == 1:
+            inner[key] = Alias(key, keys[rng.integers(0, len(keys))])
+        elif kind == 2 and depth == 0:
+            sub_inkeys = ["in-1-0", "in-1-1"]
+            sub = random_inner(rng, 4, sub_inkeys, depth + 1)
+            refs = [keys[j] for j in rng.integers(0, len(keys), 2)]
+            inner[key] = fused(sub, "out-1", sub_inkeys, refs, key)
+        else:
+            n = min(len(keys), int(rng.integers(1, 4)))
+            picks = sorted(rng.choice(len(keys), size=n, replace=False))
+            inner[key] = Task(key, mix, key, *(TaskRef(keys[j]) for j in picks))
+        keys.append(key)
+    out = f"out-{depth}"
+    inner[out] = Task(out, mix, out, *(TaskRef(k) for k in keys))
+    return inner
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_execute_subgraph_gives_dasks_value(seed):
+    rng = np.random.default_rng(seed)
+    inkeys = [f"in-0-{i}" for i in range(rng.integers(1, 4))]
+    node = fused(random_inner(rng, int(rng.integers(1, 12)), inkeys), "out-0", inkeys, inkeys, "x")
+    inner, out = node.args[:2]
+    values = [("input", i) for i in range(len(inkeys))]
+    assert execute_subgraph(inner, out, inkeys, *values) == _execute_subgraph(
+        inner, out, inkeys, *values
+    )
+    lean = lean_subgraphs(node)
+    nested = [v for v in lean.args[0].values() if isinstance(v, Task) and v.func is not mix]
+    assert lean.func is execute_subgraph and all(v.func is execute_subgraph for v in nested)
+    given = dict(zip(inkeys, values, strict=True))
+    assert lean(given) == node(given)
+
+
+def test_a_plain_task_is_left_as_it_is():
+    node = Task("a", mix, "a", TaskRef("b"))
+    assert lean_subgraphs(node) is node
+
+
+class Tracked:
+    alive = 0
+
+    def __init__(self) -> None:
+        Tracked.alive += 1
+
+    def __del__(self) -> None:
+        Tracked.alive -= 1
+
+
+def step(previous: Tracked, peak: list) -> Tracked:
+    peak[0] = max(peak[0], Tracked.alive)
+    return Tracked()
+
+
+def test_a_fused_chain_drops_each_value_after_its_last_use():
+    peak = [0]
+    inner = {"t-0": Task("t-0", step, TaskRef("in"), peak)}
+    for i in range(1, 50):
+        inner[f"t-{i}"] = Task(f"t-{i}", step, TaskRef(f"t-{i - 1}"), peak)
+    source = Tracked()
+    result = execute_subgraph(inner, "t-49", ("in",), source)
+    del source
+    assert (type(result), peak[0], Tracked.alive) == (Tracked, 2, 1)
+
+
+def test_an_inner_error_is_raised_as_it_is():
+    def fail(x):
+        raise ValueError(f"bad chunk {x}")
+
+    inner = {"a": Task("a", fail, TaskRef("in")), "b": Task("b", mix, "b", TaskRef("a"))}
+    with pytest.raises(ValueError, match="bad chunk 7"):
+        execute_subgraph(inner, "b", ("in",), 7)
+
+
+@pytest.mark.parametrize("route", ["launcher", "threads", "distributed", "tasks-on-workers"])
+def test_fused_tasks_run_without_ordering_them_on_every_route(gpustreams, monkeypatch, route):
+    """Fails if a route leaves ``_execute_subgraph`` in place: each fused task would run
+    ``execute_graph``, which orders its inner tasks with ``dask.order`` (about 0.1 ms of
+    host time for a few inner tasks)."""
+    calls = []
+    original = dask._task_spec.execute_graph
+    monkeypatch.setattr(
+        dask._task_spec, "execute_graph", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    rng = np.random.default_rng(7)
+    host = rng.standard_normal((256, 256))
+    x = da.from_array(host, chunks=32).map_blocks(sim.asarray)
+    y = ((x.rechunk((256, 16)) * 3 + 1) ** 2).sum(axis=0).map_blocks(sim.asnumpy)
+    expected = ((host * 3 + 1) ** 2).sum(axis=0)
+    np.testing.assert_allclose(y.compute(scheduler="sync"), expected)  # plugin off
+    fused_by_dask = len(calls)
+    calls.clear()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(gpustreams(enabled=route != "launcher"))
+        if route == "distributed":  # stream blocks
+            stack.enter_context(cluster(n_workers=1))
+        elif route == "tasks-on-workers":
+            stack.enter_context(cluster(n_workers=1, config={"gpustreams.blocks": "off"}))
+        scheduler = {"launcher": "gpustreams", "threads": "threads"}.get(route)
+        np.testing.assert_allclose(y.compute(scheduler=scheduler), expected)
+    assert (fused_by_dask > 16, len(calls)) == (True, 0)
+
+
+def download(x):
+    return sim.asnumpy(x)
+
+
+def test_launch_plan_finds_host_tasks_inside_fused_tasks(gpustreams):
+    inner = {
+        "a": Task("a", host_task(download), TaskRef("in")),
+        "b": Task("b", mix, "b", TaskRef("a")),
+    }
+    with gpustreams():
+        tasks, _, host = launch_plan([fused(inner, "b", ["in"], ["in"], "b")], get_runtime())
+    assert (tasks["b"].func, host) == (execute_subgraph, {"b"})
