@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The H200 runs of lean fused tasks (integrations/subgraphs.py), in two parts that each fit
+# the device's 600 s a call:
+#   local:   tests/gpu; the 12 workloads under plain threads, plain sync, the launcher and
+#            the enabled route on Dask's threads (3 rounds); probes/probe_task_gaps on
+#            rechunk, std and elementwise
+#   cluster: the 12 workloads on LocalCUDACluster, plugin off and on (blocks, the default);
+#            the plugin's hook cost on the worker's event loop
+# Usage on the device, with the dask-cuda wheels carried (../shared/tools/gpu-wheels.sh
+# --dask-cuda): bash benchmarks/h200_lean.sh COMMIT local|cluster. Everything goes to
+# $OUT/lean-PART.tar.gz.
+set -u
+source benchmarks/h200_setup.sh
+PART="${2:?local or cluster}"
+results "lean-$PART"
+if [ "$PART" = local ]; then
+    gpu_tests 150
+    timeout 250 python3 -m benchmarks.bench_workloads --backend cupy \
+        --modes threads,sync,launcher,enabled-threads --samples 3 --rounds 3 --warmup 1 \
+        --set rechunk.n=4096 --out "$R/workloads" > "$R/workloads.log" 2>&1
+    echo "workloads rc $?" >> "$R/workloads.log"
+    timeout 90 python3 -m benchmarks.probes.probe_task_gaps --backend cupy \
+        --workloads rechunk,std,elementwise --reps 3 > "$R/gaps.txt" 2>&1
+    echo "gaps rc $?" >> "$R/gaps.txt"
+    tail -14 "$R/gpu-tests.txt"
+    grep -v "^\[" "$R/workloads.log" | tail -60
+    tail -40 "$R/gaps.txt"
+elif [ "$PART" = cluster ]; then
+    timeout 380 python3 -m benchmarks.bench_cluster --backend cupy \
+        --workloads elementwise,transpose,std,matmul,fft,delayed,pipeline,small-chunks,qr,rechunk,tiny-tasks,stencil \
+        --modes off,on --samples 2 --rounds 2 --warmup 1 --set rechunk.n=4096 \
+        --out "$R/cluster" > "$R/cluster.log" 2>&1
+    echo "cluster rc $?" >> "$R/cluster.log"
+    timeout 70 python3 -m benchmarks.probe_distributed --hook-times --reps 2 \
+        > "$R/hooks.txt" 2>&1
+    echo "hooks rc $?" >> "$R/hooks.txt"
+    grep "^\[\|rc \|geometric" "$R/cluster.log"
+    grep -v "^\[" "$R/cluster.log" | tail -20
+    tail -25 "$R/hooks.txt"
+fi
+tar -czf "$OUT/lean-$PART.tar.gz" -C /tmp "lean-$PART-$COMMIT"
