@@ -14,7 +14,9 @@ launcher's host task runs on a host thread while others launch: its time counts 
 ``in_tasks`` and may make ``between`` negative.
 
 Asked after the H200 runs at fd179e7, where the launcher was 0.79-0.96x plain sync on
-some workloads from call to call; not run on the H200 yet.
+some workloads from call to call. Answered on the H200 at 0453abb
+(``benchmarks/results/h200-diag-0453abb/gaps.txt``): in tasks, not between them; the
+cProfile beside it found ``dask.order`` run by every fused task (fixed in 13ddc43).
 
     python -m benchmarks.probes.probe_task_gaps --backend cupy --workloads std,transpose,rechunk
     python -m benchmarks.probes.probe_task_gaps --backend sim --quick --workloads std

@@ -36,7 +36,7 @@ def execute_subgraph(
 ) -> Any:
     """What ``_execute_subgraph`` returns for the same arguments: the value of ``outkey``
     in ``inner``, given the values of ``inkeys``, with the inner tasks in depth-first order."""
-    values = dict(zip(inkeys, dependencies, strict=True))
+    values = dict(zip(inkeys, dependencies, strict=False))  # as Dask: zip, unchecked
     order: list[Hashable] = []
     uses: dict[Hashable, int] = {}  # inner dependency -> inner tasks that read it
     stack: list[tuple[Hashable, bool]] = [(outkey, False)]
