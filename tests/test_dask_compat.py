@@ -17,6 +17,7 @@ import time
 import traceback
 
 import dask
+import dask.array as da
 import distributed.core
 import numpy as np
 import pytest
@@ -293,6 +294,23 @@ def assert_frames_as_plain(fn, gpustreams):
 def test_task_error_traceback_has_no_plugin_frames(gpustreams, scheduler, method):
     def run():
         getattr(dask, method)(delayed(f3)(), scheduler=scheduler)
+
+    assert_frames_as_plain(run, gpustreams)
+
+
+def f3_block(block):
+    return block + f3()
+
+
+@pytest.mark.parametrize("scheduler", ["threads", "gpustreams"])
+def test_fused_task_error_traceback_has_no_plugin_frames(gpustreams, scheduler):
+    """A task fused by dask.array's optimization runs through :mod:`.subgraphs`: its frames
+    are shortened as the plugin's others."""
+    x = da.ones(8, chunks=4)
+    y = ((x + 1) * 2).map_blocks(f3_block, meta=np.array((), dtype=float))
+
+    def run():
+        y.compute(scheduler=scheduler)
 
     assert_frames_as_plain(run, gpustreams)
 

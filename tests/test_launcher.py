@@ -25,6 +25,7 @@ from dask.diagnostics import ProgressBar
 import dask_gpustreams
 from dask_gpustreams import KernelError, sim
 from dask_gpustreams.backends.sim import SimBackend
+from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime import StreamPool, get_runtime
 from dask_gpustreams.runtime.launcher import GraphLauncher
 from tests.test_local_scheduler import (
@@ -283,6 +284,37 @@ def test_a_group_slow_once_between_fast_calls_stays_on_the_launcher(launcher):
                 runtime, tasks, {"step": ()}, {"step": 0}, {"step"}, group_of=lambda k: "g"
             ).run()
         assert ("g" in runtime.host_tasks, runtime.host_tasks.suspecting()) == (False, True)
+
+
+class RaisingPosttask(Callback):
+    def _posttask(self, key, result, dsk, state, worker):
+        raise RuntimeError(f"posttask of {key} failed")
+
+
+def test_an_error_while_host_tasks_finish_together_does_not_hang(launcher):
+    """Four host tasks end at once (a barrier), so their outcomes share one wake-up; the
+    first one's callback raises and the launcher waits for the others: it must see them."""
+
+    def one_compute(errors: list) -> None:
+        barrier = threading.Barrier(4)
+
+        @dask_gpustreams.host_task
+        def meet(i):
+            barrier.wait()
+            return i
+
+        dsk = {f"meet-{i}": (meet, i) for i in range(4)}
+        with pytest.raises(RuntimeError, match="posttask of meet-") as e:
+            launcher_get(dsk, list(dsk), callbacks=[RaisingPosttask()])
+        errors.append(e.value)
+
+    with launcher(streams=4):
+        for _ in range(20):
+            errors: list = []
+            thread = threading.Thread(target=one_compute, args=(errors,), daemon=True)
+            thread.start()
+            thread.join(30)
+            assert (thread.is_alive(), len(errors)) == (False, 1)
 
 
 def test_download_in_graph_is_a_host_task(launcher):

@@ -13,7 +13,7 @@ from dask._task_spec import Alias, DataNode, Task, TaskRef, _execute_subgraph
 
 from dask_gpustreams import host_task, sim
 from dask_gpustreams.integrations.launcher import launch_plan
-from dask_gpustreams.integrations.subgraphs import execute_subgraph, lean_subgraphs
+from dask_gpustreams.integrations.subgraphs import lean_subgraphs, run_subgraph, subgraph_plan
 from dask_gpustreams.runtime import get_runtime
 from tests.test_distributed import cluster
 
@@ -63,12 +63,12 @@ def test_execute_subgraph_gives_dasks_value(seed):
     node = fused(random_inner(rng, int(rng.integers(1, 12)), inkeys), "out-0", inkeys, inkeys, "x")
     inner, out = node.args[:2]
     values = [("input", i) for i in range(len(inkeys))]
-    assert execute_subgraph(inner, out, inkeys, *values) == _execute_subgraph(
+    assert run_subgraph(subgraph_plan(inner, out), out, inkeys, *values) == _execute_subgraph(
         inner, out, inkeys, *values
     )
     lean = lean_subgraphs(node)
-    nested = [v for v in lean.args[0].values() if isinstance(v, Task) and v.func is not mix]
-    assert lean.func is execute_subgraph and all(v.func is execute_subgraph for v in nested)
+    nested = [n for _, n, _ in lean.args[0] if isinstance(n, Task) and n.func is not mix]
+    assert lean.func is run_subgraph and all(n.func is run_subgraph for n in nested)
     given = dict(zip(inkeys, values, strict=True))
     assert lean(given) == node(given)
 
@@ -99,7 +99,7 @@ def test_a_fused_chain_drops_each_value_after_its_last_use():
     for i in range(1, 50):
         inner[f"t-{i}"] = Task(f"t-{i}", step, TaskRef(f"t-{i - 1}"), peak)
     source = Tracked()
-    result = execute_subgraph(inner, "t-49", ("in",), source)
+    result = run_subgraph(subgraph_plan(inner, "t-49"), "t-49", ("in",), source)
     del source
     assert (type(result), peak[0], Tracked.alive) == (Tracked, 2, 1)
 
@@ -110,7 +110,23 @@ def test_an_inner_error_is_raised_as_it_is():
 
     inner = {"a": Task("a", fail, TaskRef("in")), "b": Task("b", mix, "b", TaskRef("a"))}
     with pytest.raises(ValueError, match="bad chunk 7"):
-        execute_subgraph(inner, "b", ("in",), 7)
+        run_subgraph(subgraph_plan(inner, "b"), "b", ("in",), 7)
+
+
+PLAN_ORDER = """
+from dask._task_spec import Task, TaskRef
+from dask_gpustreams.integrations.subgraphs import subgraph_plan
+inner = {f"t-{i}": Task(f"t-{i}", max, *(TaskRef(f"in-{j}") for j in range(6))) for i in range(12)}
+inner["out"] = Task("out", max, *(TaskRef(k) for k in list(inner)))
+print([key for key, _, _ in subgraph_plan(inner, "out")])
+"""
+
+
+def test_the_plan_is_the_same_under_any_hash_seed(run_python):
+    """Which of two failing inner tasks raises, and when memory peaks, must not change
+    from run to run: dependencies are visited in the inner graph's order, not a set's."""
+    orders = {run_python(PLAN_ORDER, env={"PYTHONHASHSEED": str(seed)}) for seed in range(4)}
+    assert orders == {str([f"t-{i}" for i in range(12)] + ["out"]) + "\n"}
 
 
 @pytest.mark.parametrize("route", ["launcher", "threads", "distributed", "tasks-on-workers"])
@@ -153,4 +169,4 @@ def test_launch_plan_finds_host_tasks_inside_fused_tasks(gpustreams):
     }
     with gpustreams():
         tasks, _, host = launch_plan([fused(inner, "b", ["in"], ["in"], "b")], get_runtime())
-    assert (tasks["b"].func, host) == (execute_subgraph, {"b"})
+    assert (tasks["b"].func, host) == (run_subgraph, {"b"})

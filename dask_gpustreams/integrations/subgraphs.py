@@ -10,14 +10,18 @@ of the launcher's 5.8 profiled seconds: more than the tasks' CuPy calls.
 A fused task's inner graph has one output, and every inner task is an ancestor
 of it; the inner tasks are Dask tasks, pure functions of their inputs. So any
 order that runs each inner task after its inner dependencies computes the same
-value. :func:`execute_subgraph` walks the inner graph depth first from the
-output, which keeps a chain's intermediates to one at a time, and drops each
-value after its last use, as ``execute_graph`` does.
+value. :func:`subgraph_plan` walks the inner graph depth first from the output,
+visiting dependencies in the inner graph's own order (so the plan does not
+depend on the hash seed), and notes after which task each value is read for
+the last time; :func:`run_subgraph` runs such a plan and drops each value then,
+as ``execute_graph`` does. A chain keeps one intermediate at a time; a wider
+inner graph may hold one value more at its peak than in ``dask.order``'s order.
 
-Every route of the plugin runs fused tasks this way (:func:`lean_subgraphs`): the
-launcher's and stream blocks' launch plans, and the tasks it wraps for Dask's
-threaded scheduler and distributed's workers. With the plugin off, Dask's own
-``_execute_subgraph`` runs.
+The routes that run tasks on streams use it (:func:`lean_subgraphs`): the
+launcher's and stream blocks' launch plans, and the stream tasks of Dask's
+threaded scheduler and of distributed's workers, in the task's own thread
+(:class:`~dask_gpustreams.integrations.tasks.StreamTask`). With the plugin off,
+and for a block that runs on the host, Dask's ``_execute_subgraph`` runs.
 """
 
 from __future__ import annotations
@@ -27,18 +31,16 @@ from typing import Any
 
 from dask._task_spec import GraphNode, Task, _execute_subgraph
 
+#: One inner task of a plan: its key, its node and the values to drop after it.
+Step = tuple[Hashable, GraphNode, tuple[Hashable, ...]]
 
-def execute_subgraph(
-    inner: Mapping[Hashable, GraphNode],
-    outkey: Hashable,
-    inkeys: Sequence[Hashable],
-    *dependencies: Any,
-) -> Any:
-    """What ``_execute_subgraph`` returns for the same arguments: the value of ``outkey``
-    in ``inner``, given the values of ``inkeys``, with the inner tasks in depth-first order."""
-    values = dict(zip(inkeys, dependencies, strict=False))  # as Dask: zip, unchecked
+
+def subgraph_plan(inner: Mapping[Hashable, GraphNode], outkey: Hashable) -> tuple[Step, ...]:
+    """The inner tasks that ``outkey`` needs, each after its inner dependencies (depth
+    first, dependencies in ``inner``'s order), with the values read for the last time."""
+    position = {k: i for i, k in enumerate(inner)}
     order: list[Hashable] = []
-    uses: dict[Hashable, int] = {}  # inner dependency -> inner tasks that read it
+    uses: dict[Hashable, int] = {}  # dependency -> inner tasks that read it
     stack: list[tuple[Hashable, bool]] = [(outkey, False)]
     seen: set[Hashable] = set()
     while stack:
@@ -50,29 +52,51 @@ def execute_subgraph(
             continue
         seen.add(key)
         stack.append((key, True))
-        for d in inner[key].dependencies:
+        deps = inner[key].dependencies
+        for d in deps:
             uses[d] = uses.get(d, 0) + 1
-            if d in inner and d not in seen:
+        # Pushed last first, so popped (visited) in inner's order.
+        for d in sorted((d for d in deps if d in position), key=position.__getitem__)[::-1]:
+            if d not in seen:
                 stack.append((d, False))
+    steps = []
     for key in order:
         node = inner[key]
-        values[key] = node(values)
+        drops = []
         for d in node.dependencies:
-            n = uses[d] - 1
-            if n:
-                uses[d] = n
-            else:
-                del values[d]
+            uses[d] -= 1
+            if not uses[d]:
+                drops.append(d)
+        steps.append((key, node, tuple(drops)))
+    return tuple(steps)
+
+
+def run_subgraph(
+    plan: Sequence[Step], outkey: Hashable, inkeys: Sequence[Hashable], *dependencies: Any
+) -> Any:
+    """What ``_execute_subgraph`` returns for the inner graph of ``plan``
+    (:func:`subgraph_plan`): the value of ``outkey`` given the values of ``inkeys``."""
+    values = dict(zip(inkeys, dependencies, strict=False))  # as Dask: zip, unchecked
+    for key, node, drops in plan:
+        values[key] = node(values)
+        for d in drops:
+            del values[d]
     return values[outkey]
 
 
 def lean_subgraphs(node: GraphNode) -> GraphNode:
-    """``node`` calling :func:`execute_subgraph` where it, or a task fused inside it, calls
-    ``_execute_subgraph``; ``node`` itself when it fuses nothing."""
+    """``node`` running its plan with :func:`run_subgraph` where it, or a task fused inside
+    it, calls ``_execute_subgraph``; ``node`` itself when it fuses nothing."""
     if not isinstance(node, Task) or node.func is not _execute_subgraph:
         return node
-    inner, *rest = node.args
-    inner = {k: lean_subgraphs(v) for k, v in inner.items()}
+    inner, outkey, *rest = node.args
+    plan = subgraph_plan({k: lean_subgraphs(v) for k, v in inner.items()}, outkey)
     return Task(
-        node.key, execute_subgraph, inner, *rest, _data_producer=node.data_producer, **node.kwargs
+        node.key,
+        run_subgraph,
+        plan,
+        outkey,
+        *rest,
+        _data_producer=node.data_producer,
+        **node.kwargs,
     )

@@ -35,7 +35,7 @@ from dask_gpustreams.transfers import to_device, to_host
 #: of their own (transfers, pool) are not here; a raise of the blocks' own (``BlockSkipped``)
 #: is the last frame, which Dask always keeps.
 TRACEBACK_SHORTEN = (
-    r"dask_gpustreams[\\/]integrations[\\/](tasks|local|launcher|blocks)\.py",
+    r"dask_gpustreams[\\/]integrations[\\/](tasks|local|launcher|blocks|subgraphs)\.py",
     r"dask_gpustreams[\\/]integrations[\\/]distributed[\\/]execution\.py",
     r"dask_gpustreams[\\/]runtime[\\/](runtime|launcher)\.py",
 )
@@ -47,13 +47,13 @@ class StreamTask(Task):
     A :class:`~dask._task_spec.Task` to Dask (its diagnostics see tasks as
     before), whose ``func``, ``args`` and ``kwargs`` are ``node``'s (an
     ``Alias`` reads as the identity of its target). Called by the scheduler
-    with the values of its dependencies, as ``node`` would be. Pickled for
+    with the values of its dependencies, as ``node`` would be (a fused task runs
+    its inner tasks without ``dask.order``: :mod:`.subgraphs`). Pickled for
     another process (the multiprocessing scheduler), it becomes ``node``
     again: streams and events stay in this process.
 
-    ``Task.__init__`` is not run (it would walk the arguments again): of ``Task``'s own
-    fields only ``_data_producer`` is set, and every method that reads the others is
-    overridden.
+    ``Task``'s own fields stay unset (``Task.__init__`` is not run: it would
+    walk the arguments again); every method that reads them is overridden.
     """
 
     __slots__ = ("node", "runtime", "registry", "critical")
@@ -71,8 +71,6 @@ class StreamTask(Task):
         self.runtime = runtime
         self.registry = registry
         self.critical = critical
-        # Task's slot, read by Task.data_producer (no property call); an Alias has none.
-        self._data_producer = getattr(node, "_data_producer", False)
 
     @property
     def func(self) -> Any:  # type: ignore[override]
@@ -90,11 +88,18 @@ class StreamTask(Task):
         return node.kwargs if isinstance(node, Task) else {}
 
     @property
+    def data_producer(self) -> bool:  # read rarely: not copied at each wrap (the event loop)
+        return self.node.data_producer
+
+    @property
     def is_coro(self) -> bool:
         return self.node.is_coro  # cached by the node: one check per graph node
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
-        return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
+        # A fused task's plan is made here, in the task's thread: not on distributed's
+        # event loop (Execution.prepare), and pickled, the task stays Dask's.
+        node = lean_subgraphs(self.node)
+        return self.runtime.run(self.key, node, values, self.registry, self.critical)
 
     def __reduce__(self):
         return self.node.__reduce__()
@@ -182,10 +187,8 @@ def rewrite_transfers(node: GraphNode, table: dict[int, Any]) -> GraphNode:
 def stream_node(node: GraphNode, table: dict[int, Any]) -> GraphNode | None:
     """What a :class:`StreamTask` of ``node`` runs, or None if ``node`` is not wrapped.
 
-    A task's transfers are rewritten with ``table`` (:func:`rewrite_transfers`),
-    and a fused task runs its inner tasks without ``dask.order``
-    (:func:`~dask_gpustreams.integrations.subgraphs.lean_subgraphs`); an ``Alias``
-    runs as it is. None for data, coroutine tasks, an alias of its
+    A task's transfers are rewritten with ``table`` (:func:`rewrite_transfers`);
+    an ``Alias`` runs as it is. None for data, coroutine tasks, an alias of its
     own key and nodes already wrapped. Whether a task is a coroutine is
     ``Task.is_coro``, but a plain function without attributes (such as a
     coroutine marker) is answered by its code flags, and a builtin is none, with
@@ -199,8 +202,7 @@ def stream_node(node: GraphNode, table: dict[int, Any]) -> GraphNode | None:
                 return None
         elif type(func) is not BuiltinFunctionType and node.is_coro:
             return None
-        node = rewrite_transfers(node, table)
-        return lean_subgraphs(node) if func is _execute_subgraph else node
+        return rewrite_transfers(node, table)
     if isinstance(node, Alias) and node.target != node.key:
         return node
     return None

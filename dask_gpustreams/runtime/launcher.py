@@ -78,9 +78,15 @@ class _HostOutcomes:
         self._wake.set()
 
     def wait(self) -> None:
-        """Block until a host thread hands an outcome back (or has since the last wait)."""
-        self._wake.wait()
-        self._wake.clear()
+        """Block until an outcome is handed back and not yet taken (at once if one is).
+
+        It checks the outcomes, not only the wake-up: two handed back before one
+        wait share one wake-up, and the launcher may leave the loop that takes them
+        (an exception in a callback) before it took the second.
+        """
+        while not self._done:
+            self._wake.wait()
+            self._wake.clear()
 
     def take(self) -> _HostDone | None:
         """The oldest outcome handed back, or None."""

@@ -20,6 +20,7 @@ from distributed import Reschedule
 from dask_gpustreams.diagnostics.fine_metrics import launch_meter
 from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock
 from dask_gpustreams.integrations.distributed.provenance import Provenance
+from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.integrations.tasks import (
     StreamTask,
     rewrite_transfers,
@@ -107,9 +108,10 @@ class WorkerStreamTask(StreamTask):
                 raise Reschedule() from None
         if pending:
             provenance.note_pending(self.key, pending)
+        node = lean_subgraphs(node)  # in this thread, as StreamTask does
         try:
             with launch_meter():
-                return self.runtime.run(self.key, self.node, values, self.registry, self.critical)
+                return self.runtime.run(self.key, node, values, self.registry, self.critical)
         finally:  # after the launch, and here, not on the event loop that retired them
             provenance.free_retired()
 
