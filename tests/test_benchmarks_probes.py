@@ -61,3 +61,14 @@ def test_probe_task_gaps_sees_every_task_under_both_schedulers(capsys):
     argv = ["--backend", "sim", "--quick", "--workloads", "transpose", "--reps", "1"]
     assert probe_task_gaps.main(argv) == 0
     assert "in tasks of" in capsys.readouterr().out
+
+
+def test_probe_threaded_route_times_both_routes_and_checks_results(capsys, monkeypatch):
+    from benchmarks.probes import probe_threaded_route as probe
+
+    assert probe.main(["--backend", "sim", "--quick", "--reps", "1"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:3] for row in rows] == [["1", "1", "1"], ["8", "2", "4"]]
+    monkeypatch.setattr(probe, "inc", lambda x: x + 2)  # a wrong answer is not timed
+    with pytest.raises(AssertionError, match="wrong result"):
+        probe.main(["--backend", "sim", "--quick", "--reps", "1"])
