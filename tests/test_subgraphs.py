@@ -1,4 +1,4 @@
-"""Fused tasks on the launcher run their inner tasks without ``dask.order``, with Dask's results."""
+"""Fused tasks run their inner tasks without ``dask.order`` on every stream route: Dask's values."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def random_inner(rng, n_inner: int, inkeys: list[str], depth: int = 0) -> dict:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_execute_subgraph_gives_dasks_value(seed):
+def test_run_subgraph_gives_dasks_value(seed):
     rng = np.random.default_rng(seed)
     inkeys = [f"in-0-{i}" for i in range(rng.integers(1, 4))]
     node = fused(random_inner(rng, int(rng.integers(1, 12)), inkeys), "out-0", inkeys, inkeys, "x")
