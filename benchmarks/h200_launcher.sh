@@ -12,8 +12,7 @@
 # goes to $OUT/launcher-PART.tar.gz.
 set -u
 source benchmarks/h200_setup.sh
-PART="${2:?tests, shapes or allocator}"
-results "launcher-$PART"
+part launcher "tests shapes allocator"
 if [ "$PART" = tests ]; then
     gpu_tests 140
     launcher_workloads 150 70

@@ -11,8 +11,7 @@
 # $OUT/lean-PART.tar.gz.
 set -u
 source benchmarks/h200_setup.sh
-PART="${2:?local or cluster}"
-results "lean-$PART"
+part lean "local cluster"
 if [ "$PART" = local ]; then
     gpu_tests 150
     timeout 250 python3 -m benchmarks.bench_workloads --backend cupy \

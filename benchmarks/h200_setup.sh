@@ -9,6 +9,16 @@ python3 -c "import cupy, dask, distributed, numpy; print('cupy', cupy.__version_
 # $R/gpu-tests.txt and appends its exit status.
 COMMIT="${1:-unknown}"
 results() { R="/tmp/$1-$COMMIT"; mkdir -p "$R"; echo "commit $COMMIT" > "$R/commit.txt"; }
+# `part NAME CHOICES`: for scripts in parts, PART (the script's second argument, one of the
+# words of CHOICES; else a usage line and exit 2) and `results NAME-PART`.
+PART="${2:-}"
+part() {
+    case " $2 " in
+        *" $PART "*) [ -n "$PART" ] && results "$1-$PART" && return ;;
+    esac
+    echo "usage: bash $0 COMMIT PART, PART one of: $2" >&2
+    exit 2
+}
 # `shapes NAME SECONDS ARGS...` runs bench_shapes' wide shapes on distributed (policy auto,
 # a warm-up and 3 samples) with ARGS into $R/shapes-NAME and its log, and appends its exit
 # status.
