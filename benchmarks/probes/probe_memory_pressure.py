@@ -7,9 +7,9 @@ should cost a device sync, not an error. This probe checks it on the device: per
 it measures what plain sync needs on top of the inputs (its pool's peak ``total_bytes()``
 less the bytes in use before the run), fills the rest of the device with a ballast
 (``cudaMalloc`` outside the pool) so that ``--headroom`` times that need is left, and
-runs plain sync and the launcher there, in turn, each result checked against plain sync's
-without the ballast. Rows without a ballast are the baseline. A run that fails is reported
-with its error, not retried.
+runs plain sync, plain threads (Dask's default) and the launcher there, in turn, each
+result checked against plain sync's without the ballast. Rows without a ballast are the
+baseline. A run that fails is reported with its error, not retried.
 
     python -m benchmarks.probes.probe_memory_pressure --workloads elementwise,matmul,qr,delayed
 
@@ -27,7 +27,11 @@ import dask
 
 from benchmarks import bench_workloads as bw
 
-MODES = {"sync": {"scheduler": "sync"}, "launcher": {"scheduler": "gpustreams"}}
+MODES = {
+    "sync": {"scheduler": "sync"},
+    "threads": {"scheduler": "threads"},
+    "launcher": {"scheduler": "gpustreams"},
+}
 MIB = 2**20
 
 
