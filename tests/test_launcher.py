@@ -7,8 +7,10 @@ an input block reused while still read, shows up as a wrong value.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import logging
 import re
 import threading
 import time
@@ -165,7 +167,7 @@ def test_reuse_reads_poison_without_holding(launcher, by_key, rng, monkeypatch):
     assert reuse_scenario(launcher, by_key, rng, runs=10) >= 1
 
 
-def chain_peak(length: int, delay: float) -> tuple[int, np.ndarray]:
+def chain_peak(length: int, delay: float, scheduler: str = "gpustreams") -> tuple[int, np.ndarray]:
     """Peak bytes of live sim arrays while a chain of ``length`` tasks runs, and its result."""
     pool = sim.get_default_memory_pool()
     peak = [0]
@@ -179,7 +181,7 @@ def chain_peak(length: int, delay: float) -> tuple[int, np.ndarray]:
     x = delayed(produce)()
     for _ in range(length):
         x = delayed(step)(x)
-    result = delayed(download)(x).compute(scheduler="gpustreams")
+    result = delayed(download)(x).compute(scheduler=scheduler)
     return peak[0], result
 
 
@@ -200,6 +202,45 @@ def test_launch_ahead_bounds_memory_of_slow_kernels(launcher):
         np.testing.assert_array_equal(result, np.full(CHUNK, 3.0))
     assert peaks["1 MiB"] <= 16 * CHUNK * 8, peaks
     assert peaks["64 MiB"] > 2 * peaks["1 MiB"], peaks
+
+
+@contextlib.contextmanager
+def device_limit(chunks: int):
+    """The sim device full but for ``chunks`` chunks beyond the arrays alive now."""
+    pool = sim.get_default_memory_pool()
+    pool.free_all_blocks()
+    pool.set_limit(pool.used_bytes() + chunks * CHUNK * 8)
+    try:
+        yield
+    finally:
+        pool.set_limit(None)
+
+
+def test_a_task_out_of_device_memory_runs_again_once_the_launched_work_is_done(launcher, caplog):
+    """Running ahead of slow kernels holds more than a chain needs (``launch-ahead`` is 64
+    MiB, the device has room for 12 chunks): a task that finds the device full waits for
+    the work launched before it and runs again, and the chain is exact, as on plain sync."""
+    with device_limit(12):
+        _, expected = chain_peak(60, 0.002, scheduler="sync")
+        with (
+            launcher(streams=4, policy="round-robin", **{"launch-ahead": "64 MiB"}),
+            caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
+        ):
+            _, result = chain_peak(60, 0.002)
+    np.testing.assert_array_equal(expected, np.full(CHUNK, 3.0))
+    np.testing.assert_array_equal(result, expected)
+    assert re.search(r"task .*step.* ran out of device memory; it runs again", caplog.text)
+
+
+def test_without_the_retry_running_ahead_fails_where_plain_dask_fits(launcher, monkeypatch):
+    """The control of the test above: the same chain, its out-of-memory errors not caught."""
+    monkeypatch.setattr(SimBackend, "out_of_memory_errors", ())
+    with (
+        device_limit(12),
+        launcher(streams=4, policy="round-robin", **{"launch-ahead": "64 MiB"}),
+        pytest.raises(sim.OutOfMemoryError),
+    ):
+        chain_peak(60, 0.002)
 
 
 # --- host tasks ------------------------------------------------------------------------------

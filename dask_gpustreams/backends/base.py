@@ -24,6 +24,9 @@ class Backend(Protocol):
     #: The first upload function also converts device arrays between dtypes.
     upload_functions: tuple
     download_functions: tuple
+    #: What an allocation raises when the device is full, after the allocator has
+    #: released what it caches (the stream launcher then waits for its work and retries).
+    out_of_memory_errors: tuple[type[BaseException], ...]
 
     def create_stream(self, priority: int = 0) -> Any:
         """A new stream; lower ``priority`` values are scheduled first, as in CUDA."""

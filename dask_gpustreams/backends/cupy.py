@@ -42,6 +42,8 @@ class CupyBackend:
     # Not cupy.array: it always copies, a device array too, where to_device would not.
     upload_functions = (cupy.asarray,)
     download_functions = (cupy.asnumpy, cupy.ndarray.get)
+    # CuPy's pool raises it once cudaMalloc fails after it freed every arena's free blocks.
+    out_of_memory_errors = (cupy.cuda.memory.OutOfMemoryError,)
 
     #: Make each pool stream PyTorch's current stream too, inside tasks (see use_stream).
     torch_interop = True

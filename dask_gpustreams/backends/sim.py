@@ -18,6 +18,7 @@ class SimBackend:
     is_hip = False
     upload_functions = (sim.asarray,)
     download_functions = (sim.asnumpy,)
+    out_of_memory_errors = (sim.OutOfMemoryError,)
 
     def __init__(self) -> None:
         self.device = sim.get_device()

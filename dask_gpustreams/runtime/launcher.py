@@ -11,25 +11,35 @@ or learned by :class:`~dask_gpustreams.runtime.hosttasks.HostTasks`) run on
 the runtime's host threads after a host wait for their inputs' events, so
 they never stall launches that do not depend on them. An intermediate is
 dropped once all its consumers are launched; the pool holds it until their
-events complete.
+events complete. A task that runs out of device memory
+(``Backend.out_of_memory_errors``) runs once more after the launcher has
+waited for all launched work and released the inputs it held, with half the
+launch-ahead from then on: running ahead must not fail a graph whose live
+values fit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dask.utils import format_bytes
+
+from dask_gpustreams.config import MIN_SIZE
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.policies import TaskInfo, critical_keys
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 
 if TYPE_CHECKING:
     from dask_gpustreams.runtime.runtime import StreamRuntime
+
+logger = logging.getLogger("dask_gpustreams")
 
 #: Launches between two releases of the finished work of every stream.
 COLLECT_EVERY = 64
@@ -164,6 +174,7 @@ class GraphLauncher:
         select, assign_lock = runtime.policy.select, pool.assign_lock
         wait, record_on, acquire = pool.wait, pool.record, runtime.events.acquire
         use_stream, is_device = backend.use_stream, backend.is_device_array
+        out_of_memory = backend.out_of_memory_errors
         learned, timeline, width = runtime.host_tasks, runtime.timeline, pool.n_streams
         threshold = learned.threshold_s
         # Once per graph, for policies that place the longest path apart (critical-path).
@@ -237,7 +248,14 @@ class GraphLauncher:
                         t0 = perf_counter()
                         with use_stream(stream, key):
                             called = True
-                            result = tasks[key](values)
+                            try:
+                                result = tasks[key](values)
+                            except out_of_memory:
+                                limit = self._make_room(key, limit)
+                                ahead.clear()
+                                ahead_bytes = 0
+                                t0 = perf_counter()  # the wait is no host work of the task
+                                result = tasks[key](values)
                         seconds = perf_counter() - t0
                     except BaseException as e:
                         if called:
@@ -304,6 +322,22 @@ class GraphLauncher:
             runtime.collect()
             if timeline is None:
                 runtime.events.release(launched)
+
+    def _make_room(self, key: Hashable, limit: int) -> int:
+        """``key`` ran out of device memory: wait for every stream's work (its errors stay
+        with their events), release the inputs held for it, and return the halved
+        launch-ahead. What stays allocated is the graph's live values."""
+        pool = self.runtime.pool
+        pool.synchronize_quietly()
+        pool.collect_all()
+        halved = max(limit // 2, MIN_SIZE)
+        logger.warning(
+            "gpustreams: task %r ran out of device memory; it runs again now that the work "
+            "launched before it is done (launch-ahead for the rest of this graph: %s)",
+            key,
+            format_bytes(halved),
+        )
+        return halved
 
     def _check_events(self) -> None:
         """Raise the error of any of the graph's work, reported elsewhere or not (blocking)."""

@@ -28,13 +28,14 @@ from dask_gpustreams.sim._array import (
     launch,
 )
 from dask_gpustreams.sim._device import Device, Event, Stream
-from dask_gpustreams.sim._memory import POISON_BYTE, MemoryPool
+from dask_gpustreams.sim._memory import POISON_BYTE, MemoryPool, OutOfMemoryError
 
 __all__ = [
     "POISON_BYTE",
     "Device",
     "Event",
     "MemoryPool",
+    "OutOfMemoryError",
     "SimArray",
     "Stream",
     "asarray",

@@ -8,6 +8,11 @@ ended is dropped, and so are blocks freed after it ended. A block handed out aga
 poisoned (NaN for floats, 0xA5 bytes otherwise) by work enqueued on the new
 allocation's stream, so a kernel on another stream that still reads the old
 contents sees the poison, as it would see reused memory on a GPU.
+
+A limit (:meth:`MemoryPool.set_limit`) stands for the device's capacity: an
+allocation that finds no free block of its stream and would take the pool past
+it first drops every stream's free blocks, as CuPy's pool does when ``cudaMalloc``
+fails, then raises :class:`OutOfMemoryError` if it still would.
 """
 
 from __future__ import annotations
@@ -20,6 +25,16 @@ import numpy as np
 
 _ROUND = 512
 POISON_BYTE = 0xA5
+
+
+class OutOfMemoryError(MemoryError):
+    """An allocation beyond the pool's limit, with CuPy's message."""
+
+    def __init__(self, size: int, total: int, limit: int):
+        super().__init__(
+            f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes, "
+            f"limit set to: {limit:,} bytes)."
+        )
 
 
 def poison(view: np.ndarray) -> None:
@@ -47,6 +62,7 @@ class MemoryPool:
         self._freed: deque[tuple[np.ndarray, Hashable]] = deque()
         self._used = 0
         self._total = 0
+        self._limit = 0
 
     def malloc(self, nbytes: int, stream: Hashable) -> tuple[np.ndarray, bool]:
         """A block of at least ``nbytes`` from ``stream``'s free list, and whether it was reused."""
@@ -57,11 +73,27 @@ class MemoryPool:
             if lists is None:
                 lists = self._free[stream] = defaultdict(list)
             free = lists[size]
-            self._used += size
             if free:
+                self._used += size
                 return free.pop(), True
+            if self._limit and self._total + size > self._limit:
+                self._drop_free()
+                if self._total + size > self._limit:
+                    raise OutOfMemoryError(size, self._total, self._limit)
+            self._used += size
             self._total += size
         return np.empty(size, dtype=np.uint8), False
+
+    def set_limit(self, size: int | None = None) -> None:
+        """Hold at most ``size`` bytes, free blocks included (None or 0: no limit)."""
+        if size is not None and size < 0:
+            raise ValueError(f"size={size} is invalid: a limit is 0 (none) or more bytes")
+        with self._lock:
+            self._limit = size or 0
+
+    def get_limit(self) -> int:
+        """The limit in bytes; 0 if none."""
+        return self._limit
 
     def free(self, block: np.ndarray, stream: Hashable) -> None:
         """Return ``block`` to ``stream``'s free list now, whatever is still queued on it.
@@ -112,8 +144,12 @@ class MemoryPool:
     def free_all_blocks(self) -> None:
         """Drop every cached free block."""
         with self._lock:
-            self._drop_ended()
-            for lists in self._free.values():
-                for blocks in lists.values():
-                    self._total -= sum(b.nbytes for b in blocks)
-                    blocks.clear()
+            self._drop_free()
+
+    def _drop_free(self) -> None:
+        """Drop every cached free block. Locked."""
+        self._drop_ended()
+        for lists in self._free.values():
+            for blocks in lists.values():
+                self._total -= sum(b.nbytes for b in blocks)
+                blocks.clear()
