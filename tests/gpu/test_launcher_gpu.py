@@ -100,6 +100,34 @@ def check_plan_caches(runs, threads=None):
     assert len(set(caches)) == len(caches), by_place  # none shared between places
 
 
+def test_a_task_out_of_device_memory_runs_again(caplog):
+    """The device full but for 12 chunks of 8 MiB, and chains of 1 ms kernels that the
+    launcher runs ahead of by more (``launch-ahead`` 1 GiB): a task that finds the device
+    full runs again once the launched work is done, and every chain is exact."""
+    chunk = 1 << 20  # float64 elements: 8 MiB
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    runtime = cupy.cuda.runtime
+    ballast = runtime.malloc(runtime.memGetInfo()[0] - 12 * chunk * 8)
+    try:
+        chains = []
+        for c in range(4):
+            x = delayed(spin_fill)(chunk, float(c), 0.2)
+            for _ in range(30):
+                x = delayed(spin_scale)(x, 1.0, 1.0)
+            chains.append(delayed(lambda a: float(a[-1]))(x))
+        config = {**CONFIG, "gpustreams.launch-ahead": "1 GiB"}
+        with dask.config.set(config), caplog.at_level("WARNING", logger="dask_gpustreams"):
+            got = dask.compute(*chains, scheduler="gpustreams")
+    finally:
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        runtime.free(ballast)
+    assert list(got) == [0.0, 1.0, 2.0, 3.0]
+    assert "ran out of device memory; it runs again" in caplog.text
+
+
 def test_same_shape_ffts_on_many_streams_are_exact():
     """Same-shape FFTs from one thread on 8 streams: one cached plan would share a work area.
 
