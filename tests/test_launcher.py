@@ -30,6 +30,7 @@ from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime import StreamPool, get_runtime
 from dask_gpustreams.runtime.launcher import GraphLauncher
+from dask_gpustreams.transfers import to_device
 from tests.test_local_scheduler import (
     BUILTIN_POLICIES,
     META,
@@ -209,11 +210,11 @@ def device_limit(chunks: int):
     """The sim device full but for ``chunks`` chunks beyond the arrays alive now."""
     pool = sim.get_default_memory_pool()
     pool.free_all_blocks()
-    pool.set_limit(pool.used_bytes() + chunks * CHUNK * 8)
+    pool.set_capacity(pool.used_bytes() + chunks * CHUNK * 8)
     try:
         yield
     finally:
-        pool.set_limit(None)
+        pool.set_capacity(None)
 
 
 def test_a_task_out_of_device_memory_runs_again_once_the_launched_work_is_done(launcher, caplog):
@@ -230,6 +231,66 @@ def test_a_task_out_of_device_memory_runs_again_once_the_launched_work_is_done(l
     np.testing.assert_array_equal(expected, np.full(CHUNK, 3.0))
     np.testing.assert_array_equal(result, expected)
     assert re.search(r"task .*step.* ran out of device memory; it runs again", caplog.text)
+
+
+HOST_TWOS = np.full(CHUNK, 2.0)
+
+
+def test_the_retry_starts_without_the_failed_attempts_memory(launcher):
+    """The failed attempt's temporaries and uploads are gone when the task runs again: only
+    its input is in use then, and the retry fits where the attempt did not."""
+    pool = sim.get_default_memory_pool()
+    in_use: list[int] = []
+
+    def add_upload(x):
+        in_use.append((pool.used_bytes() - base) // (CHUNK * 8))
+        y = to_device(HOST_TWOS)  # held by the task until its event
+        total = sim.empty(CHUNK)
+        sim.launch(np.add, x, y, out=total)
+        out = sim.empty(CHUNK)
+        sim.launch(slow_scale, out, total, 1.0, 0.0)
+        return out
+
+    x = delayed(produce)()
+    for _ in range(2):
+        x = delayed(slow_double)(x, 0.05)
+    x = delayed(add_upload)(x)
+    with (
+        device_limit(5),
+        launcher(streams=4, policy="round-robin", **{"launch-ahead": "64 MiB"}),
+    ):
+        base = pool.used_bytes()
+        result = delayed(download)(x).compute(scheduler="gpustreams")
+    np.testing.assert_array_equal(result, np.full(CHUNK, 14.0))
+    assert len(in_use) == 2 and in_use[1] == 1, in_use
+
+
+def fails_later(out, x, delay):
+    time.sleep(delay)
+    raise ZeroDivisionError("kernel failed")
+
+
+def failing_step(x):
+    out = sim.empty(CHUNK)
+    sim.launch(fails_later, out, x, 0.002)
+    return out
+
+
+def test_a_kernel_failure_before_a_retry_is_still_raised(launcher):
+    """Waiting for the device before a retry leaves an earlier kernel's failure to the
+    event that reports it: the compute raises it, naming the failed task."""
+    x = delayed(produce)()
+    for i in range(60):
+        if i == 3:
+            x = delayed(failing_step)(x, dask_key_name="the-failing-step")
+        else:
+            x = delayed(slow_double)(x, 0.002)
+    with (
+        device_limit(12),
+        launcher(streams=4, policy="round-robin", **{"launch-ahead": "64 MiB"}),
+        pytest.raises(KernelError, match="the-failing-step"),
+    ):
+        delayed(download)(x).compute(scheduler="gpustreams")
 
 
 def test_without_the_retry_running_ahead_fails_where_plain_dask_fits(launcher, monkeypatch):

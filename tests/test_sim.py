@@ -399,24 +399,24 @@ def test_pool_keeps_a_free_list_per_stream():
     assert (pool.used_bytes(), pool.total_bytes()) == (8192, 8192)
 
 
-def test_pool_beyond_its_limit_drops_free_blocks_then_raises():
+def test_pool_beyond_its_capacity_drops_free_blocks_then_raises():
     """As CuPy's pool when ``cudaMalloc`` fails: every stream's free blocks go first."""
     pool = sim.MemoryPool()
-    pool.set_limit(16384)
-    assert pool.get_limit() == 16384
+    pool.set_capacity(16384)
+    assert pool.get_capacity() == 16384
     held, _ = pool.malloc(8000, "s1")
     other, _ = pool.malloc(8000, "s2")
     pool.free(other, "s2")  # 8192 bytes free, on s2's list only
     mine, reused = pool.malloc(8000, "s1")  # s1 has none: s2's are dropped to make room
     assert not reused and (pool.used_bytes(), pool.total_bytes()) == (16384, 16384)
-    limit = r"allocating 512 bytes \(allocated so far: 16,384 bytes, limit set to: 16,384 bytes"
-    with pytest.raises(sim.OutOfMemoryError, match=limit):
+    full = r"^Out of memory allocating 512 bytes \(allocated so far: 16,384 bytes\)\.$"
+    with pytest.raises(sim.OutOfMemoryError, match=full):
         pool.malloc(100, "s1")
     assert (pool.used_bytes(), pool.total_bytes()) == (16384, 16384)  # nothing leaked
-    pool.set_limit(None)
-    pool.malloc(100, "s1")  # no limit: the pool grows
-    with pytest.raises(ValueError, match=r"size=-1 is invalid"):
-        pool.set_limit(-1)
+    pool.set_capacity(None)
+    pool.malloc(100, "s1")  # unbounded: the pool grows
+    with pytest.raises(ValueError, match=r"nbytes=-1 is invalid"):
+        pool.set_capacity(-1)
     del held, mine
 
 

@@ -94,6 +94,12 @@ class Backend(Protocol):
     def is_device_array(self, obj: Any) -> bool:
         """Whether ``obj`` is this backend's device memory."""
 
+    def free_cached_memory(self) -> None:
+        """Hand the free blocks the device allocator caches, every stream's, back to the device.
+
+        Called once the work that may still use them is done (it may wait for the device).
+        """
+
     def hardware_queues(self) -> int | None:
         """How many streams the device runs without false serialization, if bounded."""
 

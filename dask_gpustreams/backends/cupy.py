@@ -187,6 +187,16 @@ class CupyBackend:
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, cupy.ndarray)
 
+    def free_cached_memory(self) -> None:
+        """Free CuPy's default pool's cached blocks (``cudaFree``, which waits for the device).
+
+        CuPy frees them itself when ``cudaMalloc`` fails; a limit of its own
+        (``set_limit``, ``CUPY_GPU_MEMORY_LIMIT``) may be reached with blocks still
+        cached in other streams' arenas.
+        """
+        with cupy.cuda.Device(self.device_id):
+            cupy.get_default_memory_pool().free_all_blocks()
+
     def hardware_queues(self) -> int | None:
         if self.is_hip:
             return int(os.environ.get("GPU_MAX_HW_QUEUES", HIP_DEFAULT_QUEUES))

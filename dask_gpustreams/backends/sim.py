@@ -79,6 +79,9 @@ class SimBackend:
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, sim.SimArray)
 
+    def free_cached_memory(self) -> None:
+        sim.get_default_memory_pool().free_all_blocks()
+
     def hardware_queues(self) -> int | None:
         return None
 

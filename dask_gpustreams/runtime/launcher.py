@@ -12,10 +12,11 @@ the runtime's host threads after a host wait for their inputs' events, so
 they never stall launches that do not depend on them. An intermediate is
 dropped once all its consumers are launched; the pool holds it until their
 events complete. A task that runs out of device memory
-(``Backend.out_of_memory_errors``) runs once more after the launcher has
-waited for all launched work and released the inputs it held, with half the
-launch-ahead from then on: running ahead must not fail a graph whose live
-values fit.
+(``Backend.out_of_memory_errors``) runs once more (tasks are pure, as Dask
+assumes) after the launcher has waited for all launched work and released the
+inputs it held and the allocator's cached blocks, with the launch-ahead from
+then on at most what was in flight: running ahead must not fail a graph whose
+live values fit.
 """
 
 from __future__ import annotations
@@ -248,12 +249,17 @@ class GraphLauncher:
                         t0 = perf_counter()
                         with use_stream(stream, key):
                             called = True
+                            retry = False
                             try:
                                 result = tasks[key](values)
                             except out_of_memory:
-                                limit = self._make_room(key, limit)
+                                retry = True  # outside the handler: its traceback holds
+                                # the failed attempt's arrays
+                            if retry:
+                                limit = self._make_room(key, min(limit, 2 * ahead_bytes or limit))
                                 ahead.clear()
                                 ahead_bytes = 0
+                                held.clear()  # the failed attempt's uploads (done by now)
                                 t0 = perf_counter()  # the wait is no host work of the task
                                 result = tasks[key](values)
                         seconds = perf_counter() - t0
@@ -325,11 +331,13 @@ class GraphLauncher:
 
     def _make_room(self, key: Hashable, limit: int) -> int:
         """``key`` ran out of device memory: wait for every stream's work (its errors stay
-        with their events), release the inputs held for it, and return the halved
-        launch-ahead. What stays allocated is the graph's live values."""
-        pool = self.runtime.pool
-        pool.synchronize_quietly()
-        pool.collect_all()
+        with their events), release the inputs held for it and the blocks the allocator
+        caches, and return half of ``limit``, the launch-ahead from now on. What stays
+        allocated is the graph's live values."""
+        runtime = self.runtime
+        runtime.pool.wait_all()
+        runtime.pool.collect_all()
+        runtime.backend.free_cached_memory()
         halved = max(limit // 2, MIN_SIZE)
         logger.warning(
             "gpustreams: task %r ran out of device memory; it runs again now that the work "

@@ -200,6 +200,19 @@ class StreamPool:
         for slot in self.slots:
             wait(slot.stream, event)
 
+    def wait_all(self) -> None:
+        """Block until the work enqueued so far on every stream is done; none created.
+
+        Errors stay with the events of the work that failed (a stream sync would
+        report them here, and on the simulated device clear them).
+        """
+        backend = self.backend
+        for slot in self._slots or ():
+            with backend.on_device():
+                event = backend.create_event()
+            backend.record(event, slot.stream)
+            backend.event_error(event)  # waits; the error is its task's event's to report
+
     def synchronize_quietly(self) -> None:
         """Block until every stream is idle, ignoring the errors of its work; none created.
 

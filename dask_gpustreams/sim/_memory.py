@@ -9,10 +9,11 @@ poisoned (NaN for floats, 0xA5 bytes otherwise) by work enqueued on the new
 allocation's stream, so a kernel on another stream that still reads the old
 contents sees the poison, as it would see reused memory on a GPU.
 
-A limit (:meth:`MemoryPool.set_limit`) stands for the device's capacity: an
+A capacity (:meth:`MemoryPool.set_capacity`) stands for the device's memory: an
 allocation that finds no free block of its stream and would take the pool past
 it first drops every stream's free blocks, as CuPy's pool does when ``cudaMalloc``
-fails, then raises :class:`OutOfMemoryError` if it still would.
+fails, then raises :class:`OutOfMemoryError` if it still would. (It is not CuPy's
+``set_limit``, which the sim does not model.)
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ POISON_BYTE = 0xA5
 
 
 class OutOfMemoryError(MemoryError):
-    """An allocation beyond the pool's limit, with CuPy's message."""
+    """An allocation beyond the device's capacity, with CuPy's message."""
 
-    def __init__(self, size: int, total: int, limit: int):
+    def __init__(self, size: int, total: int):
         super().__init__(
-            f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes, "
-            f"limit set to: {limit:,} bytes)."
+            f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes)."
         )
 
 
@@ -62,7 +62,7 @@ class MemoryPool:
         self._freed: deque[tuple[np.ndarray, Hashable]] = deque()
         self._used = 0
         self._total = 0
-        self._limit = 0
+        self._capacity = 0
 
     def malloc(self, nbytes: int, stream: Hashable) -> tuple[np.ndarray, bool]:
         """A block of at least ``nbytes`` from ``stream``'s free list, and whether it was reused."""
@@ -76,24 +76,24 @@ class MemoryPool:
             if free:
                 self._used += size
                 return free.pop(), True
-            if self._limit and self._total + size > self._limit:
+            if self._capacity and self._total + size > self._capacity:
                 self._drop_free()
-                if self._total + size > self._limit:
-                    raise OutOfMemoryError(size, self._total, self._limit)
+                if self._total + size > self._capacity:
+                    raise OutOfMemoryError(size, self._total)
             self._used += size
             self._total += size
         return np.empty(size, dtype=np.uint8), False
 
-    def set_limit(self, size: int | None = None) -> None:
-        """Hold at most ``size`` bytes, free blocks included (None or 0: no limit)."""
-        if size is not None and size < 0:
-            raise ValueError(f"size={size} is invalid: a limit is 0 (none) or more bytes")
+    def set_capacity(self, nbytes: int | None = None) -> None:
+        """Make the device hold ``nbytes``, free blocks included (None or 0: unbounded)."""
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"nbytes={nbytes} is invalid: a capacity is 0 (none) or more bytes")
         with self._lock:
-            self._limit = size or 0
+            self._capacity = nbytes or 0
 
-    def get_limit(self) -> int:
-        """The limit in bytes; 0 if none."""
-        return self._limit
+    def get_capacity(self) -> int:
+        """The capacity in bytes; 0 if unbounded."""
+        return self._capacity
 
     def free(self, block: np.ndarray, stream: Hashable) -> None:
         """Return ``block`` to ``stream``'s free list now, whatever is still queued on it.

@@ -100,6 +100,10 @@ def check_plan_caches(runs, threads=None):
     assert len(set(caches)) == len(caches), by_place  # none shared between places
 
 
+def min_max(a):
+    return float(a.min()), float(a.max())
+
+
 def test_a_task_out_of_device_memory_runs_again(caplog):
     """The device full but for 12 chunks of 8 MiB, and chains of 1 ms kernels that the
     launcher runs ahead of by more (``launch-ahead`` 1 GiB): a task that finds the device
@@ -113,18 +117,20 @@ def test_a_task_out_of_device_memory_runs_again(caplog):
     try:
         chains = []
         for c in range(4):
-            x = delayed(spin_fill)(chunk, float(c), 0.2)
+            x = delayed(spin_fill)(chunk, float(c + 1), 0.2)
             for _ in range(30):
-                x = delayed(spin_scale)(x, 1.0, 1.0)
-            chains.append(delayed(lambda a: float(a[-1]))(x))
+                x = delayed(spin_scale)(x, 2.0, 1.0)
+            chains.append(delayed(min_max)(x))
         config = {**CONFIG, "gpustreams.launch-ahead": "1 GiB"}
         with dask.config.set(config), caplog.at_level("WARNING", logger="dask_gpustreams"):
             got = dask.compute(*chains, scheduler="gpustreams")
     finally:
-        cupy.cuda.Device().synchronize()
-        pool.free_all_blocks()
-        runtime.free(ballast)
-    assert list(got) == [0.0, 1.0, 2.0, 3.0]
+        try:
+            cupy.cuda.Device().synchronize()
+            pool.free_all_blocks()
+        finally:
+            runtime.free(ballast)
+    assert list(got) == [((c + 1) * 2.0**30,) * 2 for c in range(4)]
     assert "ran out of device memory; it runs again" in caplog.text
 
 
