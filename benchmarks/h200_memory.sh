@@ -22,7 +22,8 @@ pressure() {
 if [ "$PART" = local ]; then
     gpu_tests 150
     if [ -n "$BASE" ]; then
-        PYTHONPATH="$PWD/$BASE:$PYTHONPATH" pressure "pressure-$(basename "$BASE").txt"
+        # PYTHONSAFEPATH: `python -m` would put this tree first on the path, before BASE.
+        PYTHONSAFEPATH=1 PYTHONPATH="$PWD/$BASE:$PYTHONPATH" pressure "pressure-$(basename "$BASE").txt"
     fi
     pressure pressure.txt
     timeout 110 python3 -m benchmarks.bench_workloads --backend cupy \
