@@ -25,16 +25,8 @@ if [ "$PART" = local ]; then
     grep -v "^\[" "$R/workloads.log" | tail -60
     tail -40 "$R/gaps.txt"
 elif [ "$PART" = cluster ]; then
-    timeout 380 python3 -m benchmarks.bench_cluster --backend cupy \
-        --workloads elementwise,transpose,std,matmul,fft,delayed,pipeline,small-chunks,qr,rechunk,tiny-tasks,stencil \
-        --modes off,on --samples 2 --rounds 2 --warmup 1 --set rechunk.n=4096 \
-        --out "$R/cluster" > "$R/cluster.log" 2>&1
-    echo "cluster rc $?" >> "$R/cluster.log"
-    timeout 70 python3 -m benchmarks.probe_distributed --hook-times --reps 2 \
-        > "$R/hooks.txt" 2>&1
-    echo "hooks rc $?" >> "$R/hooks.txt"
-    grep "^\[\|rc \|geometric" "$R/cluster.log"
-    grep -v "^\[" "$R/cluster.log" | tail -20
-    tail -25 "$R/hooks.txt"
+    cluster_part 380 \
+        elementwise,transpose,std,matmul,fft,delayed,pipeline,small-chunks,qr,rechunk,tiny-tasks,stencil \
+        --set rechunk.n=4096
 fi
 tar -czf "$OUT/lean-$PART.tar.gz" -C /tmp "lean-$PART-$COMMIT"

@@ -37,16 +37,6 @@ if [ "$PART" = local ]; then
     done
     grep -v "^\[" "$R/workloads.log" | tail -46
 elif [ "$PART" = cluster ]; then
-    timeout 200 python3 -m benchmarks.bench_cluster --backend cupy \
-        --workloads elementwise,transpose,matmul,fft,qr,delayed \
-        --modes off,on --samples 2 --rounds 2 --warmup 1 \
-        --out "$R/cluster" > "$R/cluster.log" 2>&1
-    echo "cluster rc $?" >> "$R/cluster.log"
-    timeout 70 python3 -m benchmarks.probe_distributed --hook-times --reps 2 \
-        > "$R/hooks.txt" 2>&1
-    echo "hooks rc $?" >> "$R/hooks.txt"
-    grep "rc \|geometric" "$R/cluster.log"
-    grep -v "^\[" "$R/cluster.log" | tail -20
-    tail -25 "$R/hooks.txt"
+    cluster_part 200 elementwise,transpose,matmul,fft,qr,delayed
 fi
 tar -czf "$OUT/memory-$PART.tar.gz" -C /tmp "memory-$PART-$COMMIT"

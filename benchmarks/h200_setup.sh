@@ -45,3 +45,20 @@ launcher_workloads() {
     timeout "$2" python3 -m benchmarks.bench_overhead --backend cupy --tasks 10000 --repeats 3 \
         --policies auto > "$R/overhead.txt" 2>&1
 }
+# `cluster_part SECONDS WORKLOADS ARGS...`: bench_cluster on LocalCUDACluster, plugin off and
+# on, over WORKLOADS (with ARGS) into $R/cluster and its log, then the plugin's hook cost on
+# the worker's event loop into $R/hooks.txt; prints both, with their exit statuses.
+cluster_part() {
+    local seconds=$1 workloads=$2
+    shift 2
+    timeout "$seconds" python3 -m benchmarks.bench_cluster --backend cupy \
+        --workloads "$workloads" --modes off,on --samples 2 --rounds 2 --warmup 1 "$@" \
+        --out "$R/cluster" > "$R/cluster.log" 2>&1
+    echo "cluster rc $?" >> "$R/cluster.log"
+    timeout 70 python3 -m benchmarks.probe_distributed --hook-times --reps 2 \
+        > "$R/hooks.txt" 2>&1
+    echo "hooks rc $?" >> "$R/hooks.txt"
+    grep "^\[\|rc \|geometric" "$R/cluster.log"
+    grep -v "^\[" "$R/cluster.log" | tail -20
+    tail -25 "$R/hooks.txt"
+}
