@@ -1,0 +1,168 @@
+"""Where does the launcher lose against the hand launch on the wide shapes: host or device?
+
+``bench_shapes`` put the launcher at 92/93/86/90% of ``ideal`` with 2 ms kernels and
+77/86/75/74% with 0.5 ms ones on the H200 (fd179e7). This probe runs each wide shape under
+``ideal:layers`` and the launcher (``scheduler="gpustreams"``, 8 streams, ``auto``), and
+splits a launcher compute, with the task timeline on, into:
+
+- ``prep``: from the call to the first task's launch (graph conversion, ``dask.order``, the
+  launch plan);
+- ``launch``: from the first task's launch to the last one's (host);
+- ``tail``: from the last launch to the call's return (the wait for the outputs);
+- ``span``: device time from the first task's start to the last task's end;
+- ``host-bound``: the tasks whose device start came less than 50 us after their launch
+  returned on the host (their stream had nothing queued: the device waited for the host),
+  with the launch and device clocks aligned at the first task.
+
+The ideal's host loop is timed too (``ideal host``). Walls are medians of ``--reps``, with
+the timeline off; the split is the median of as many runs with it on. ``--profile`` adds a
+cProfile of the launcher at the first kernel length, sorted by own time.
+
+    python -m benchmarks.probes.probe_shape_lag --backend cupy --kernel-ms 0.5,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from functools import partial
+
+import dask
+from dask.callbacks import Callback
+
+import dask_gpustreams
+from benchmarks import bench_shapes, kernels
+from dask_gpustreams.diagnostics import clear_timeline, timeline
+
+HOST_BOUND_MS = 0.05
+
+
+class LaunchTimes(Callback):
+    """Each task's launch end on the host (the launcher's posttask), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done: dict = {}
+
+    def _posttask(self, key, result, dsk, state, worker_id) -> None:
+        self.done[key] = time.perf_counter()
+
+
+def timed(backend: str, go) -> tuple[float, object]:
+    kernels.device_synchronize(backend)
+    t0 = time.perf_counter()
+    out = go()
+    kernels.device_synchronize(backend)
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def split(backend: str, wl, config: dict) -> dict:
+    """One launcher compute with the timeline on, split as in the module's docstring."""
+    dsk, keys = wl.graph(object())
+    clear_timeline()
+    times = LaunchTimes()
+    with dask.config.set({**config, "gpustreams.timeline": True}), times:
+        kernels.device_synchronize(backend)
+        t0 = time.perf_counter()
+        out = dask_gpustreams.get(dsk, keys)
+        t1 = time.perf_counter()
+        kernels.device_synchronize(backend)
+    problem = wl.check(out)
+    records = {r["key"]: r for r in timeline()}
+    launched = sorted(times.done.items(), key=lambda kv: kv[1])
+    first_key, first_host = launched[0]
+    anchor = records[first_key]["start_ms"]
+    bound = 0
+    for key, host in launched[1:]:
+        lag = (records[key]["start_ms"] - anchor) - (host - first_host) * 1e3
+        bound += lag < HOST_BOUND_MS
+    return {
+        "prep": (first_host - t0) * 1e3,
+        "launch": (launched[-1][1] - first_host) * 1e3,
+        "tail": (t1 - launched[-1][1]) * 1e3,
+        "span": max(r["end_ms"] for r in records.values())
+        - min(r["start_ms"] for r in records.values()),
+        "host-bound": bound,
+        "problem": problem,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="cupy")
+    p.add_argument("--kernel-ms", default="0.5,2")
+    p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    config = {
+        **bench_shapes.gpustreams_config(args.backend, 8, "auto"),
+        "gpustreams.enabled": False,
+    }
+    for ms in args.kernel_ms.split(","):
+        sargs = bench_shapes.parse_args(
+            ["--families", "wide", "--schedulers", "threaded", "--kernel-ms", ms]
+        )
+        bench_shapes.set_defaults(sargs, args.backend)
+        calibration = bench_shapes.calibrate(sargs, args.backend)
+        loads = bench_shapes.Workloads(sargs, args.backend, calibration)
+        ideal = bench_shapes.Runner(sargs, args.backend, "/tmp", None).launcher(8)
+        print(
+            f"\n== {ms} ms kernels, 8 streams: medians of {args.reps}, ms ==\n"
+            f"{'shape':<10} {'ideal':>7} {'ideal host':>10} {'launcher':>9} {'share':>6} "
+            f"{'prep':>6} {'launch':>7} {'tail':>6} {'span':>7} {'host-bound':>10}  check"
+        )
+        for name in args.shapes.split(","):
+            wl = loads.get("threaded", "wide", name)
+            plan = bench_shapes.ideal_plan(wl, 8, "layers")
+            launcher_walls, ideal_walls, ideal_host, splits = [], [], [], []
+            problems = set()
+            for i in range(args.reps + 1):
+                wall, out = timed(args.backend, partial(ideal.run, wl, plan))
+                problems.add(wl.check(out))
+                t0 = time.perf_counter()
+                ideal.run(wl, plan)
+                ideal_host.append((time.perf_counter() - t0) * 1e3)  # launch + its own sync
+                dsk, keys = wl.graph(object())
+                with dask.config.set(config):
+                    lwall, out = timed(args.backend, partial(dask_gpustreams.get, dsk, keys))
+                problems.add(wl.check(out))
+                s = split(args.backend, wl, config)
+                problems.add(s.pop("problem"))
+                if i:  # the first round warms up
+                    ideal_walls.append(wall)
+                    launcher_walls.append(lwall)
+                    splits.append(s)
+            med = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+            iw, lw = statistics.median(ideal_walls), statistics.median(launcher_walls)
+            problems.discard(None)
+            print(
+                f"{name:<10} {iw:7.2f} {statistics.median(ideal_host):10.2f} {lw:9.2f} "
+                f"{iw / lw:6.0%} {med['prep']:6.2f} {med['launch']:7.2f} {med['tail']:6.2f} "
+                f"{med['span']:7.2f} {med['host-bound']:6.0f}/{wl.shape.n_tasks - 1}  "
+                + ("ok" if not problems else f"WRONG: {sorted(problems)}"),
+                flush=True,
+            )
+        if args.profile:
+            wl = loads.get("threaded", "wide", args.shapes.split(",")[0])
+            profile = cProfile.Profile()
+            with dask.config.set(config):
+                for _ in range(5):
+                    dsk, keys = wl.graph(object())
+                    profile.enable()
+                    dask_gpustreams.get(dsk, keys)
+                    kernels.device_synchronize(args.backend)
+                    profile.disable()
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+            print("\n".join(out.getvalue().splitlines()[:50]))
+            args.profile = False
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
