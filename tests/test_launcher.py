@@ -87,6 +87,66 @@ def test_missing_event_waits_give_wrong_values(launcher, rng, monkeypatch):
         assert not exact_runs(rng, runs=3)
 
 
+class LaunchOrder:
+    """Launch hooks that note the keys in the order the launcher starts them."""
+
+    def __init__(self) -> None:
+        self.keys: list = []
+
+    def pretask(self, key) -> None:
+        self.keys.append(key)
+
+    def posttask(self, key, result, worker) -> None:
+        pass
+
+
+class CountedOrder:
+    """A lazy priority: ``ranks`` when called, counting the calls."""
+
+    def __init__(self, ranks: dict) -> None:
+        self.ranks = ranks
+        self.calls = 0
+
+    def __call__(self) -> dict:
+        self.calls += 1
+        return self.ranks
+
+
+def test_chains_side_by_side_launch_without_their_order(launcher, rng):
+    """8 chains on 8 streams never have more ready tasks than streams: no order is computed."""
+    n, depth = 8, 6
+    tasks, deps = {}, {}
+    for c in range(n):
+        tasks[(c, 0)] = lambda v, c=c: leaf(float(c), 16, rng.uniform(0, 0.002))
+        deps[(c, 0)] = ()
+        for d in range(1, depth):
+            delay = rng.uniform(0, 0.002)
+            tasks[(c, d)] = lambda v, c=c, d=d, s=delay: combine(v[(c, d - 1)], v[(c, d - 1)], s)
+            deps[(c, d)] = ((c, d - 1),)
+    priority = CountedOrder({k: i for i, k in enumerate(tasks)})
+    wanted = {(c, depth - 1) for c in range(n)}
+    with launcher(streams=n, policy="auto"):
+        out = GraphLauncher(get_runtime(), tasks, deps, priority, wanted).run()
+    assert priority.calls == 0
+    assert [out[(c, depth - 1)].get()[0] for c in range(n)] == [
+        c * 2.0 ** (depth - 1) for c in range(n)
+    ]
+
+
+def test_more_ready_tasks_than_streams_launch_in_priority_order(launcher):
+    """Once more tasks are ready than a round takes, the order is computed, once, and followed."""
+    n = 12
+    tasks = {i: (lambda v, i=i: leaf(float(i), 16, 0.0)) for i in range(n)}
+    deps = {i: () for i in range(n)}
+    priority = CountedOrder({i: n - i for i in range(n)})  # the last key is the most urgent
+    seen = LaunchOrder()
+    with launcher(streams=2, policy="round-robin"):
+        out = GraphLauncher(get_runtime(), tasks, deps, priority, set(tasks), hooks=seen).run()
+    assert priority.calls == 1
+    assert seen.keys == list(reversed(range(n)))
+    assert [out[i].get()[0] for i in range(n)] == [float(i) for i in range(n)]
+
+
 def test_named_scheduler_and_callable_are_the_launcher(launcher):
     assert dask.base.named_schedulers["gpustreams"] is dask_gpustreams.get
     with launcher(streams=2):

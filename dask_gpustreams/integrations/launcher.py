@@ -1,7 +1,7 @@
 """``scheduler="gpustreams"``: Dask's local scheduler interface over the stream launcher.
 
-``get(dsk, keys)`` converts the graph once (dask.order priorities, the
-transfer rewrites, the host tasks), runs it through
+``get(dsk, keys)`` converts the graph once (the transfer rewrites, the host
+tasks; dask.order priorities once they matter), runs it through
 :class:`~dask_gpustreams.runtime.launcher.GraphLauncher` from the calling
 thread, and returns the wanted values once their events are complete.
 Dask's local callbacks (``ProgressBar``, ``Profiler``, ...) see every task,
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from dask._task_spec import DataNode, GraphNode, Task, _execute_subgraph, convert_legacy_graph
@@ -179,7 +180,7 @@ def _launch(
     if hooks is not None:
         hooks.start_state(dependencies, values)
     launcher = GraphLauncher(
-        runtime, tasks, dependencies, order(dsk), wanted, values, host, key_split, hooks
+        runtime, tasks, dependencies, partial(order, dsk), wanted, values, host, key_split, hooks
     )
     errored = True
     try:

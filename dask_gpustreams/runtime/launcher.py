@@ -2,8 +2,9 @@
 
 A task is launched as soon as its inputs have been *launched*: the device,
 not the host, waits for them (event waits). Ready tasks go in rounds of as
-many as the pool has streams, most urgent first (``dask.order``), so
-independent chains start together rather than one after another. The launching thread never waits
+many as the pool has streams, most urgent first (``dask.order``, computed
+only once more tasks are ready than a round takes), so independent chains
+start together rather than one after another. The launching thread never waits
 for the device except for back-pressure: at most ``config.launch_ahead``
 bytes of device outputs whose kernels have not completed, and
 ``pool.max_inflight`` tasks per stream. Tasks that block the host (marked,
@@ -26,7 +27,7 @@ import heapq
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,6 +53,62 @@ class LaunchHooks(Protocol):
     def pretask(self, key: Hashable) -> None: ...
 
     def posttask(self, key: Hashable, result: Any, worker: int) -> None: ...
+
+
+class ReadyTasks:
+    """Tasks whose inputs are all launched, handed out in rounds, most urgent first.
+
+    ``priority`` maps each task to its rank (lower first), or is a callable that
+    returns that mapping. A callable is called only once more tasks are ready
+    than a round takes: until then every ready task goes in the next round
+    whatever its rank, so they go in the order they became ready. A graph that
+    never has more ready tasks than the pool has streams (chains side by side)
+    is launched without its order, which takes ``dask.order`` about 16 us a task,
+    all of it before the first launch.
+    """
+
+    __slots__ = ("_priority", "_unranked", "_heap")
+
+    def __init__(
+        self,
+        priority: Mapping[Hashable, int] | Callable[[], Mapping[Hashable, int]],
+        keys: Iterable[Hashable],
+    ):
+        self._priority = priority
+        #: The ready keys in arrival order while no rank was needed; then None.
+        self._unranked: list[Hashable] | None = list(keys)
+        self._heap: list[tuple[int, Hashable]] = []
+        if isinstance(priority, Mapping):
+            self._rank(priority)
+
+    def __len__(self) -> int:
+        unranked = self._unranked
+        return len(self._heap) if unranked is None else len(unranked)
+
+    def push(self, key: Hashable) -> None:
+        """``key``'s inputs are all launched."""
+        unranked = self._unranked
+        if unranked is None:
+            heapq.heappush(self._heap, (self._priority[key], key))
+        else:
+            unranked.append(key)
+
+    def pop_round(self, n: int) -> list[Hashable]:
+        """The ``n`` most urgent ready tasks (all of them if fewer), taken out."""
+        unranked = self._unranked
+        if unranked is not None:
+            if len(unranked) <= n:
+                self._unranked = []
+                return unranked
+            self._rank(self._priority())
+        heap = self._heap
+        return [heapq.heappop(heap)[1] for _ in range(min(n, len(heap)))]
+
+    def _rank(self, priority: Mapping[Hashable, int]) -> None:
+        self._priority = priority
+        self._heap = [(priority[k], k) for k in self._unranked]
+        heapq.heapify(self._heap)
+        self._unranked = None
 
 
 class _HostDone:
@@ -112,7 +169,8 @@ class GraphLauncher:
 
     ``tasks[key](values)`` computes ``key`` from the values of
     ``dependencies[key]``; ``priority[key]`` orders ready tasks (lower first,
-    e.g. ``dask.order``); ``cache`` holds values known before the run and
+    e.g. ``dask.order``), or ``priority()`` returns that mapping when the order
+    first matters (:class:`ReadyTasks`); ``cache`` holds values known before the run and
     becomes the results (intermediates are removed from it as they go);
     ``host`` names tasks that block the host; ``group_of(key)`` names a key's
     group for learning which tasks block the host. ``check``: before
@@ -125,7 +183,7 @@ class GraphLauncher:
         runtime: StreamRuntime,
         tasks: Mapping[Hashable, Callable[[Mapping], Any]],
         dependencies: Mapping[Hashable, Collection[Hashable]],
-        priority: Mapping[Hashable, int],
+        priority: Mapping[Hashable, int] | Callable[[], Mapping[Hashable, int]],
         wanted: Collection[Hashable],
         cache: dict[Hashable, Any] | None = None,
         host: Collection[Hashable] = (),
@@ -136,7 +194,7 @@ class GraphLauncher:
         self.runtime = runtime
         self.tasks = tasks
         self.dependencies = dependencies
-        self.priority = priority
+        self._priority = priority
         self.wanted = set(wanted)
         self.results: dict[Hashable, Any] = {} if cache is None else cache
         self.host = host
@@ -166,7 +224,7 @@ class GraphLauncher:
         """
         runtime, registry = self.runtime, self.registry
         results, tasks, dependencies = self.results, self.tasks, self.dependencies
-        priority, wanted, host, hooks = self.priority, self.wanted, self.host, self.hooks
+        wanted, host, hooks = self.wanted, self.host, self.hooks
         backend, pool = runtime.backend, runtime.pool
         runtime.order_after_caller()  # creates the streams before the first task, too
         runtime.isolate_thread()
@@ -192,8 +250,7 @@ class GraphLauncher:
                     n += 1
                 consumers[d] = consumers.get(d, 0) + 1
             missing[key] = n
-        ready = [(priority[k], k) for k, n in missing.items() if n == 0]
-        heapq.heapify(ready)
+        ready = ReadyTasks(self._priority, [k for k, n in missing.items() if n == 0])
 
         launched = self._launched  # every event recorded, in order
         ahead: deque[tuple[Any, int]] = deque()
@@ -217,7 +274,7 @@ class GraphLauncher:
                     continue
                 # The `width` most urgent ready tasks, then those they made ready: independent
                 # work reaches every stream at once, and memory stays that of `width` paths.
-                batch = [heapq.heappop(ready)[1] for _ in range(min(width, len(ready)))]
+                batch = ready.pop_round(width)
                 for key in batch:
                     deps = dependencies[key]
                     values = {d: results[d] for d in deps}
@@ -357,12 +414,12 @@ class GraphLauncher:
 
     def _finish(self, key, deps, ready, dependents, missing, consumers) -> None:
         """``key`` is launched: ready its dependents, drop inputs nobody else will read."""
-        priority = self.priority
+        push = ready.push
         for c in dependents[key]:
             n = missing[c] - 1
             missing[c] = n
             if n == 0:
-                heapq.heappush(ready, (priority[c], c))
+                push(c)
         results = self.results
         wanted = self.wanted
         discard = self.registry.discard
@@ -432,7 +489,7 @@ class GraphLauncher:
 
     def _join_host(self, dependents, missing, consumers) -> None:
         """Wait for every host task still running (their dependents are not launched)."""
-        ready: list = []
+        ready = ReadyTasks(self._priority, ())  # launches nothing more
         while self._outcomes.running:
             self._outcomes.wait()
             self._absorb(ready, dependents, missing, consumers)
