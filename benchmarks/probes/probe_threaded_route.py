@@ -10,13 +10,23 @@ Not answered yet: on the sim (CPU, at d22aac0, ``--backend sim``) the one-task g
 1.0 ms more and 8 chains of 50 tasks 117 us more per task; the sim's stream threads want the
 GIL too, so the H200 run is the one to read.
 
+``--scheduler sync`` times the same route on Dask's synchronous scheduler (``bench_overhead``
+put it 77 us a task over plain sync on chains at 0c426a9, where the launcher's per-task path,
+much the same calls, was 7 us under it), and ``--profile`` adds a cProfile of one enabled
+compute of the largest graph on the synchronous scheduler (whose tasks run in the calling
+thread, which cProfile sees).
+
     python -m benchmarks.probes.probe_threaded_route --backend cupy
+    python -m benchmarks.probes.probe_threaded_route --backend cupy --scheduler sync --profile
     python -m benchmarks.probes.probe_threaded_route --backend sim --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -47,15 +57,17 @@ def chains(arrays: bw.NumpyArrays, width: int, depth: int) -> list:
     return outs
 
 
-def median_ms(arrays: bw.NumpyArrays, graph: list, depth: int, enabled: bool, reps: int) -> float:
-    """Median wall (ms) of ``reps`` computes on Dask's threads, after one warm-up; each
+def median_ms(
+    arrays: bw.NumpyArrays, graph: list, depth: int, enabled: bool, reps: int, scheduler: str
+) -> float:
+    """Median wall (ms) of ``reps`` computes on ``scheduler``, after one warm-up; each
     result checked (every chain ends at ``depth``)."""
     config = {"gpustreams.enabled": enabled, "gpustreams.backend": arrays.plugin}
     walls = []
     with dask.config.set(config):
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            results = dask.compute(*graph, scheduler="threads")
+            results = dask.compute(*graph, scheduler=scheduler)
             walls.append(time.perf_counter() - t0)
             for r in results:
                 value = np.asarray(arrays.download(r))
@@ -69,21 +81,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="cupy", choices=("cupy", "sim"))
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="tiny graphs (seconds on the sim)")
+    p.add_argument("--scheduler", default="threads", choices=("threads", "sync"))
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     arrays = bw.make_arrays(args.backend)
     print(
-        f"{'tasks':>6} {'width':>6} {'depth':>6} {'threads ms':>11} {'enabled ms':>11} "
+        f"{args.scheduler}: {'tasks':>6} {'width':>6} {'depth':>6} {'plain ms':>11} "
+        f"{'enabled ms':>11} "
         f"{'extra ms':>9} {'extra us/task':>14}"
     )
     for width, depth in QUICK_SIZES if args.quick else SIZES:
         graph = chains(arrays, width, depth)
-        off = median_ms(arrays, graph, depth, False, args.reps)
-        on = median_ms(arrays, graph, depth, True, args.reps)
+        off = median_ms(arrays, graph, depth, False, args.reps, args.scheduler)
+        on = median_ms(arrays, graph, depth, True, args.reps, args.scheduler)
         tasks = width * depth
         print(
-            f"{tasks:6} {width:6} {depth:6} {off:11.2f} {on:11.2f} {on - off:9.2f} "
+            f"{'':{len(args.scheduler) + 1}} {tasks:6} {width:6} {depth:6} {off:11.2f} "
+            f"{on:11.2f} {on - off:9.2f} "
             f"{(on - off) / tasks * 1e3:14.1f}"
         )
+    if args.profile:
+        profile = cProfile.Profile()
+        config = {"gpustreams.enabled": True, "gpustreams.backend": arrays.plugin}
+        with dask.config.set(config):
+            dask.compute(*graph, scheduler="sync")
+            profile.enable()
+            dask.compute(*graph, scheduler="sync")
+            profile.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(profile, stream=out)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats("dask_gpustreams", 20)
+        print(f"cProfile, enabled, scheduler sync, {tasks} tasks\n{out.getvalue()}")
     return 0
 
 
