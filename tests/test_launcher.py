@@ -20,11 +20,12 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask import delayed
-from dask._task_spec import DataNode
+from dask._task_spec import DataNode, Task, TaskRef
 from dask.callbacks import Callback
 from dask.diagnostics import ProgressBar
 
 import dask_gpustreams
+import dask_gpustreams.integrations.launcher as launcher_module
 from dask_gpustreams import KernelError, sim
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.launcher import get as launcher_get
@@ -145,6 +146,50 @@ def test_more_ready_tasks_than_streams_launch_in_priority_order(launcher):
     assert priority.calls == 1
     assert seen.keys == list(reversed(range(n)))
     assert [out[i].get()[0] for i in range(n)] == [float(i) for i in range(n)]
+
+
+def delayed_chains(n: int, depth: int = 4) -> list:
+    """``n`` independent chains of ``depth`` sim kernels (``leaf``, then ``combine``)."""
+    outs = []
+    for c in range(n):
+        x = delayed(leaf)(float(c), 16, 0.0)
+        for _ in range(depth):
+            x = delayed(combine)(x, x, 0.0)
+        outs.append(x)
+    return outs
+
+
+def test_compute_orders_the_graph_only_when_more_tasks_are_ready_than_streams(
+    launcher, monkeypatch
+):
+    """Through ``compute``: 4 chains on 4 streams skip ``dask.order``; 6 chains compute it."""
+    calls = []
+    real = launcher_module.order
+    monkeypatch.setattr(launcher_module, "order", lambda dsk: calls.append(1) or real(dsk))
+    with launcher(streams=4, policy="auto"):
+        got = dask.compute(*delayed_chains(4), scheduler="gpustreams")
+        assert calls == []
+        more = dask.compute(*delayed_chains(6), scheduler="gpustreams")
+        assert calls == [1]
+    assert [x.get()[0] for x in got] == [c * 16.0 for c in range(4)]
+    assert [x.get()[0] for x in more] == [c * 16.0 for c in range(6)]
+
+
+@pytest.mark.parametrize("wanted", ["c", "a"])
+def test_a_cycle_is_raised_as_in_dask(launcher, wanted):
+    """A cycle raises Dask's error naming its keys, whether or not a wanted key is on it."""
+    dsk = {
+        "a": Task("a", combine, TaskRef("b"), TaskRef("b"), 0.0),
+        "b": Task("b", combine, TaskRef("a"), TaskRef("a"), 0.0),
+        "c": Task("c", leaf, 1.0, 16, 0.0),
+    }
+    with pytest.raises(RuntimeError, match="Cycle detected") as plain:
+        dask.get(dsk, [wanted])
+    with launcher(streams=2), pytest.raises(RuntimeError, match="Cycle detected") as ours:
+        launcher_get(dsk, [wanted])
+    assert set(re.findall(r"-> (\w)", str(ours.value))) == {"a", "b"}
+    assert set(re.findall(r"-> (\w)", str(plain.value))) == {"a", "b"}
+    assert get_runtime().collect() == 0  # the work launched before (task c) drained
 
 
 def test_named_scheduler_and_callable_are_the_launcher(launcher):

@@ -1,4 +1,4 @@
-"""The stream launcher: one thread enqueues a whole graph onto the pool, in priority order.
+"""The stream launcher: one thread enqueues a whole graph onto the pool, most urgent first.
 
 A task is launched as soon as its inputs have been *launched*: the device,
 not the host, waits for them (event waits). Ready tasks go in rounds of as
@@ -56,15 +56,16 @@ class LaunchHooks(Protocol):
 
 
 class ReadyTasks:
-    """Tasks whose inputs are all launched, handed out in rounds, most urgent first.
+    """Tasks whose inputs are all launched, handed out in rounds, the most urgent first.
 
     ``priority`` maps each task to its rank (lower first), or is a callable that
-    returns that mapping. A callable is called only once more tasks are ready
-    than a round takes: until then every ready task goes in the next round
-    whatever its rank, so they go in the order they became ready. A graph that
-    never has more ready tasks than the pool has streams (chains side by side)
-    is launched without its order, which takes ``dask.order`` about 16 us a task,
-    all of it before the first launch.
+    returns that mapping. A mapping ranks the tasks at once. A callable is called
+    only once more tasks are ready than a round takes: until then every ready
+    task goes in the next round whatever its rank, in the order it became ready.
+    Once ranked, rounds go by rank to the end. A graph that never has more ready
+    tasks than the pool has streams (chains side by side) is so launched without
+    its order, which ``dask.order`` computes at about 16 us a task, and the
+    launcher would compute before its first launch.
     """
 
     __slots__ = ("_priority", "_unranked", "_heap")
@@ -109,6 +110,25 @@ class ReadyTasks:
         self._heap = [(priority[k], k) for k in self._unranked]
         heapq.heapify(self._heap)
         self._unranked = None
+
+
+def _cycle_message(
+    dependencies: Mapping[Hashable, Collection[Hashable]], missing: Mapping[Hashable, int]
+) -> str:
+    """Dask's error for a graph whose tasks ``missing`` inputs never became ready: a cycle.
+
+    Each such task waits for another such task, so following those inputs from one
+    of them comes back to a task already on the path.
+    """
+    key = next(k for k, n in missing.items() if n)
+    path: list[Hashable] = []
+    seen: dict[Hashable, int] = {}
+    while key not in seen:
+        seen[key] = len(path)
+        path.append(key)
+        key = next(d for d in dependencies[key] if missing.get(d))
+    cycle = [*path[seen[key] :], key]
+    return "Cycle detected between the following keys:\n  -> " + "\n  -> ".join(map(str, cycle))
 
 
 class _HostDone:
@@ -365,6 +385,8 @@ class GraphLauncher:
             self._join_host(dependents, missing, consumers)
             if self._error is not None:
                 raise self._error
+            if any(missing.values()):
+                raise RuntimeError(_cycle_message(dependencies, missing))
             runtime.synchronize(wanted, registry)
             if self.check:
                 self._check_events()
