@@ -1,0 +1,65 @@
+"""Do small task outputs pin split blocks of CuPy's pool, one per stream, under the launcher?
+
+On a nearly full H200 the launcher ran out of memory on elementwise with 1.5x plain sync's
+need left, where plain sync passed, and CuPy's pool then held 320 MiB beyond its used bytes
+that ``free_all_blocks()`` did not release (``benchmarks/results/h200-memory-ce2e6a9/``). The
+reading to check: each task's small output (a row of sums) is carved out of a free 64 MiB
+block of its own stream's arena, and a block split so cannot be freed while a part of it is
+in use, so each stream pins one such block for as long as those outputs live.
+
+This persists elementwise's small outputs (``(sin(x)**2 + x*0.5).sum(axis=1)``, 64 chunks
+of 64 MiB, 8 result chunks of 16 KiB) under plain sync and under the launcher on 8, 2 and 1
+streams, then frees every cached block and prints what the pool still holds beyond its used
+bytes (``pinned``): blocks that ``free_all_blocks()`` cannot give back. Each result is
+checked against plain sync's.
+
+    python -m benchmarks.probes.probe_split_blocks
+"""
+
+from __future__ import annotations
+
+import cupy
+import dask
+import numpy as np
+
+from benchmarks import bench_workloads as bw
+
+MIB = 2**20
+MODES = (
+    ("sync", "sync", 8),
+    ("launcher, 8 streams", "gpustreams", 8),
+    ("launcher, 2 streams", "gpustreams", 2),
+    ("launcher, 1 stream", "gpustreams", 1),
+)
+
+
+def main() -> int:
+    arrays = bw.make_arrays("cupy")
+    sizes = bw.sizes_for("cupy", False)["elementwise"]
+    pool = cupy.get_default_memory_pool()
+    reference = None
+    print(f"{'mode':<22} {'used MiB':>9} {'pinned MiB':>11}  check")
+    for label, scheduler, streams in MODES:
+        (y,) = bw.WORKLOADS["elementwise"].build(arrays, sizes)
+        config = {"gpustreams.enabled": False, "gpustreams.streams": streams}
+        with dask.config.set(config):
+            y.persist(scheduler=scheduler)  # a warm-up: every arena grown once
+            cupy.cuda.Device().synchronize()
+            pool.free_all_blocks()
+            base = pool.used_bytes()
+            kept = y.persist(scheduler=scheduler)
+            cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        used, pinned = pool.used_bytes() - base, pool.total_bytes() - pool.used_bytes()
+        value = cupy.asnumpy(kept.compute(scheduler="sync"))
+        if reference is None:
+            reference = value
+        ok = np.allclose(value, reference, rtol=1e-5, atol=1e-6)
+        print(f"{label:<22} {used / MIB:9.2f} {pinned / MIB:11.1f}  {'ok' if ok else 'WRONG'}")
+        del kept
+        pool.free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
