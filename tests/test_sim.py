@@ -399,6 +399,39 @@ def test_pool_keeps_a_free_list_per_stream():
     assert (pool.used_bytes(), pool.total_bytes()) == (8192, 8192)
 
 
+def test_a_small_allocation_splits_a_free_chunk_and_keeps_its_allocation():
+    """As CuPy's pool: the smallest free chunk large enough is split; while the small part
+    lives its allocation cannot be freed; freed, the parts merge into one chunk again."""
+    pool = sim.MemoryPool()
+    big, _ = pool.malloc(1 << 20, "s1")
+    pool.free(big, "s1")
+    small, reused = pool.malloc(1000, "s1")
+    assert reused and small.nbytes == 1024 and np.shares_memory(small.buffer, big.segment)
+    assert (pool.used_bytes(), pool.total_bytes()) == (1024, 1 << 20)
+    pool.free_all_blocks()
+    assert pool.total_bytes() == 1 << 20  # kept whole for 1 KiB in use
+    other, reused = pool.malloc(1 << 20, "s1")  # what is left is too small
+    assert not reused and pool.total_bytes() == 2 << 20
+    pool.free(small, "s1")
+    whole, reused = pool.malloc(1 << 20, "s1")  # the parts merged back
+    assert reused and whole.segment is big.segment and whole.nbytes == 1 << 20
+    pool.free(whole, "s1")
+    pool.free(other, "s1")
+    pool.free_all_blocks()
+    assert (pool.used_bytes(), pool.total_bytes()) == (0, 0)
+
+
+def test_a_split_chunk_of_an_ended_stream_goes_with_its_last_part():
+    pool = sim.MemoryPool()
+    big, _ = pool.malloc(1 << 20, "s1")
+    pool.free(big, "s1")
+    small, _ = pool.malloc(1000, "s1")
+    pool.stream_ended("s1")
+    assert pool.total_bytes() == 1 << 20  # the free rest stays: its allocation is in use
+    pool.free(small, "s1")
+    assert (pool.used_bytes(), pool.total_bytes()) == (0, 0)
+
+
 def test_pool_beyond_its_capacity_drops_free_blocks_then_raises():
     """As CuPy's pool when ``cudaMalloc`` fails: every stream's free blocks go first."""
     pool = sim.MemoryPool()

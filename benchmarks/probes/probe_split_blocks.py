@@ -15,18 +15,23 @@ checked against plain sync's.
 
 Answered on the H200 at 42dd4fd (``benchmarks/results/h200-split-42dd4fd/``): yes. With
 0.12 MiB of results alive the pool pinned 63.9 MiB under plain sync and the launcher on one
-stream, 127.9 MiB on 2 streams and 383.9 MiB on 8.
+stream, 127.9 MiB on 2 streams and 383.9 MiB on 8. The simulated device's pool splits and
+merges chunks as CuPy's does, so ``--backend sim`` shows the same on the CPU (with its
+smaller chunks), for work on a fix without a GPU.
 
     python -m benchmarks.probes.probe_split_blocks
+    python -m benchmarks.probes.probe_split_blocks --backend sim
 """
 
 from __future__ import annotations
 
-import cupy
+import argparse
+
 import dask
 import numpy as np
 
 from benchmarks import bench_workloads as bw
+from dask_gpustreams import sim
 
 MIB = 2**20
 MODES = (
@@ -37,25 +42,37 @@ MODES = (
 )
 
 
-def main() -> int:
-    arrays = bw.make_arrays("cupy")
-    sizes = bw.sizes_for("cupy", False)["elementwise"]
-    pool = cupy.get_default_memory_pool()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="cupy", choices=("cupy", "sim"))
+    args = p.parse_args(argv)
+    arrays = bw.make_arrays(args.backend)
+    sizes = bw.sizes_for(args.backend, False)["elementwise"]
+    if args.backend == "cupy":
+        import cupy
+
+        pool = cupy.get_default_memory_pool()
+    else:
+        pool = sim.get_default_memory_pool()
     reference = None
     print(f"{'mode':<22} {'used MiB':>9} {'pinned MiB':>11}  check")
     for label, scheduler, streams in MODES:
         (y,) = bw.WORKLOADS["elementwise"].build(arrays, sizes)
-        config = {"gpustreams.enabled": False, "gpustreams.streams": streams}
+        config = {
+            "gpustreams.enabled": False,
+            "gpustreams.streams": streams,
+            "gpustreams.backend": args.backend,
+        }
         with dask.config.set(config):
             y.persist(scheduler=scheduler)  # a warm-up: every arena grown once
-            cupy.cuda.Device().synchronize()
+            arrays.synchronize()
             pool.free_all_blocks()
             base = pool.used_bytes()
             kept = y.persist(scheduler=scheduler)
-            cupy.cuda.Device().synchronize()
+            arrays.synchronize()
         pool.free_all_blocks()
         used, pinned = pool.used_bytes() - base, pool.total_bytes() - pool.used_bytes()
-        value = cupy.asnumpy(kept.compute(scheduler="sync"))
+        value = np.asarray(arrays.download(kept.compute(scheduler="sync")))
         if reference is None:
             reference = value
         ok = np.allclose(value, reference, rtol=1e-5, atol=1e-6)

@@ -92,9 +92,9 @@ class SimArray(NDArrayOperatorsMixin):
             self._block = None
             self._view = np.empty(shape, dtype)
             return self
-        block, reused = _pool.malloc(nbytes, stream.id)
-        self._block = block
-        self._view = block[:nbytes].view(dtype).reshape(shape)
+        chunk, reused = _pool.malloc(nbytes, stream.id)
+        self._block = chunk
+        self._view = chunk.buffer[:nbytes].view(dtype).reshape(shape)
         if reused:
             view = self._view
             stream.enqueue(lambda _s: poison(view))

@@ -1,25 +1,32 @@
 """The simulated device's memory pool.
 
-Like CuPy's pool, it keeps one free list per stream, keyed by the stream's
-identifier (so the pool never keeps a stream alive): a block goes back to the
-list of the stream that was current when it was allocated, at once, on the
-host, when its array is garbage collected. The list of a stream that has
-ended is dropped, and so are blocks freed after it ended. A block handed out again is first
-poisoned (NaN for floats, 0xA5 bytes otherwise) by work enqueued on the new
-allocation's stream, so a kernel on another stream that still reads the old
+Like CuPy's pool, it keeps one arena of free chunks per stream, keyed by the
+stream's identifier (so the pool never keeps a stream alive): a chunk goes back
+to the arena of the stream that was current when it was allocated, at once, on
+the host, when its array is garbage collected. As in CuPy's pool
+(``cupy/cuda/memory.pyx``), an allocation takes the smallest free chunk of its
+stream's arena that is large enough and splits off what it does not need; a
+chunk freed is merged with its free neighbours of the same allocation; and only
+an allocation none of whose parts is in use can be freed
+(:meth:`MemoryPool.free_all_blocks`): a small array carved out of a large free
+chunk keeps the whole allocation. The arena of a stream that has ended is
+dropped, and so are chunks freed after it ended. A chunk handed out again is
+first poisoned (NaN for floats, 0xA5 bytes otherwise) by work enqueued on the
+new allocation's stream, so a kernel on another stream that still reads the old
 contents sees the poison, as it would see reused memory on a GPU.
 
 A capacity (:meth:`MemoryPool.set_capacity`) stands for the device's memory: an
-allocation that finds no free block of its stream and would take the pool past
-it first drops every stream's free blocks, as CuPy's pool does when ``cudaMalloc``
+allocation that finds no free chunk in its stream's arena and would take the pool past
+it first drops every stream's free allocations, as CuPy's pool does when ``cudaMalloc``
 fails, then raises :class:`OutOfMemoryError` if it still would. (It is not CuPy's
 ``set_limit``, which the sim does not model.)
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Hashable
 
 import numpy as np
@@ -45,44 +52,123 @@ def poison(view: np.ndarray) -> None:
         view.reshape(-1).view(np.uint8).fill(POISON_BYTE)  # 1-d: a 0-d view cannot change itemsize
 
 
+class Chunk:
+    """A part of one allocation (``segment``, a host buffer standing in for a ``cudaMalloc``).
+
+    ``buffer`` is its bytes; ``prev`` and ``next`` are the neighbouring chunks of the
+    same allocation, as in CuPy's pool.
+    """
+
+    __slots__ = ("segment", "offset", "nbytes", "stream", "prev", "next", "in_use", "buffer")
+
+    def __init__(self, segment: np.ndarray, offset: int, nbytes: int, stream: Hashable):
+        self.segment = segment
+        self.offset = offset
+        self.nbytes = nbytes
+        self.stream = stream
+        self.prev: Chunk | None = None
+        self.next: Chunk | None = None
+        self.in_use = False
+        self.buffer = segment[offset : offset + nbytes]
+
+    @property
+    def whole(self) -> bool:
+        """Whether this chunk is its whole allocation (nothing split off)."""
+        return self.prev is None and self.next is None
+
+
+class _Arena:
+    """One stream's free chunks by size, and the sizes in order (best fit by bisection)."""
+
+    __slots__ = ("by_size", "sizes")
+
+    def __init__(self) -> None:
+        self.by_size: dict[int, list[Chunk]] = {}
+        self.sizes: list[int] = []
+
+    def add(self, chunk: Chunk) -> None:
+        chunks = self.by_size.get(chunk.nbytes)
+        if chunks is None:
+            chunks = self.by_size[chunk.nbytes] = []
+            bisect.insort(self.sizes, chunk.nbytes)
+        chunks.append(chunk)
+
+    def remove(self, chunk: Chunk) -> None:
+        chunks = self.by_size[chunk.nbytes]
+        chunks.remove(chunk)
+        if not chunks:
+            self._drop_size(chunk.nbytes)
+
+    def take(self, nbytes: int) -> Chunk | None:
+        """The most recently freed of the smallest free chunks of at least ``nbytes``."""
+        i = bisect.bisect_left(self.sizes, nbytes)
+        if i == len(self.sizes):
+            return None
+        size = self.sizes[i]
+        chunks = self.by_size[size]
+        chunk = chunks.pop()
+        if not chunks:
+            self._drop_size(size)
+        return chunk
+
+    def chunks(self) -> list[Chunk]:
+        return [c for chunks in self.by_size.values() for c in chunks]
+
+    def _drop_size(self, size: int) -> None:
+        del self.by_size[size]
+        self.sizes.pop(bisect.bisect_left(self.sizes, size))
+
+
 class MemoryPool:
-    """Per-stream free lists of host buffers standing in for device blocks.
+    """Per-stream arenas of host buffers standing in for device memory.
 
     ``stream`` arguments are stream identifiers (any hashable, ``Stream.id``).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: dict[Hashable, defaultdict[int, list[np.ndarray]]] = {}
-        # Streams that ended, and blocks freed. Their finalizers (a stream's, an array's
+        self._arenas: dict[Hashable, _Arena] = {}
+        # Streams that ended, and chunks freed. Their finalizers (a stream's, an array's
         # ``__del__``) run in any thread, even inside this pool's lock (a garbage
         # collection started by an allocation under it): they only append, the lock's
         # holders drain.
         self._ended: deque[Hashable] = deque()
-        self._freed: deque[tuple[np.ndarray, Hashable]] = deque()
+        self._freed: deque[Chunk] = deque()
         self._used = 0
         self._total = 0
         self._capacity = 0
 
-    def malloc(self, nbytes: int, stream: Hashable) -> tuple[np.ndarray, bool]:
-        """A block of at least ``nbytes`` from ``stream``'s free list, and whether it was reused."""
+    def malloc(self, nbytes: int, stream: Hashable) -> tuple[Chunk, bool]:
+        """A chunk of at least ``nbytes`` from ``stream``'s arena, and whether it was reused."""
         size = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
         with self._lock:
             self._drop_ended()
-            lists = self._free.get(stream)
-            if lists is None:
-                lists = self._free[stream] = defaultdict(list)
-            free = lists[size]
-            if free:
+            arena = self._arenas.get(stream)
+            if arena is None:
+                arena = self._arenas[stream] = _Arena()
+            chunk = arena.take(size)
+            if chunk is not None:
+                if chunk.nbytes > size:  # split: the rest stays free in this arena
+                    rest = Chunk(chunk.segment, chunk.offset + size, chunk.nbytes - size, stream)
+                    rest.prev, rest.next = chunk, chunk.next
+                    if chunk.next is not None:
+                        chunk.next.prev = rest
+                    chunk.next = rest
+                    chunk.nbytes = size
+                    chunk.buffer = chunk.segment[chunk.offset : chunk.offset + size]
+                    arena.add(rest)
+                chunk.in_use = True
                 self._used += size
-                return free.pop(), True
+                return chunk, True
             if self._capacity and self._total + size > self._capacity:
                 self._drop_free()
                 if self._total + size > self._capacity:
                     raise OutOfMemoryError(size, self._total)
             self._used += size
             self._total += size
-        return np.empty(size, dtype=np.uint8), False
+        chunk = Chunk(np.empty(size, dtype=np.uint8), 0, size, stream)
+        chunk.in_use = True
+        return chunk, False
 
     def set_capacity(self, nbytes: int | None = None) -> None:
         """Make the device hold ``nbytes``, free blocks included (None or 0: unbounded)."""
@@ -95,13 +181,14 @@ class MemoryPool:
         """The capacity in bytes; 0 if unbounded."""
         return self._capacity
 
-    def free(self, block: np.ndarray, stream: Hashable) -> None:
-        """Return ``block`` to ``stream``'s free list now, whatever is still queued on it.
+    def free(self, chunk: Chunk, stream: Hashable) -> None:
+        """Return ``chunk`` to ``stream``'s arena now, whatever is still queued on it.
 
-        If ``stream`` has ended (:meth:`stream_ended`), the block is dropped. Never
-        blocks: called inside the lock (by a finalizer), the holder files it.
+        If ``stream`` has ended (:meth:`stream_ended`), the chunk is dropped (its
+        allocation once no part of it is in use). Never blocks: called inside the
+        lock (by a finalizer), the holder files it.
         """
-        self._freed.append((block, stream))
+        self._freed.append(chunk)
         if self._lock.acquire(blocking=False):
             try:
                 self._drop_ended()
@@ -109,25 +196,35 @@ class MemoryPool:
                 self._lock.release()
 
     def stream_ended(self, stream: Hashable) -> None:
-        """``stream`` is gone: drop its free list (safe from any thread, takes no lock)."""
+        """``stream`` is gone: drop its arena (safe from any thread, takes no lock)."""
         self._ended.append(stream)
 
     def _drop_ended(self) -> None:
-        """File the blocks freed and drop the lists of streams that ended. Locked."""
+        """File the chunks freed and drop the arenas of streams that ended. Locked."""
         freed = self._freed
         while freed:
-            block, stream = freed.popleft()
-            self._used -= block.nbytes
-            lists = self._free.get(stream)
-            if lists is None:
-                self._total -= block.nbytes
-            else:
-                lists[block.nbytes].append(block)
+            self._file(freed.popleft())
         ended = self._ended
         while ended:
-            lists = self._free.pop(ended.popleft(), None)
-            if lists:
-                self._total -= sum(b.nbytes for blocks in lists.values() for b in blocks)
+            arena = self._arenas.pop(ended.popleft(), None)
+            for chunk in arena.chunks() if arena is not None else ():
+                if chunk.whole:  # split chunks go with their allocation's last part
+                    self._total -= chunk.nbytes
+
+    def _file(self, chunk: Chunk) -> None:
+        """``chunk`` is free: merge it with its free neighbours into its arena. Locked."""
+        self._used -= chunk.nbytes
+        chunk.in_use = False
+        arena = self._arenas.get(chunk.stream)
+        for neighbour in (chunk.prev, chunk.next):
+            if neighbour is not None and not neighbour.in_use:
+                if arena is not None:
+                    arena.remove(neighbour)
+                chunk = _merge(chunk, neighbour)
+        if arena is not None:
+            arena.add(chunk)
+        elif chunk.whole:  # its stream ended: the whole allocation goes
+            self._total -= chunk.nbytes
 
     def used_bytes(self) -> int:
         """Bytes held by live arrays."""
@@ -136,20 +233,32 @@ class MemoryPool:
             return self._used
 
     def total_bytes(self) -> int:
-        """Bytes held by live arrays and free lists."""
+        """Bytes of every allocation: live arrays, free chunks, and what is split off them."""
         with self._lock:
             self._drop_ended()
             return self._total
 
     def free_all_blocks(self) -> None:
-        """Drop every cached free block."""
+        """Free every allocation none of whose parts is in use (as CuPy's pool)."""
         with self._lock:
             self._drop_free()
 
     def _drop_free(self) -> None:
-        """Drop every cached free block. Locked."""
+        """Free every allocation none of whose parts is in use. Locked."""
         self._drop_ended()
-        for lists in self._free.values():
-            for blocks in lists.values():
-                self._total -= sum(b.nbytes for b in blocks)
-                blocks.clear()
+        for arena in self._arenas.values():
+            for chunk in arena.chunks():
+                if chunk.whole:
+                    arena.remove(chunk)
+                    self._total -= chunk.nbytes
+
+
+def _merge(chunk: Chunk, neighbour: Chunk) -> Chunk:
+    """One chunk of ``chunk`` and its free ``neighbour`` (adjacent, same allocation)."""
+    first, second = (neighbour, chunk) if neighbour is chunk.prev else (chunk, neighbour)
+    first.nbytes += second.nbytes
+    first.next = second.next
+    if second.next is not None:
+        second.next.prev = first
+    first.buffer = first.segment[first.offset : first.offset + first.nbytes]
+    return first
