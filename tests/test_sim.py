@@ -387,14 +387,14 @@ def test_pool_keeps_a_free_list_per_stream():
         8192,
         8192,
     )
-    pool.free(block, "s1")
+    pool.free(block)
     assert (pool.used_bytes(), pool.total_bytes()) == (0, 8192)
     other, reused = pool.malloc(8000, "s2")  # another stream's list is empty
     assert other is not block and not reused
     again, reused = pool.malloc(8100, "s1")  # same rounded size, same stream
     assert again is block and reused
     assert (pool.used_bytes(), pool.total_bytes()) == (16384, 16384)
-    pool.free(other, "s2")
+    pool.free(other)
     pool.free_all_blocks()
     assert (pool.used_bytes(), pool.total_bytes()) == (8192, 8192)
 
@@ -404,7 +404,7 @@ def test_a_small_allocation_splits_a_free_chunk_and_keeps_its_allocation():
     lives its allocation cannot be freed; freed, the parts merge into one chunk again."""
     pool = sim.MemoryPool()
     big, _ = pool.malloc(1 << 20, "s1")
-    pool.free(big, "s1")
+    pool.free(big)
     small, reused = pool.malloc(1000, "s1")
     assert reused and small.nbytes == 1024 and np.shares_memory(small.buffer, big.segment)
     assert (pool.used_bytes(), pool.total_bytes()) == (1024, 1 << 20)
@@ -412,11 +412,11 @@ def test_a_small_allocation_splits_a_free_chunk_and_keeps_its_allocation():
     assert pool.total_bytes() == 1 << 20  # kept whole for 1 KiB in use
     other, reused = pool.malloc(1 << 20, "s1")  # what is left is too small
     assert not reused and pool.total_bytes() == 2 << 20
-    pool.free(small, "s1")
+    pool.free(small)
     whole, reused = pool.malloc(1 << 20, "s1")  # the parts merged back
     assert reused and whole.segment is big.segment and whole.nbytes == 1 << 20
-    pool.free(whole, "s1")
-    pool.free(other, "s1")
+    pool.free(whole)
+    pool.free(other)
     pool.free_all_blocks()
     assert (pool.used_bytes(), pool.total_bytes()) == (0, 0)
 
@@ -424,12 +424,14 @@ def test_a_small_allocation_splits_a_free_chunk_and_keeps_its_allocation():
 def test_a_split_chunk_of_an_ended_stream_goes_with_its_last_part():
     pool = sim.MemoryPool()
     big, _ = pool.malloc(1 << 20, "s1")
-    pool.free(big, "s1")
+    pool.free(big)
     small, _ = pool.malloc(1000, "s1")
     pool.stream_ended("s1")
     assert pool.total_bytes() == 1 << 20  # the free rest stays: its allocation is in use
-    pool.free(small, "s1")
-    assert (pool.used_bytes(), pool.total_bytes()) == (0, 0)
+    again, reused = pool.malloc(4096, "s1")  # the same id again: a new, empty arena
+    assert not reused and pool.total_bytes() == (1 << 20) + 4096
+    pool.free(small)
+    assert (pool.used_bytes(), pool.total_bytes()) == (4096, 4096)
 
 
 def test_pool_beyond_its_capacity_drops_free_blocks_then_raises():
@@ -439,7 +441,7 @@ def test_pool_beyond_its_capacity_drops_free_blocks_then_raises():
     assert pool.get_capacity() == 16384
     held, _ = pool.malloc(8000, "s1")
     other, _ = pool.malloc(8000, "s2")
-    pool.free(other, "s2")  # 8192 bytes free, on s2's list only
+    pool.free(other)  # 8192 bytes free, on s2's list only
     mine, reused = pool.malloc(8000, "s1")  # s1 has none: s2's are dropped to make room
     assert not reused and (pool.used_bytes(), pool.total_bytes()) == (16384, 16384)
     full = r"^Out of memory allocating 512 bytes \(allocated so far: 16,384 bytes\)\.$"
@@ -462,7 +464,7 @@ def test_pool_free_inside_its_own_lock_does_not_deadlock():
 
     def free_under_the_lock():
         with pool._lock:  # as a finalizer run by malloc's own allocation would
-            pool.free(block, "s1")
+            pool.free(block)
         done.set()
 
     worker = threading.Thread(target=free_under_the_lock, daemon=True)

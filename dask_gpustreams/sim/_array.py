@@ -105,7 +105,7 @@ class SimArray(NDArrayOperatorsMixin):
     def __del__(self) -> None:
         block = getattr(self, "_block", None)
         if block is not None:
-            _pool.free(block, self._stream_id)
+            _pool.free(block)
 
     @property
     def nbytes(self) -> int:

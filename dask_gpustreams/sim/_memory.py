@@ -56,16 +56,17 @@ class Chunk:
     """A part of one allocation (``segment``, a host buffer standing in for a ``cudaMalloc``).
 
     ``buffer`` is its bytes; ``prev`` and ``next`` are the neighbouring chunks of the
-    same allocation, as in CuPy's pool.
+    same allocation, as in CuPy's pool; ``arena`` is the arena of the stream it was
+    allocated on, the one it goes back to.
     """
 
-    __slots__ = ("segment", "offset", "nbytes", "stream", "prev", "next", "in_use", "buffer")
+    __slots__ = ("segment", "offset", "nbytes", "arena", "prev", "next", "in_use", "buffer")
 
-    def __init__(self, segment: np.ndarray, offset: int, nbytes: int, stream: Hashable):
+    def __init__(self, segment: np.ndarray, offset: int, nbytes: int, arena: _Arena):
         self.segment = segment
         self.offset = offset
         self.nbytes = nbytes
-        self.stream = stream
+        self.arena = arena
         self.prev: Chunk | None = None
         self.next: Chunk | None = None
         self.in_use = False
@@ -78,13 +79,17 @@ class Chunk:
 
 
 class _Arena:
-    """One stream's free chunks by size, and the sizes in order (best fit by bisection)."""
+    """One stream's free chunks by size, and the sizes in order (best fit by bisection).
 
-    __slots__ = ("by_size", "sizes")
+    ``dropped``: its stream has ended; chunks freed into it are dropped instead.
+    """
+
+    __slots__ = ("by_size", "sizes", "dropped")
 
     def __init__(self) -> None:
         self.by_size: dict[int, list[Chunk]] = {}
         self.sizes: list[int] = []
+        self.dropped = False
 
     def add(self, chunk: Chunk) -> None:
         chunks = self.by_size.get(chunk.nbytes)
@@ -149,7 +154,7 @@ class MemoryPool:
             chunk = arena.take(size)
             if chunk is not None:
                 if chunk.nbytes > size:  # split: the rest stays free in this arena
-                    rest = Chunk(chunk.segment, chunk.offset + size, chunk.nbytes - size, stream)
+                    rest = Chunk(chunk.segment, chunk.offset + size, chunk.nbytes - size, arena)
                     rest.prev, rest.next = chunk, chunk.next
                     if chunk.next is not None:
                         chunk.next.prev = rest
@@ -166,7 +171,7 @@ class MemoryPool:
                     raise OutOfMemoryError(size, self._total)
             self._used += size
             self._total += size
-        chunk = Chunk(np.empty(size, dtype=np.uint8), 0, size, stream)
+        chunk = Chunk(np.empty(size, dtype=np.uint8), 0, size, arena)
         chunk.in_use = True
         return chunk, False
 
@@ -181,10 +186,10 @@ class MemoryPool:
         """The capacity in bytes; 0 if unbounded."""
         return self._capacity
 
-    def free(self, chunk: Chunk, stream: Hashable) -> None:
-        """Return ``chunk`` to ``stream``'s arena now, whatever is still queued on it.
+    def free(self, chunk: Chunk) -> None:
+        """Return ``chunk`` to the arena of its stream now, whatever is still queued on it.
 
-        If ``stream`` has ended (:meth:`stream_ended`), the chunk is dropped (its
+        If that stream has ended (:meth:`stream_ended`), the chunk is dropped (its
         allocation once no part of it is in use). Never blocks: called inside the
         lock (by a finalizer), the holder files it.
         """
@@ -207,7 +212,10 @@ class MemoryPool:
         ended = self._ended
         while ended:
             arena = self._arenas.pop(ended.popleft(), None)
-            for chunk in arena.chunks() if arena is not None else ():
+            if arena is None:
+                continue
+            arena.dropped = True
+            for chunk in arena.chunks():
                 if chunk.whole:  # split chunks go with their allocation's last part
                     self._total -= chunk.nbytes
 
@@ -215,13 +223,13 @@ class MemoryPool:
         """``chunk`` is free: merge it with its free neighbours into its arena. Locked."""
         self._used -= chunk.nbytes
         chunk.in_use = False
-        arena = self._arenas.get(chunk.stream)
+        arena = chunk.arena
         for neighbour in (chunk.prev, chunk.next):
             if neighbour is not None and not neighbour.in_use:
-                if arena is not None:
+                if not arena.dropped:
                     arena.remove(neighbour)
                 chunk = _merge(chunk, neighbour)
-        if arena is not None:
+        if not arena.dropped:
             arena.add(chunk)
         elif chunk.whole:  # its stream ended: the whole allocation goes
             self._total -= chunk.nbytes
