@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -195,13 +193,9 @@ def profile(backend: str, args: argparse.Namespace, policy: str) -> None:
         prof.enable()
         dask_gpustreams.get(dsk, keys)
         prof.disable()
-    buf = io.StringIO()
-    stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("tottime").print_stats(15)
-    stats.sort_stats("cumulative").print_stats("dask_gpustreams", 15)
     print(f"\ncProfile, the launcher, chains graph, policy {policy}: top 15 by")
     print("own time, then the package's functions by cumulative time (per call: percall)")
-    print(buf.getvalue())
+    print(report.profile_text(prof, 15, "dask_gpustreams"))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ import argparse
 import csv
 import datetime
 import hashlib
+import io
 import json
 import math
 import os
 import platform
+import pstats
 import statistics
 import subprocess
 from collections import defaultdict
@@ -128,6 +130,16 @@ def summarize(walls: list[float]) -> dict:
         "wall_max_ms": max(walls),
         "wall_iqr_ms": q[2] - q[0],
     }
+
+
+def profile_text(profile: Any, top: int, package: str | None = None) -> str:
+    """A cProfile's ``top`` calls by own time; with ``package``, its calls by cumulative time."""
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    if package is not None:
+        stats.sort_stats("cumulative").print_stats(package, top)
+    return out.getvalue()
 
 
 def derive(rows: list[dict]) -> None:

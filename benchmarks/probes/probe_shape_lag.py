@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import pstats
 import statistics
 import time
 from functools import partial
@@ -36,6 +34,7 @@ from dask.callbacks import Callback
 
 import dask_gpustreams
 from benchmarks import bench_shapes, kernels
+from benchmarks.report import profile_text
 from dask_gpustreams.diagnostics import clear_timeline, timeline
 
 HOST_BOUND_MS = 0.05
@@ -157,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     dask_gpustreams.get(dsk, keys)
                     kernels.device_synchronize(args.backend)
                     profile.disable()
-            out = io.StringIO()
-            pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
-            print("\n".join(out.getvalue().splitlines()[:50]))
+            print("\n".join(profile_text(profile, 25).splitlines()[:50]))
             args.profile = False
     return 0
 

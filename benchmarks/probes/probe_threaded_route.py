@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import pstats
 import statistics
 import time
 
@@ -35,6 +33,7 @@ import numpy as np
 from dask import delayed
 
 from benchmarks import bench_workloads as bw
+from benchmarks.report import profile_text
 
 #: (width, depth) of the graphs timed, and the quick ones.
 SIZES = ((1, 1), (1, 10), (8, 10), (8, 50))
@@ -108,11 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             profile.enable()
             dask.compute(*graph, scheduler="sync")
             profile.disable()
-        out = io.StringIO()
-        stats = pstats.Stats(profile, stream=out)
-        stats.sort_stats("tottime").print_stats(25)
-        stats.sort_stats("cumulative").print_stats("dask_gpustreams", 20)
-        print(f"cProfile, enabled, scheduler sync, {tasks} tasks\n{out.getvalue()}")
+        text = profile_text(profile, 25, "dask_gpustreams")
+        print(f"cProfile, enabled, scheduler sync, {tasks} tasks\n{text}")
     return 0
 
 
