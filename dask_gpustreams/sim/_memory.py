@@ -60,7 +60,7 @@ class Chunk:
     allocated on, the one it goes back to.
     """
 
-    __slots__ = ("segment", "offset", "nbytes", "arena", "prev", "next", "in_use", "buffer")
+    __slots__ = ("segment", "offset", "nbytes", "arena", "prev", "next", "in_use")
 
     def __init__(self, segment: np.ndarray, offset: int, nbytes: int, arena: _Arena):
         self.segment = segment
@@ -70,7 +70,11 @@ class Chunk:
         self.prev: Chunk | None = None
         self.next: Chunk | None = None
         self.in_use = False
-        self.buffer = segment[offset : offset + nbytes]
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """Its bytes: a view of its part of ``segment``."""
+        return self.segment[self.offset : self.offset + self.nbytes]
 
     @property
     def whole(self) -> bool:
@@ -160,7 +164,6 @@ class MemoryPool:
                         chunk.next.prev = rest
                     chunk.next = rest
                     chunk.nbytes = size
-                    chunk.buffer = chunk.segment[chunk.offset : chunk.offset + size]
                     arena.add(rest)
                 chunk.in_use = True
                 self._used += size
@@ -268,5 +271,4 @@ def _merge(chunk: Chunk, neighbour: Chunk) -> Chunk:
     first.next = second.next
     if second.next is not None:
         second.next.prev = first
-    first.buffer = first.segment[first.offset : first.offset + first.nbytes]
     return first
