@@ -16,9 +16,13 @@ splits a launcher compute, with the task timeline on, into:
 
 The ideal's host loop is timed too (``ideal host``). Walls are medians of ``--reps``, with
 the timeline off; the split is the median of as many runs with it on. ``--profile`` adds a
-cProfile of the launcher at the first kernel length, sorted by own time.
+cProfile of the launcher at the first kernel length, sorted by own time. ``--prep`` instead
+times, on the host alone, the three steps before a first launch for each shape's graph:
+Dask's conversion of its tuple tasks (``convert_legacy_graph``), ``dask.order`` (which the
+launcher skips since 0c426a9 where every ready task fits a round) and the launch plan.
 
     python -m benchmarks.probes.probe_shape_lag --backend cupy --kernel-ms 0.5,2
+    python -m benchmarks.probes.probe_shape_lag --backend sim --prep
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ import time
 from functools import partial
 
 import dask
+from dask._task_spec import DataNode, convert_legacy_graph
 from dask.callbacks import Callback
+from dask.order import order
 
 import dask_gpustreams
 from benchmarks import bench_shapes, kernels
 from benchmarks.report import profile_text
 from dask_gpustreams.diagnostics import clear_timeline, timeline
+from dask_gpustreams.integrations.launcher import launch_plan
+from dask_gpustreams.runtime import acquire_runtime
 
 HOST_BOUND_MS = 0.05
 
@@ -90,6 +98,43 @@ def split(backend: str, wl, config: dict) -> dict:
     }
 
 
+def prep_times(args: argparse.Namespace) -> int:
+    """Medians of ``--reps`` host timings (ms) of the steps before a first launch, by shape."""
+    sargs = bench_shapes.parse_args(["--families", "wide", "--schedulers", "threaded"])
+    bench_shapes.set_defaults(sargs, args.backend)
+    loads = bench_shapes.Workloads(sargs, args.backend, bench_shapes.calibrate(sargs, args.backend))
+    config = bench_shapes.gpustreams_config(args.backend, 8, "auto")
+    print(
+        f"{'shape':<10} {'tasks':>6} {'convert':>8} {'order':>7} {'plan':>6}  "
+        f"ms, median of {args.reps}"
+    )
+    with dask.config.set(config):
+        runtime = acquire_runtime()
+        try:
+            for name in args.shapes.split(","):
+                wl = loads.get("threaded", "wide", name)
+                times: dict[str, list[float]] = {"convert": [], "order": [], "plan": []}
+                for _ in range(args.reps):
+                    dsk, _keys = wl.graph(object())
+                    t0 = time.perf_counter()
+                    graph = convert_legacy_graph(dsk)
+                    t1 = time.perf_counter()
+                    order(graph)
+                    t2 = time.perf_counter()
+                    launch_plan([n for n in graph.values() if not isinstance(n, DataNode)], runtime)
+                    t3 = time.perf_counter()
+                    for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                        times[k].append(v * 1e3)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                print(
+                    f"{name:<10} {wl.shape.n_tasks:6} {med['convert']:8.2f} {med['order']:7.2f} "
+                    f"{med['plan']:6.2f}"
+                )
+        finally:
+            runtime.release()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy")
@@ -97,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--prep", action="store_true", help="time the host steps before a launch")
     args = p.parse_args(argv)
+    if args.prep:
+        return prep_times(args)
     config = {
         **bench_shapes.gpustreams_config(args.backend, 8, "auto"),
         "gpustreams.enabled": False,
