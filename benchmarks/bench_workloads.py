@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import math
@@ -114,8 +115,13 @@ class PoolPeaks:
         self._lock = threading.Lock()
 
     def track(self, malloc: Callable) -> Callable:
-        """``malloc`` that records the pool's ``used_bytes()`` after each allocation."""
+        """``malloc`` that records the pool's ``used_bytes()`` after each allocation.
 
+        It wraps ``malloc`` (``functools.wraps``), so the launcher still knows it draws
+        from the pool (``Backend.small_block_arenas``).
+        """
+
+        @functools.wraps(malloc)
         def tracked(*args: Any) -> Any:
             memory = malloc(*args)
             used = self.pool.used_bytes()

@@ -53,6 +53,7 @@ _FALSE = frozenset({"false", "no", "off", "0"})
 BOOL_ALLOWED = "True | False (or 'true'/'false', 'yes'/'no', 'on'/'off', 1/0)"
 _PINNED = "'auto' or a byte size like '1 GiB' (>= 1 MiB)"
 _AHEAD = "a byte size like '1 GiB' (>= 1 MiB)"
+_SMALL = "a byte size like '1 MiB', or 0 (off)"
 
 
 def invalid_value(key: str, value: Any, allowed: str) -> ValueError:
@@ -138,15 +139,15 @@ def _parse_int(key: str, value: Any, low: int, high: int) -> int:
     return int(value)
 
 
-def _parse_size(key: str, value: Any, allowed: str) -> int:
-    """``gpustreams.<key>`` as bytes >= 1 MiB: an int, or a string like ``'1 GiB'``."""
+def _parse_size(key: str, value: Any, allowed: str, low: int = MIN_SIZE) -> int:
+    """``gpustreams.<key>`` as bytes >= ``low``: an int, or a string like ``'1 GiB'``."""
     size = value
     if isinstance(value, str):
         try:
             size = parse_bytes(value)
         except (ValueError, OverflowError):  # OverflowError: '1e400 B' is infinite
             size = None
-    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < MIN_SIZE:
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < low:
         raise invalid_value(key, value, allowed)  # the error names what was written
     return int(size)
 
@@ -187,6 +188,9 @@ class StreamsConfig:
     pinned_pool_size: int | str | None = None
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
     launch_ahead: int | str = 256 << 20
+    #: Allocations below this many bytes, made by the launcher's tasks, come from arenas
+    #: of their own (``Backend.small_block_arenas``); 0: off.
+    small_blocks: int | str = 1 << 20
     #: One NVTX range per task (Nsight Systems); see :mod:`dask_gpustreams.diagnostics.nvtx`.
     nvtx: bool = False
     #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``
@@ -213,6 +217,7 @@ class StreamsConfig:
             "block_size": _parse_int("block-size", self.block_size, 2, MAX_BLOCK_SIZE),
             "pinned_pool_size": None if auto else _parse_size("pinned-pool-size", size, _PINNED),
             "launch_ahead": _parse_size("launch-ahead", self.launch_ahead, _AHEAD),
+            "small_blocks": _parse_size("small-blocks", self.small_blocks, _SMALL, 0),
         }
         for name in _BOOL_FIELDS:
             normalized[name] = parse_bool(name.replace("_", "-"), getattr(self, name))

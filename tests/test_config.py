@@ -74,6 +74,13 @@ INVALID = [
     ("launch_ahead", "512 KiB", rf"gpustreams\.launch-ahead='512 KiB' is invalid: {SIZE}"),
     ("launch_ahead", 1 << 19, rf"gpustreams\.launch-ahead=524288 is invalid: {SIZE}"),
     (
+        "small_blocks",
+        "lots",
+        r"gpustreams\.small-blocks='lots' is invalid: allowed values are a byte size like "
+        r"'1 MiB', or 0 \(off\)",
+    ),
+    ("small_blocks", -1, r"gpustreams\.small-blocks=-1 is invalid: allowed values are a byte"),
+    (
         "policy",
         "fastest",
         r"gpustreams\.policy='fastest' is invalid: allowed values are .*round-robin",

@@ -154,6 +154,12 @@ def test_launch_ahead_strings_are_parsed():
     assert StreamsConfig(launch_ahead="1 MiB") == StreamsConfig(launch_ahead=1 << 20)
 
 
+def test_small_blocks_are_a_size_or_zero():
+    assert StreamsConfig().small_blocks == 1 << 20
+    assert StreamsConfig(small_blocks="64 KiB").small_blocks == 64 << 10
+    assert StreamsConfig(small_blocks=0).small_blocks == 0
+
+
 # --- unknown keys -----------------------------------------------------------------------------
 
 KNOWN = ", ".join(f"gpustreams.{k}" for k in KEYS)

@@ -409,6 +409,85 @@ def test_without_the_retry_running_ahead_fails_where_plain_dask_fits(launcher, m
         chain_peak(60, 0.002)
 
 
+# --- small blocks apart ---------------------------------------------------------------------
+
+SMALL_BLOCKS = "64 KiB"  # below CHUNK's 256 KiB, above the row sums' 1 KiB
+
+
+def row_sums(rng):
+    """``(sin(x)**2 + x*0.5).sum(axis=1)`` over 64 sim chunks of 256 KiB: three temporaries of
+    a chunk's size per task and a small result, as the workloads' elementwise; and NumPy's."""
+    host = rng.random((2048, 2048), dtype=np.float32)
+    x = da.from_array(host, chunks=256).map_blocks(sim.asarray).persist(scheduler="sync")
+    return (da.sin(x) ** 2 + x * 0.5).sum(axis=1), (np.sin(host) ** 2 + host * 0.5).sum(axis=1)
+
+
+def pinned_after_persist(launcher, rng, small_blocks) -> tuple[int, np.ndarray, np.ndarray]:
+    """Bytes the pool cannot free while the small results of 8 streams live, and the values;
+    the second of two computes, as every stream's arena holds free chunks then."""
+    pool = sim.get_default_memory_pool()
+    y, expected = row_sums(rng)
+    with launcher(streams=8, policy="round-robin", **{"small-blocks": small_blocks}):
+        y.compute(scheduler="gpustreams")
+        (kept,) = dask.persist(y, scheduler="gpustreams")
+        sim.get_device().synchronize()
+    pool.free_all_blocks()
+    pinned = pool.total_bytes() - pool.used_bytes()
+    return pinned, kept.map_blocks(download, meta=META).compute(scheduler="sync"), expected
+
+
+def test_small_results_leave_no_large_block_pinned(launcher, rng, monkeypatch):
+    """With small requests apart, 8 streams' small results pin no chunk-sized block: a
+    result carved out of a free one would keep that whole block."""
+    monkeypatch.setattr(sim.get_device(), "kernel_delay", (0.0, 0.001))
+    pinned, got, expected = pinned_after_persist(launcher, rng, SMALL_BLOCKS)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert pinned < 64 << 10, f"{pinned / 2**10:.0f} KiB pinned"
+
+
+def test_without_small_blocks_apart_each_stream_pins_a_block(launcher, rng):
+    """The control of the test above: ``small-blocks: 0``, as before, pins chunk-sized
+    blocks (all but their small part: a block minus 1 KiB each)."""
+    pinned, got, expected = pinned_after_persist(launcher, rng, 0)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert pinned >= 255 << 10, f"{pinned / 2**10:.0f} KiB pinned"
+
+
+def test_eight_streams_fit_a_device_nearly_as_full_as_plain_sync_needs(launcher, rng):
+    """Capped 4.4 chunks above its inputs, the sim device runs the row sums on 8 streams as
+    plain sync does (without small blocks apart, 13 runs of 15 ran out of memory there:
+    benchmarks/results/cpu-misc/sim-pressure-a4213bb.txt)."""
+    pool = sim.get_default_memory_pool()
+    y, expected = row_sums(rng)
+    for _ in range(3):
+        pool.free_all_blocks()
+        pool.set_capacity(pool.used_bytes() + int(4.4 * (256 << 10)))
+        try:
+            with launcher(streams=8, policy="round-robin", **{"small-blocks": SMALL_BLOCKS}):
+                got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
+        finally:
+            pool.set_capacity(None)
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_small_blocks_leave_another_allocator_alone(launcher, rng):
+    """An allocator that is not the pool's (standing for RMM's) serves every request, and the
+    thread's allocator is the pool's again after the compute."""
+    pool = sim.get_default_memory_pool()
+    sizes: list[int] = []
+
+    def counting(nbytes, stream):
+        sizes.append(nbytes)
+        return pool.malloc(nbytes, stream)
+
+    y, expected = row_sums(rng)
+    with sim.using_allocator(counting), launcher(streams=8, **{"small-blocks": SMALL_BLOCKS}):
+        got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert min(sizes) < 64 << 10 and max(sizes) >= 256 << 10, sizes
+    assert sim.get_allocator() == pool.malloc
+
+
 # --- host tasks ------------------------------------------------------------------------------
 
 

@@ -13,6 +13,9 @@ streams, then frees every cached block and prints what the pool still holds beyo
 bytes (``pinned``): blocks that ``free_all_blocks()`` cannot give back. Each result is
 checked against plain sync's.
 
+Since then the launcher allocates small requests apart (``gpustreams.small-blocks``, default
+1 MiB); the mode ``apart off`` runs it without, as before.
+
 Answered on the H200 at 42dd4fd (``benchmarks/results/h200-split-42dd4fd/``): yes. With
 0.12 MiB of results alive the pool pinned 63.9 MiB under plain sync and the launcher on one
 stream, 127.9 MiB on 2 streams and 383.9 MiB on 8. The simulated device's pool splits and
@@ -20,7 +23,7 @@ merges chunks as CuPy's does, so ``--backend sim`` shows the same on the CPU (wi
 smaller chunks), for work on a fix without a GPU.
 
     python -m benchmarks.probes.probe_split_blocks
-    python -m benchmarks.probes.probe_split_blocks --backend sim
+    python -m benchmarks.probes.probe_split_blocks --backend sim --small-blocks '64 KiB'
 """
 
 from __future__ import annotations
@@ -34,17 +37,25 @@ from benchmarks import bench_workloads as bw
 from dask_gpustreams import sim
 
 MIB = 2**20
+#: (label, scheduler, streams, small blocks apart): None is ``--small-blocks``, 0 off.
 MODES = (
-    ("sync", "sync", 8),
-    ("launcher, 8 streams", "gpustreams", 8),
-    ("launcher, 2 streams", "gpustreams", 2),
-    ("launcher, 1 stream", "gpustreams", 1),
+    ("sync", "sync", 8, None),
+    ("launcher, 8 streams", "gpustreams", 8, None),
+    ("launcher, 8, apart off", "gpustreams", 8, 0),
+    ("launcher, 2 streams", "gpustreams", 2, None),
+    ("launcher, 1 stream", "gpustreams", 1, None),
 )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy", choices=("cupy", "sim"))
+    p.add_argument(
+        "--small-blocks",
+        default="1 MiB",
+        help="gpustreams.small-blocks of the launcher's modes but 'apart off' (the sim's "
+        "chunks are 256 KiB: give it less, e.g. '64 KiB')",
+    )
     args = p.parse_args(argv)
     arrays = bw.make_arrays(args.backend)
     sizes = bw.sizes_for(args.backend, False)["elementwise"]
@@ -56,12 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         pool = sim.get_default_memory_pool()
     reference = None
     print(f"{'mode':<22} {'used MiB':>9} {'pinned MiB':>11}  check")
-    for label, scheduler, streams in MODES:
+    for label, scheduler, streams, small in MODES:
         (y,) = bw.WORKLOADS["elementwise"].build(arrays, sizes)
         config = {
             "gpustreams.enabled": False,
             "gpustreams.streams": streams,
             "gpustreams.backend": args.backend,
+            "gpustreams.small-blocks": args.small_blocks if small is None else small,
         }
         with dask.config.set(config):
             y.persist(scheduler=scheduler)  # a warm-up: every arena grown once

@@ -100,6 +100,16 @@ class Backend(Protocol):
         Called once the work that may still use them is done (it may wait for the device).
         """
 
+    def small_block_arenas(self, threshold: int) -> AbstractContextManager:
+        """Inside, this thread's allocations under ``threshold`` bytes come from arenas apart.
+
+        One per stream, reused on that stream only, as the pool's own arenas are: a
+        small result is then never carved out of a large cached block, which the pool
+        cannot free while the small part lives (each stream holding one would pin a
+        whole block). Only while the allocator is the backend's pool; any other (RMM,
+        ``cudaMallocAsync``), and ``threshold`` 0, are left as they are.
+        """
+
     def hardware_queues(self) -> int | None:
         """How many streams the device runs without false serialization, if bounded."""
 

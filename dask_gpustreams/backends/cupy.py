@@ -14,11 +14,12 @@ launch (docs/guide.md, "Other libraries inside a task").
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -55,6 +56,8 @@ class CupyBackend:
         # Each stream's torch.cuda.ExternalStream, dropped with the stream.
         self._torch_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._fft_warned = False
+        # The stream whose arena stands for each stream's small blocks (small_block_arenas).
+        self._small_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -110,8 +113,12 @@ class CupyBackend:
         for the device. Never raises: after a sticky CUDA error the pool's close
         still ends its other streams.
         """
+        small = self._small_streams.pop(stream, None)
         with contextlib.suppress(Exception), cupy.cuda.Device(self.device_id):
-            cupy.get_default_memory_pool().free_all_blocks(stream=stream)
+            pool = cupy.get_default_memory_pool()
+            pool.free_all_blocks(stream=stream)
+            if small is not None:
+                pool.free_all_blocks(stream=small)
 
     def elapsed_ms(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
         return cupy.cuda.get_elapsed_time(start, end)
@@ -196,6 +203,39 @@ class CupyBackend:
         """
         with cupy.cuda.Device(self.device_id):
             cupy.get_default_memory_pool().free_all_blocks()
+
+    @contextlib.contextmanager
+    def small_block_arenas(self, threshold: int) -> Iterator[None]:
+        """Small requests allocated while a stream of their own, standing for the current one,
+        is current (CuPy's pool keys its arenas by the stream current at allocation).
+
+        A thread-local allocator (``cupy.cuda.using_allocator``), installed only where
+        the current one is a ``cupy.cuda.MemoryPool``'s ``malloc`` (or wraps one,
+        ``functools.wraps``); a task must not call ``cupy.cuda.set_allocator`` inside,
+        which CuPy refuses there. The standing stream never runs work: a block in its
+        arena is reused only by later allocations on the stream it stands for, so the
+        stream-order reuse of CuPy's pool, and the inputs held for other streams, stay
+        as they are.
+        """
+        allocator = cupy.cuda.get_allocator()
+        pool = getattr(inspect.unwrap(allocator), "__self__", None)
+        if not threshold or not isinstance(pool, cupy.cuda.MemoryPool):
+            yield
+            return
+        streams, current = self._small_streams, cupy.cuda.get_current_stream
+
+        def malloc(size: int) -> cupy.cuda.MemoryPointer:
+            if size >= threshold:
+                return allocator(size)
+            stream = current()
+            small = streams.get(stream)
+            if small is None:
+                small = streams.setdefault(stream, cupy.cuda.Stream(non_blocking=True))
+            with small:
+                return allocator(size)
+
+        with cupy.cuda.using_allocator(malloc):
+            yield
 
     def hardware_queues(self) -> int | None:
         if self.is_hip:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -23,6 +24,8 @@ class SimBackend:
     def __init__(self) -> None:
         self.device = sim.get_device()
         self.device_id = self.device.id
+        # The stream whose arena stands for each stream's (by id) small blocks.
+        self._small_streams: dict[int, sim.Stream] = {}
 
     def create_stream(self, priority: int = 0) -> sim.Stream:
         return self.device.create_stream(priority)
@@ -55,6 +58,9 @@ class SimBackend:
         stream.synchronize()
 
     def destroy_stream(self, stream: sim.Stream, timeout: float | None = None) -> None:
+        small = self._small_streams.pop(stream.id, None)
+        if small is not None:
+            small.close()  # its arena goes with it
         stream.close(timeout)
 
     def elapsed_ms(self, start: sim.Event, end: sim.Event) -> float:
@@ -81,6 +87,33 @@ class SimBackend:
 
     def free_cached_memory(self) -> None:
         sim.get_default_memory_pool().free_all_blocks()
+
+    @contextmanager
+    def small_block_arenas(self, threshold: int) -> Iterator[None]:
+        """Small requests from the arena of a stream standing for the current one, through a
+        thread-local allocator (``sim.using_allocator``), as the CuPy backend does.
+
+        The sim's pool keys its arenas by the stream identifier it is given; the
+        standing stream never runs work (nor starts a thread), and a reused block is
+        still poisoned on the stream current at allocation.
+        """
+        allocator = sim.get_allocator()
+        pool = getattr(inspect.unwrap(allocator), "__self__", None)
+        if not threshold or not isinstance(pool, sim.MemoryPool):
+            yield
+            return
+        streams, create = self._small_streams, self.device.create_stream
+
+        def malloc(nbytes: int, stream: Any) -> tuple:
+            if nbytes >= threshold:
+                return allocator(nbytes, stream)
+            small = streams.get(stream)
+            if small is None:
+                small = streams.setdefault(stream, create())
+            return allocator(nbytes, small.id)
+
+        with sim.using_allocator(malloc):
+            yield
 
     def hardware_queues(self) -> int | None:
         return None

@@ -29,7 +29,7 @@ Options
     settings, one option per ``gpustreams.*`` key of
     :class:`~dask_gpustreams.StreamsConfig` (``--streams``, ``--copy-streams``,
     ``--policy``, ``--backend``, ``--pinned-pool-size``, ``--launch-ahead``,
-    ``--blocks``, ``--block-size``, and the flags ``--timeline/--no-timeline``,
+    ``--small-blocks``, ``--blocks``, ``--block-size``, and the flags ``--timeline/--no-timeline``,
     ``--nvtx/--no-nvtx``). They override the config of the workers, as the
     keyword arguments of ``StreamsPlugin`` do::
 

@@ -241,7 +241,18 @@ class GraphLauncher:
         it: that work's results are garbage, and the wanted keys' syncs say
         nothing. With ``check``, the first error that any event of the graph
         carries is raised then too (``event_error`` returns it every time).
+
+        Allocations below ``config.small_blocks`` bytes made on this thread meanwhile
+        come from arenas of their own (``Backend.small_block_arenas``): running
+        ``streams`` paths at once, each stream would otherwise pin a large cached
+        block under its small results.
         """
+        runtime = self.runtime
+        with runtime.backend.small_block_arenas(runtime.config.small_blocks):
+            return self._launch_all()
+
+    def _launch_all(self) -> dict[Hashable, Any]:
+        """:meth:`run`, inside its allocator."""
         runtime, registry = self.runtime, self.registry
         results, tasks, dependencies = self.results, self.tasks, self.dependencies
         wanted, host, hooks = self.wanted, self.host, self.hooks
@@ -333,7 +344,7 @@ class GraphLauncher:
                                 retry = True  # outside the handler: its traceback holds
                                 # the failed attempt's arrays
                             if retry:
-                                limit = self._make_room(key, min(limit, 2 * ahead_bytes or limit))
+                                limit = self._make_room(key, limit, ahead_bytes)
                                 ahead.clear()
                                 ahead_bytes = 0
                                 held.clear()  # the failed attempt's uploads (done by now)
@@ -408,23 +419,24 @@ class GraphLauncher:
             if timeline is None:
                 runtime.events.release(launched)
 
-    def _make_room(self, key: Hashable, limit: int) -> int:
+    def _make_room(self, key: Hashable, limit: int, in_flight: int) -> int:
         """``key`` ran out of device memory: wait for every stream's work (its errors stay
         with their events), release the inputs held for it and the blocks the allocator
-        caches, and return half of ``limit``, the launch-ahead from now on. What stays
+        caches, and return the launch-ahead from now on: half of ``limit``, and at most
+        the ``in_flight`` bytes that ran ahead when it failed (if any). What stays
         allocated is the graph's live values."""
         runtime = self.runtime
         runtime.pool.wait_all()
         runtime.pool.collect_all()
         runtime.backend.free_cached_memory()
-        halved = max(limit // 2, MIN_SIZE)
+        ahead = max(min(limit // 2, in_flight or limit), MIN_SIZE)
         logger.warning(
             "gpustreams: task %r ran out of device memory; it runs again now that the work "
             "launched before it is done (launch-ahead for the rest of this graph: %s)",
             key,
-            format_bytes(halved),
+            format_bytes(ahead),
         )
-        return halved
+        return ahead
 
     def _check_events(self) -> None:
         """Raise the error of any of the graph's work, reported elsewhere or not (blocking)."""

@@ -23,9 +23,11 @@ from dask_gpustreams.sim._array import (
     asarray,
     asnumpy,
     empty,
+    get_allocator,
     get_default_memory_pool,
     get_device,
     launch,
+    using_allocator,
 )
 from dask_gpustreams.sim._device import Device, Event, Stream
 from dask_gpustreams.sim._memory import POISON_BYTE, MemoryPool, OutOfMemoryError
@@ -41,7 +43,9 @@ __all__ = [
     "asarray",
     "asnumpy",
     "empty",
+    "get_allocator",
     "get_default_memory_pool",
     "get_device",
     "launch",
+    "using_allocator",
 ]

@@ -6,6 +6,7 @@ import itertools
 import math
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ _device: Device | None = None
 _device_lock = threading.Lock()
 _pool = MemoryPool()
 _ids = itertools.count()
+_local = threading.local()  # .allocator: this thread's, inside using_allocator
 
 
 def get_device() -> Device:
@@ -39,6 +41,27 @@ def get_device() -> Device:
 def get_default_memory_pool() -> MemoryPool:
     """The pool every :class:`SimArray` is allocated from."""
     return _pool
+
+
+def get_allocator() -> Callable:
+    """The allocator of this thread: ``malloc(nbytes, stream_id) -> (chunk, reused)``.
+
+    The default pool's ``malloc`` unless :func:`using_allocator` set another, as
+    ``cupy.cuda.get_allocator`` answers.
+    """
+    allocator = getattr(_local, "allocator", None)
+    return _pool.malloc if allocator is None else allocator
+
+
+@contextmanager
+def using_allocator(allocator: Callable) -> Iterator[None]:
+    """Allocate with ``allocator`` in this thread, inside (``cupy.cuda.using_allocator``)."""
+    previous = getattr(_local, "allocator", None)
+    _local.allocator = allocator
+    try:
+        yield
+    finally:
+        _local.allocator = previous
 
 
 def _forward(func: Callable, name: str) -> Callable:
@@ -92,7 +115,8 @@ class SimArray(NDArrayOperatorsMixin):
             self._block = None
             self._view = np.empty(shape, dtype)
             return self
-        chunk, reused = _pool.malloc(nbytes, stream.id)
+        allocator = getattr(_local, "allocator", None)
+        chunk, reused = (_pool.malloc if allocator is None else allocator)(nbytes, stream.id)
         self._block = chunk
         self._view = chunk.buffer[:nbytes].view(dtype).reshape(shape)
         if reused:

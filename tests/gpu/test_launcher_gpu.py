@@ -134,6 +134,37 @@ def test_a_task_out_of_device_memory_runs_again(caplog):
     assert "ran out of device memory; it runs again" in caplog.text
 
 
+def pinned_after_persist(small_blocks) -> tuple[int, np.ndarray, np.ndarray]:
+    """Bytes CuPy's pool cannot free while 8 streams' small row sums (of 8 MiB chunks, three
+    temporaries each) live, at the second of two computes; the values and plain sync's."""
+    x = da.random.default_rng(1).random((8192, 8192), chunks=1024).map_blocks(cupy.asarray)
+    x = x.persist(scheduler="sync")
+    y = (da.sin(x) ** 2 + x * 0.5).sum(axis=1)
+    expected = cupy.asnumpy(y.compute(scheduler="sync"))
+    pool = cupy.get_default_memory_pool()
+    with dask.config.set({**CONFIG, "gpustreams.small-blocks": small_blocks}):
+        y.compute(scheduler="gpustreams")
+        (kept,) = dask.persist(y, scheduler="gpustreams")
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    pinned = pool.total_bytes() - pool.used_bytes()
+    return pinned, cupy.asnumpy(kept.compute(scheduler="sync")), expected
+
+
+@pytest.mark.parametrize("small_blocks", ["1 MiB", 0])
+def test_small_results_pin_large_blocks_only_without_small_blocks_apart(small_blocks):
+    """Each small result carved out of a free 8 MiB block of its stream's arena would keep
+    that block (CuPy cannot free a split block); apart, none is kept. Allocator restored."""
+    allocator = cupy.cuda.get_allocator()
+    pinned, got, expected = pinned_after_persist(small_blocks)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    if small_blocks:
+        assert pinned < 1 << 20, f"{pinned / 2**20:.1f} MiB pinned"
+    else:
+        assert pinned >= 7 << 20, f"{pinned / 2**20:.1f} MiB pinned"
+    assert cupy.cuda.get_allocator() == allocator
+
+
 def test_same_shape_ffts_on_many_streams_are_exact():
     """Same-shape FFTs from one thread on 8 streams: one cached plan would share a work area.
 
