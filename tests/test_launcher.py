@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import logging
 import re
@@ -699,6 +700,27 @@ def test_exception_in_a_wide_graph_is_raised_and_the_rest_drains(launcher):
         np.testing.assert_array_equal(
             delayed(download)(delayed(leaf)(5.0, 4, 0.0)).compute(scheduler="gpustreams"), [5] * 4
         )
+
+
+def test_a_failed_computes_values_are_freed_once_its_error_is_handled(launcher):
+    """No reference cycle keeps the graph's device values after the exception is handled:
+    with the garbage collector off, the pool's used bytes are back where they were."""
+    pool = sim.get_default_memory_pool()
+    leaves = [delayed(leaf)(float(i), CHUNK, 0.0) for i in range(8)]
+    leaves[7] = delayed(explode)(leaves[7])
+    total = delayed(lambda *xs: sum(x.get().sum() for x in xs))(*leaves)
+    with launcher(streams=4):
+        get_runtime().collect()
+        base = pool.used_bytes()
+        gc.disable()
+        try:
+            with pytest.raises(LookupError, match="task 7 failed on the host"):
+                total.compute(scheduler="gpustreams")
+            get_runtime().collect()
+            left = pool.used_bytes() - base
+        finally:
+            gc.enable()
+    assert left == 0, f"{left / (CHUNK * 8):.1f} chunks still used"
 
 
 def test_kernel_error_names_its_key(launcher):

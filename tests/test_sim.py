@@ -7,6 +7,7 @@ that a broken device fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import threading
 import time
@@ -453,6 +454,23 @@ def test_pool_beyond_its_capacity_drops_free_blocks_then_raises():
     with pytest.raises(ValueError, match=r"nbytes=-1 is invalid"):
         pool.set_capacity(-1)
     del held, mine
+
+
+def test_pool_beyond_its_capacity_collects_garbage_before_it_raises():
+    """As CuPy's pool: an array kept only by a reference cycle is collected to make room."""
+    pool = sim.get_default_memory_pool()
+    pool.free_all_blocks()
+    pool.set_capacity(pool.used_bytes() + 8192)
+    gc.disable()
+    try:
+        cycle = [sim.empty(1024)]  # 8192 bytes: the device is full
+        cycle.append(cycle)
+        del cycle
+        again = sim.empty(1024)  # only the collection frees the first
+    finally:
+        gc.enable()
+        pool.set_capacity(None)
+    assert again.nbytes == 8192
 
 
 def test_pool_free_inside_its_own_lock_does_not_deadlock():

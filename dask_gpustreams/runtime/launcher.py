@@ -412,6 +412,9 @@ class GraphLauncher:
                     sync(event)
             raise
         finally:
+            # The error's traceback holds this frame, and so this launcher and its values:
+            # no cycle through self, so they go once the caller has handled it.
+            self._error = None
             state["runtime"], state["stream"], state["holds"] = previous
             state["launching"] = nested
             registry.clear()

@@ -17,14 +17,16 @@ contents sees the poison, as it would see reused memory on a GPU.
 
 A capacity (:meth:`MemoryPool.set_capacity`) stands for the device's memory: an
 allocation that finds no free chunk in its stream's arena and would take the pool past
-it first drops every stream's free allocations, as CuPy's pool does when ``cudaMalloc``
-fails, then raises :class:`OutOfMemoryError` if it still would. (It is not CuPy's
+it first drops every stream's free allocations, then collects garbage and tries again,
+as CuPy's pool does when ``cudaMalloc`` fails, then raises :class:`OutOfMemoryError` if
+it still would. (It is not CuPy's
 ``set_limit``, which the sim does not model.)
 """
 
 from __future__ import annotations
 
 import bisect
+import gc
 import threading
 from collections import deque
 from collections.abc import Hashable
@@ -148,8 +150,23 @@ class MemoryPool:
         self._capacity = 0
 
     def malloc(self, nbytes: int, stream: Hashable) -> tuple[Chunk, bool]:
-        """A chunk of at least ``nbytes`` from ``stream``'s arena, and whether it was reused."""
+        """A chunk of at least ``nbytes`` from ``stream``'s arena, and whether it was reused.
+
+        Past the capacity, as CuPy's pool when ``cudaMalloc`` fails: every free
+        allocation is dropped, then garbage is collected (arrays that only cycles
+        keep), and only then is :class:`OutOfMemoryError` raised.
+        """
         size = max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
+        got = self._take(size, stream)
+        if got is None:
+            gc.collect()  # outside the lock: a finalizer may allocate
+            got = self._take(size, stream)
+            if got is None:
+                raise OutOfMemoryError(size, self.total_bytes())
+        return got
+
+    def _take(self, size: int, stream: Hashable) -> tuple[Chunk, bool] | None:
+        """:meth:`malloc` of ``size`` rounded bytes; None past the capacity."""
         with self._lock:
             self._drop_ended()
             arena = self._arenas.get(stream)
@@ -171,7 +188,7 @@ class MemoryPool:
             if self._capacity and self._total + size > self._capacity:
                 self._drop_free()
                 if self._total + size > self._capacity:
-                    raise OutOfMemoryError(size, self._total)
+                    return None
             self._used += size
             self._total += size
         chunk = Chunk(np.empty(size, dtype=np.uint8), 0, size, arena)
