@@ -118,7 +118,7 @@ class PoolPeaks:
         """``malloc`` that records the pool's ``used_bytes()`` after each allocation.
 
         It wraps ``malloc`` (``functools.wraps``), so the launcher still knows it draws
-        from the pool (``Backend.small_block_arenas``).
+        from the pool (``Backend.launch_allocator``).
         """
 
         @functools.wraps(malloc)

@@ -53,7 +53,7 @@ _FALSE = frozenset({"false", "no", "off", "0"})
 BOOL_ALLOWED = "True | False (or 'true'/'false', 'yes'/'no', 'on'/'off', 1/0)"
 _PINNED = "'auto' or a byte size like '1 GiB' (>= 1 MiB)"
 _AHEAD = "a byte size like '1 GiB' (>= 1 MiB)"
-_SMALL = "a byte size like '1 MiB', or 0 (off)"
+_SIZE_OR_OFF = "a byte size like '1 MiB', or 0 (off)"
 
 
 def invalid_value(key: str, value: Any, allowed: str) -> ValueError:
@@ -189,8 +189,11 @@ class StreamsConfig:
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
     launch_ahead: int | str = 256 << 20
     #: Allocations below this many bytes, made by the launcher's tasks, come from arenas
-    #: of their own (``Backend.small_block_arenas``); 0: off.
+    #: of their own (``Backend.launch_allocator``); 0: off.
     small_blocks: int | str = 1 << 20
+    #: The launcher's tasks of a group (key prefix) that has allocated a block of this many
+    #: bytes are large (``TaskInfo.large``): ``auto`` runs them on 2 streams; 0: off.
+    large_tasks: int | str = 16 << 20
     #: One NVTX range per task (Nsight Systems); see :mod:`dask_gpustreams.diagnostics.nvtx`.
     nvtx: bool = False
     #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``
@@ -217,7 +220,8 @@ class StreamsConfig:
             "block_size": _parse_int("block-size", self.block_size, 2, MAX_BLOCK_SIZE),
             "pinned_pool_size": None if auto else _parse_size("pinned-pool-size", size, _PINNED),
             "launch_ahead": _parse_size("launch-ahead", self.launch_ahead, _AHEAD),
-            "small_blocks": _parse_size("small-blocks", self.small_blocks, _SMALL, 0),
+            "small_blocks": _parse_size("small-blocks", self.small_blocks, _SIZE_OR_OFF, 0),
+            "large_tasks": _parse_size("large-tasks", self.large_tasks, _SIZE_OR_OFF, 0),
         }
         for name in _BOOL_FIELDS:
             normalized[name] = parse_bool(name.replace("_", "-"), getattr(self, name))

@@ -31,6 +31,7 @@ from dask_gpustreams import KernelError, sim
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime import StreamPool, get_runtime
+from dask_gpustreams.runtime.hosttasks import HostTasks
 from dask_gpustreams.runtime.launcher import GraphLauncher
 from dask_gpustreams.transfers import to_device
 from tests.test_local_scheduler import (
@@ -415,6 +416,13 @@ def test_without_the_retry_running_ahead_fails_where_plain_dask_fits(launcher, m
 SMALL_BLOCKS = "64 KiB"  # below CHUNK's 256 KiB, above the row sums' 1 KiB
 
 
+@pytest.fixture
+def on_the_launcher(monkeypatch):
+    """No task group is learned to block the host: on a loaded CPU the sim's slow tasks
+    would move to host threads, several at once, each with its own temporaries."""
+    monkeypatch.setattr(HostTasks, "threshold_s", float("inf"))
+
+
 def row_sums(rng):
     """``(sin(x)**2 + x*0.5).sum(axis=1)`` over 64 sim chunks of 256 KiB: three temporaries of
     a chunk's size per task and a small result, as the workloads' elementwise; and NumPy's."""
@@ -437,7 +445,7 @@ def pinned_after_persist(launcher, rng, small_blocks) -> tuple[int, np.ndarray, 
     return pinned, kept.map_blocks(download, meta=META).compute(scheduler="sync"), expected
 
 
-def test_small_results_leave_no_large_block_pinned(launcher, rng, monkeypatch):
+def test_small_results_leave_no_large_block_pinned(on_the_launcher, launcher, rng, monkeypatch):
     """With small requests apart, 8 streams' small results pin no chunk-sized block: a
     result carved out of a free one would keep that whole block."""
     monkeypatch.setattr(sim.get_device(), "kernel_delay", (0.0, 0.001))
@@ -446,7 +454,7 @@ def test_small_results_leave_no_large_block_pinned(launcher, rng, monkeypatch):
     assert pinned < 64 << 10, f"{pinned / 2**10:.0f} KiB pinned"
 
 
-def test_without_small_blocks_apart_each_stream_pins_a_block(launcher, rng):
+def test_without_small_blocks_apart_each_stream_pins_a_block(on_the_launcher, launcher, rng):
     """The control of the test above: ``small-blocks: 0``, as before, pins chunk-sized
     blocks (all but their small part: a block minus 1 KiB each)."""
     pinned, got, expected = pinned_after_persist(launcher, rng, 0)
@@ -454,7 +462,9 @@ def test_without_small_blocks_apart_each_stream_pins_a_block(launcher, rng):
     assert pinned >= 255 << 10, f"{pinned / 2**10:.0f} KiB pinned"
 
 
-def test_eight_streams_fit_a_device_nearly_as_full_as_plain_sync_needs(launcher, rng):
+def test_eight_streams_fit_a_device_nearly_as_full_as_plain_sync_needs(
+    on_the_launcher, launcher, rng
+):
     """Capped 4.4 chunks above its inputs, the sim device runs the row sums on 8 streams as
     plain sync does (without small blocks apart, 13 runs of 15 ran out of memory there:
     benchmarks/results/cpu-misc/sim-pressure-a4213bb.txt)."""
@@ -471,22 +481,91 @@ def test_eight_streams_fit_a_device_nearly_as_full_as_plain_sync_needs(launcher,
         np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
-def test_small_blocks_leave_another_allocator_alone(launcher, rng):
-    """An allocator that is not the pool's (standing for RMM's) serves every request, and the
-    thread's allocator is the pool's again after the compute."""
+def test_small_blocks_leave_another_allocator_alone(on_the_launcher, launcher, rng):
+    """An allocator that is not the pool's (standing for RMM's) serves every request on the
+    stream current then, and the thread's allocator is the pool's again after the compute."""
     pool = sim.get_default_memory_pool()
     sizes: list[int] = []
+    streams: set[int] = set()
 
     def counting(nbytes, stream):
         sizes.append(nbytes)
+        streams.add(stream)
         return pool.malloc(nbytes, stream)
 
     y, expected = row_sums(rng)
-    with sim.using_allocator(counting), launcher(streams=8, **{"small-blocks": SMALL_BLOCKS}):
-        got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
+    with launcher(streams=8, **{"small-blocks": SMALL_BLOCKS}):
+        with sim.using_allocator(counting):
+            got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
+        pool_streams = {slot.stream.id for slot in get_runtime().pool.slots}
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     assert min(sizes) < 64 << 10 and max(sizes) >= 256 << 10, sizes
+    assert streams <= pool_streams | {sim.get_device().default_stream.id}, streams
     assert sim.get_allocator() == pool.malloc
+
+
+def test_closing_the_runtime_frees_its_small_blocks_arenas(on_the_launcher, launcher, rng):
+    """The arenas that held the pool streams' small blocks go with those streams: once the
+    runtime is closed, the pool holds no free block (no free_all_blocks needed)."""
+    pool = sim.get_default_memory_pool()
+    y, expected = row_sums(rng)
+    with launcher(streams=8, **{"small-blocks": SMALL_BLOCKS}):
+        runtime = get_runtime()
+        got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
+        runtime.close(timeout=30)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert pool.total_bytes() == pool.used_bytes()
+
+
+# --- large tasks -----------------------------------------------------------------------------
+
+
+def scaled_on(streams_seen, x):
+    """``x * 2``, noting the stream it is launched on."""
+    streams_seen.append(sim.get_device().current_stream().id)
+    out = sim.empty(x.shape)
+    sim.launch(slow_scale, out, x, 2.0, 0.002)
+    return out
+
+
+@pytest.mark.parametrize("large_tasks", ["128 KiB", 0])
+def test_large_tasks_run_on_two_streams(on_the_launcher, launcher, large_tasks):
+    """16 independent tasks that allocate 256 KiB each, on 8 busy streams: once the first
+    has (``large-tasks`` 128 KiB), the others all go to 2 streams; with it off they
+    spread. Exact."""
+    seen: list[int] = []
+    inputs = [delayed(leaf)(float(i), CHUNK, 0.004) for i in range(16)]
+    outs = [delayed(download)(delayed(scaled_on)(seen, x)) for x in inputs]
+    config = {"large-tasks": large_tasks, "small-blocks": SMALL_BLOCKS}
+    with launcher(streams=8, policy="auto", **config):
+        got = dask.compute(*outs, scheduler="gpustreams")
+    assert [g.tolist() for g in got] == [[2.0 * i] * CHUNK for i in range(16)]
+    if large_tasks:
+        assert len(set(seen[1:])) <= 2, seen
+    else:
+        assert len(set(seen)) > 2, seen
+
+
+def cached_after_row_sums(launcher, rng, large_tasks) -> int:
+    """Free bytes the pool keeps cached after the row sums on 8 busy streams, and check them."""
+    pool = sim.get_default_memory_pool()
+    y, expected = row_sums(rng)
+    pool.free_all_blocks()
+    config = {"large-tasks": large_tasks, "small-blocks": SMALL_BLOCKS}
+    with launcher(streams=8, policy="auto", **config):
+        got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    return pool.total_bytes() - pool.used_bytes()
+
+
+def test_large_tasks_keep_two_streams_of_free_blocks(on_the_launcher, launcher, rng, monkeypatch):
+    """The row sums' tasks (chunk-sized temporaries of 256 KiB) are large at ``large-tasks``
+    128 KiB: the pool caches 2 streams' temporaries (and the first task's), not up to 8."""
+    monkeypatch.setattr(sim.get_device(), "kernel_delay", (0.0005, 0.001))
+    large = cached_after_row_sums(launcher, rng, "128 KiB")
+    spread = cached_after_row_sums(launcher, rng, 0)
+    chunk = 256 << 10
+    assert large <= 2 * 4 * chunk < spread, (large / chunk, spread / chunk)
 
 
 # --- host tasks ------------------------------------------------------------------------------

@@ -7,9 +7,19 @@ a thin pass-through. Everything here is safe to call from any thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
+
+
+class AllocationMeter:
+    """The largest device allocation made through a launcher's allocator since
+    :attr:`largest` was last set to 0 (by the launcher, after each task)."""
+
+    __slots__ = ("largest",)
+
+    def __init__(self) -> None:
+        self.largest = 0
 
 
 class Backend(Protocol):
@@ -100,14 +110,19 @@ class Backend(Protocol):
         Called once the work that may still use them is done (it may wait for the device).
         """
 
-    def small_block_arenas(self, threshold: int) -> AbstractContextManager:
-        """Inside, this thread's allocations under ``threshold`` bytes come from arenas apart.
+    def launch_allocator(
+        self, streams: Sequence[Any], small_blocks: int
+    ) -> AbstractContextManager[AllocationMeter | None]:
+        """This thread's allocator while the stream launcher runs; yields its meter.
 
-        One per stream, reused on that stream only, as the pool's own arenas are: a
-        small result is then never carved out of a large cached block, which the pool
-        cannot free while the small part lives (each stream holding one would pin a
-        whole block). Only while the allocator is the backend's pool; any other (RMM,
-        ``cudaMallocAsync``), and ``threshold`` 0, are left as they are.
+        Allocations under ``small_blocks`` bytes made while one of ``streams`` (the
+        pool's) is current come from an arena of that stream's apart, reused on that
+        stream only, as the pool's own arenas are: a small result is then never
+        carved out of a large cached block, which the pool cannot free while the
+        small part lives (each stream holding one would pin a whole block). The
+        meter records the largest of the other allocations. Only while the
+        allocator is the default pool's; under any other (RMM, ``cudaMallocAsync``)
+        nothing changes and the meter is None.
         """
 
     def hardware_queues(self) -> int | None:

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -28,6 +28,7 @@ import cupyx
 import numpy as np
 
 from dask_gpustreams.backends import cufft_plans
+from dask_gpustreams.backends.base import AllocationMeter
 from dask_gpustreams.backends.nvidia import cuda_connections
 
 logger = logging.getLogger("dask_gpustreams")
@@ -56,8 +57,8 @@ class CupyBackend:
         # Each stream's torch.cuda.ExternalStream, dropped with the stream.
         self._torch_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._fft_warned = False
-        # The stream whose arena stands for each stream's small blocks (small_block_arenas).
-        self._small_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Pool stream (by handle) -> the stream whose arena holds its small blocks.
+        self._small_streams: dict[int, cupy.cuda.Stream] = {}
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -109,11 +110,12 @@ class CupyBackend:
         stay held, never reused, until an allocation fails (a runtime closed and
         made again, as by a plugin registered twice, grew the pool each time).
         Its blocks still in use (results alive at the close) go back to that arena
-        when freed, and stay there. Each block freed is a ``cudaFree``, which waits
-        for the device. Never raises: after a sticky CUDA error the pool's close
-        still ends its other streams.
+        when freed, and stay there. So does the arena of the stream that stood for
+        its small blocks (:meth:`launch_allocator`). Each block freed is a
+        ``cudaFree``, which waits for the device. Never raises: after a sticky CUDA
+        error the pool's close still ends its other streams.
         """
-        small = self._small_streams.pop(stream, None)
+        small = self._small_streams.pop(stream.ptr, None)
         with contextlib.suppress(Exception), cupy.cuda.Device(self.device_id):
             pool = cupy.get_default_memory_pool()
             pool.free_all_blocks(stream=stream)
@@ -205,37 +207,49 @@ class CupyBackend:
             cupy.get_default_memory_pool().free_all_blocks()
 
     @contextlib.contextmanager
-    def small_block_arenas(self, threshold: int) -> Iterator[None]:
-        """Small requests allocated while a stream of their own, standing for the current one,
-        is current (CuPy's pool keys its arenas by the stream current at allocation).
+    def launch_allocator(
+        self, streams: Sequence[cupy.cuda.Stream], small_blocks: int
+    ) -> Iterator[AllocationMeter | None]:
+        """A small request is allocated while a stream of its own, standing for the
+        current pool stream, is current (CuPy's pool keys its arenas by the stream
+        current then); the others are metered.
 
         A thread-local allocator (``cupy.cuda.using_allocator``), installed only where
-        the current one is a ``cupy.cuda.MemoryPool``'s ``malloc`` (or wraps one,
-        ``functools.wraps``); a task must not call ``cupy.cuda.set_allocator`` inside,
-        which CuPy refuses there. The standing stream never runs work: a block in its
-        arena is reused only by later allocations on the stream it stands for, so the
-        stream-order reuse of CuPy's pool, and the inputs held for other streams, stay
-        as they are.
+        the current one is the default pool's ``malloc`` (or wraps it,
+        ``functools.wraps``); inside, a task's ``cupy.cuda.set_allocator`` raises
+        (CuPy refuses it there), and one made by another thread is not seen. The
+        standing stream never runs work: a block in its arena is reused only by later
+        allocations on the pool stream it stands for, so CuPy's stream-order reuse,
+        and the inputs held for other streams, stay as they are. It lives as long as
+        that stream (:meth:`destroy_stream`). Allocations on other streams (the
+        default, other devices', a task's own) are left as they are; so are those
+        of a nested compute, whose allocator is this one already.
         """
         allocator = cupy.cuda.get_allocator()
-        pool = getattr(inspect.unwrap(allocator), "__self__", None)
-        if not threshold or not isinstance(pool, cupy.cuda.MemoryPool):
-            yield
+        if inspect.unwrap(allocator) != cupy.get_default_memory_pool().malloc:
+            yield None
             return
-        streams, current = self._small_streams, cupy.cuda.get_current_stream
+        small_streams = self._small_streams
+        if small_blocks:
+            for stream in streams:
+                if stream.ptr not in small_streams:
+                    with cupy.cuda.Device(self.device_id):
+                        small_streams[stream.ptr] = cupy.cuda.Stream(non_blocking=True)
+        standing_for, current = small_streams.get, cupy.cuda.get_current_stream
+        meter = AllocationMeter()
 
         def malloc(size: int) -> cupy.cuda.MemoryPointer:
-            if size >= threshold:
-                return allocator(size)
-            stream = current()
-            small = streams.get(stream)
-            if small is None:
-                small = streams.setdefault(stream, cupy.cuda.Stream(non_blocking=True))
-            with small:
-                return allocator(size)
+            if size < small_blocks:
+                small = standing_for(current().ptr)
+                if small is not None:
+                    with small:
+                        return allocator(size)
+            elif size > meter.largest:
+                meter.largest = size
+            return allocator(size)
 
         with cupy.cuda.using_allocator(malloc):
-            yield
+            yield meter
 
     def hardware_queues(self) -> int | None:
         if self.is_hip:

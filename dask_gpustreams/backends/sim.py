@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
 
 from dask_gpustreams import sim
+from dask_gpustreams.backends.base import AllocationMeter
 
 
 class SimBackend:
@@ -24,7 +25,7 @@ class SimBackend:
     def __init__(self) -> None:
         self.device = sim.get_device()
         self.device_id = self.device.id
-        # The stream whose arena stands for each stream's (by id) small blocks.
+        # Pool stream (by id) -> the stream whose arena holds its small blocks.
         self._small_streams: dict[int, sim.Stream] = {}
 
     def create_stream(self, priority: int = 0) -> sim.Stream:
@@ -89,31 +90,41 @@ class SimBackend:
         sim.get_default_memory_pool().free_all_blocks()
 
     @contextmanager
-    def small_block_arenas(self, threshold: int) -> Iterator[None]:
-        """Small requests from the arena of a stream standing for the current one, through a
-        thread-local allocator (``sim.using_allocator``), as the CuPy backend does.
+    def launch_allocator(
+        self, streams: Sequence[sim.Stream], small_blocks: int
+    ) -> Iterator[AllocationMeter | None]:
+        """A small request on a pool stream from the arena of a stream standing for it,
+        through a thread-local allocator (``sim.using_allocator``), the others metered,
+        as the CuPy backend does, where the current one is the default pool's
+        ``malloc`` (or wraps it).
 
         The sim's pool keys its arenas by the stream identifier it is given; the
         standing stream never runs work (nor starts a thread), and a reused block is
         still poisoned on the stream current at allocation.
         """
         allocator = sim.get_allocator()
-        pool = getattr(inspect.unwrap(allocator), "__self__", None)
-        if not threshold or not isinstance(pool, sim.MemoryPool):
-            yield
+        if inspect.unwrap(allocator) != sim.get_default_memory_pool().malloc:
+            yield None
             return
-        streams, create = self._small_streams, self.device.create_stream
+        small_streams = self._small_streams
+        if small_blocks:
+            for stream in streams:
+                if stream.id not in small_streams:
+                    small_streams[stream.id] = self.device.create_stream()
+        standing_for = small_streams.get
+        meter = AllocationMeter()
 
-        def malloc(nbytes: int, stream: Any) -> tuple:
-            if nbytes >= threshold:
-                return allocator(nbytes, stream)
-            small = streams.get(stream)
-            if small is None:
-                small = streams.setdefault(stream, create())
-            return allocator(nbytes, small.id)
+        def malloc(nbytes: int, stream_id: int) -> tuple[Any, bool]:
+            if nbytes < small_blocks:
+                small = standing_for(stream_id)
+                if small is not None:
+                    return allocator(nbytes, small.id)
+            elif nbytes > meter.largest:
+                meter.largest = nbytes
+            return allocator(nbytes, stream_id)
 
         with sim.using_allocator(malloc):
-            yield
+            yield meter
 
     def hardware_queues(self) -> int | None:
         return None

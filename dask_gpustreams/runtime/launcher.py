@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dask.utils import format_bytes
 
+from dask_gpustreams.backends.base import AllocationMeter
 from dask_gpustreams.config import MIN_SIZE
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.policies import TaskInfo, critical_keys
@@ -227,6 +228,7 @@ class GraphLauncher:
         #: The key of the task whose exception :meth:`run` raised (None: no task's).
         self.failed: Hashable | None = None
         self._launched: list[Any] = []
+        self._streams: list[Any] = []  # the pool's, while run() runs
 
     # --- the launch loop ----------------------------------------------------------------------
 
@@ -242,17 +244,20 @@ class GraphLauncher:
         nothing. With ``check``, the first error that any event of the graph
         carries is raised then too (``event_error`` returns it every time).
 
-        Allocations below ``config.small_blocks`` bytes made on this thread meanwhile
-        come from arenas of their own (``Backend.small_block_arenas``): running
-        ``streams`` paths at once, each stream would otherwise pin a large cached
-        block under its small results.
+        Meanwhile this thread allocates through ``Backend.launch_allocator``:
+        allocations below ``config.small_blocks`` bytes come from arenas of their
+        own (running ``streams`` paths at once, each stream would otherwise pin a
+        large cached block under its small results), and a task of a group whose
+        earlier task allocated a block of ``config.large_tasks`` bytes is large
+        (:attr:`TaskInfo.large`).
         """
         runtime = self.runtime
-        with runtime.backend.small_block_arenas(runtime.config.small_blocks):
-            return self._launch_all()
+        self._streams = streams = [slot.stream for slot in runtime.pool.slots]
+        with runtime.backend.launch_allocator(streams, runtime.config.small_blocks) as meter:
+            return self._launch_all(meter)
 
-    def _launch_all(self) -> dict[Hashable, Any]:
-        """:meth:`run`, inside its allocator."""
+    def _launch_all(self, meter: AllocationMeter | None) -> dict[Hashable, Any]:
+        """:meth:`run`, inside its allocator, whose ``meter`` tells large tasks."""
         runtime, registry = self.runtime, self.registry
         results, tasks, dependencies = self.results, self.tasks, self.dependencies
         wanted, host, hooks = self.wanted, self.host, self.hooks
@@ -267,6 +272,8 @@ class GraphLauncher:
         out_of_memory = backend.out_of_memory_errors
         learned, timeline, width = runtime.host_tasks, runtime.timeline, pool.n_streams
         threshold = learned.threshold_s
+        large_size = runtime.config.large_tasks if meter is not None else 0
+        large_groups: set[Hashable] = set()
         # Once per graph, for policies that place the longest path apart (critical-path).
         critical = critical_keys(dependencies) if runtime.policy.needs_critical_path else None
 
@@ -315,9 +322,11 @@ class GraphLauncher:
                         self._submit_host(key, values)
                         continue
                     producers = [r for d in deps if (r := get_record(d)) is not None]
+                    large = bool(large_groups) and self.group_of(key) in large_groups
                     with assign_lock:
                         on_path = None if critical is None else key in critical
-                        slot = select(TaskInfo(key, producers, registry, on_path), pool)
+                        info = TaskInfo(key, producers, registry, on_path, large)
+                        slot = select(info, pool)
                         pool.assign(slot)
                     stream = slot.stream
                     start = None
@@ -351,6 +360,10 @@ class GraphLauncher:
                                 t0 = perf_counter()  # the wait is no host work of the task
                                 result = tasks[key](values)
                         seconds = perf_counter() - t0
+                        if large_size:
+                            if meter.largest >= large_size:
+                                large_groups.add(self.group_of(key))
+                            meter.largest = 0
                     except BaseException as e:
                         if called:
                             self.failed = key
@@ -490,11 +503,14 @@ class GraphLauncher:
         state["launching"] = state["host_thread"] = True
         registry = EventRegistry()
         try:
+            backend = runtime.backend
             for r in producers:
-                runtime.backend.synchronize_event(r.event)
-            t0 = perf_counter()
-            result = runtime.run(key, self.tasks[key], values, registry)
-            seconds = perf_counter() - t0
+                backend.synchronize_event(r.event)
+            # Small blocks apart here too (the meter is the launching thread's business).
+            with backend.launch_allocator(self._streams, runtime.config.small_blocks):
+                t0 = perf_counter()
+                result = runtime.run(key, self.tasks[key], values, registry)
+                seconds = perf_counter() - t0
         except BaseException as e:
             error = e
         finally:

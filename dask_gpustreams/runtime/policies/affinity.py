@@ -57,6 +57,11 @@ class Auto(StreamPolicy):
     Streams with work of unknown level (recorded by other means) count their
     unfinished tasks instead.
 
+    A large task (:attr:`TaskInfo.large`) goes to one of the first
+    :attr:`large_streams` streams: its kernels fill the device on their own, so
+    more streams would only run more of them at once in the memory they hold, and
+    keep that many more free blocks cached (CuPy's pool keeps an arena per stream).
+
     A task's level goes with its record (:attr:`TaskRecord.level`, through
     :meth:`EventRegistry.plan`), so it stays the task's whatever order the
     events of one stream are recorded in. Called under the pool's assign lock
@@ -66,6 +71,8 @@ class Auto(StreamPolicy):
     name = "auto"
     #: Streams passed over by level that a selection asks whether they are idle.
     queries = 2
+    #: The streams large tasks run on: one launching while the other runs.
+    large_streams = 2
 
     def __init__(self) -> None:
         self._tail: dict[int, int] = {}  # stream -> level of its last assigned task
@@ -73,6 +80,8 @@ class Auto(StreamPolicy):
 
     def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
         slots = pool.slots
+        if task.large:
+            slots = slots[: self.large_streams]
         n = len(slots)
         tail = self._tail
         ready = 0  # the level at which the last input is ready

@@ -18,12 +18,15 @@ class TaskInfo:
     ``producers`` are the records of the task's inputs produced by this
     runtime (same device, same process), in input order. ``critical`` is True
     for tasks on a longest path of their graph, where the integration knows it.
+    ``large`` is True for a task of a group whose earlier task allocated a block
+    of at least ``gpustreams.large-tasks`` bytes, where the launcher knows it.
     """
 
     key: Hashable
     producers: Sequence[TaskRecord]
     registry: EventRegistry
     critical: bool | None = None
+    large: bool = False
 
 
 class StreamPolicy(ABC):
