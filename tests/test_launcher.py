@@ -546,6 +546,23 @@ def test_large_tasks_run_on_two_streams(on_the_launcher, launcher, large_tasks):
         assert len(set(seen)) > 2, seen
 
 
+def test_a_group_stays_large_across_computes_until_a_task_allocates_less(on_the_launcher, launcher):
+    """Learned in one compute, a large group's first task of the next compute goes to the
+    2 streams too; a task of it that allocates no large block makes it small again."""
+    config = {"large-tasks": "128 KiB", "small-blocks": SMALL_BLOCKS}
+    streams_used = []
+    with launcher(streams=8, policy="auto", **config):
+        for n in (CHUNK, CHUNK, 1024):
+            seen: list[int] = []
+            inputs = [delayed(leaf)(float(i), n, 0.004) for i in range(16)]
+            outs = [delayed(download)(delayed(scaled_on)(seen, x)) for x in inputs]
+            got = dask.compute(*outs, scheduler="gpustreams")
+            assert [g.tolist() for g in got] == [[2.0 * i] * n for i in range(16)]
+            streams_used.append(len(set(seen)))
+            assert ("scaled_on" in get_runtime().large_tasks) is (n == CHUNK)
+    assert streams_used[1] <= 2 < streams_used[2], streams_used
+
+
 def cached_after_row_sums(launcher, rng, large_tasks) -> int:
     """Free bytes the pool keeps cached after the row sums on 8 busy streams, and check them."""
     pool = sim.get_default_memory_pool()

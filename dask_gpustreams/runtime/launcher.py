@@ -247,9 +247,9 @@ class GraphLauncher:
         Meanwhile this thread allocates through ``Backend.launch_allocator``:
         allocations below ``config.small_blocks`` bytes come from arenas of their
         own (running ``streams`` paths at once, each stream would otherwise pin a
-        large cached block under its small results), and a task of a group whose
-        earlier task allocated a block of ``config.large_tasks`` bytes is large
-        (:attr:`TaskInfo.large`).
+        large cached block under its small results), and the largest block each
+        task allocates goes to the runtime's ``large_tasks``, which makes the
+        later tasks of its group large (:attr:`TaskInfo.large`).
         """
         runtime = self.runtime
         self._streams = streams = [slot.stream for slot in runtime.pool.slots]
@@ -272,8 +272,8 @@ class GraphLauncher:
         out_of_memory = backend.out_of_memory_errors
         learned, timeline, width = runtime.host_tasks, runtime.timeline, pool.n_streams
         threshold = learned.threshold_s
-        large_size = runtime.config.large_tasks if meter is not None else 0
-        large_groups: set[Hashable] = set()
+        large_tasks = runtime.large_tasks
+        large_size = large_tasks.size if meter is not None else 0
         # Once per graph, for policies that place the longest path apart (critical-path).
         critical = critical_keys(dependencies) if runtime.policy.needs_critical_path else None
 
@@ -322,7 +322,7 @@ class GraphLauncher:
                         self._submit_host(key, values)
                         continue
                     producers = [r for d in deps if (r := get_record(d)) is not None]
-                    large = bool(large_groups) and self.group_of(key) in large_groups
+                    large = bool(large_tasks) and self.group_of(key) in large_tasks
                     with assign_lock:
                         on_path = None if critical is None else key in critical
                         info = TaskInfo(key, producers, registry, on_path, large)
@@ -361,8 +361,9 @@ class GraphLauncher:
                                 result = tasks[key](values)
                         seconds = perf_counter() - t0
                         if large_size:
-                            if meter.largest >= large_size:
-                                large_groups.add(self.group_of(key))
+                            # Only news is told: a large block, or none from a large task.
+                            if (meter.largest >= large_size) is not large:
+                                large_tasks.observe(self.group_of(key), meter.largest)
                             meter.largest = 0
                     except BaseException as e:
                         if called:

@@ -25,6 +25,7 @@ from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.events import EventPool
 from dask_gpustreams.runtime.hosttasks import HostTasks
 from dask_gpustreams.runtime.hostthreads import HostThreads
+from dask_gpustreams.runtime.largetasks import LargeTasks
 from dask_gpustreams.runtime.lifetime import Runtimes
 from dask_gpustreams.runtime.pinned import PinnedStats
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
@@ -78,6 +79,8 @@ class StreamRuntime:
         self.events = EventPool(backend)
         #: Which task groups block the host (learned by the launcher).
         self.host_tasks = HostTasks()
+        #: Which task groups allocate large blocks (learned by the launcher).
+        self.large_tasks = LargeTasks(config.large_tasks)
         # The thread-local flag of threads whose library state is isolated for this device.
         self._isolation = ("isolated", backend.name, backend.device_id)
         self._host_executor: HostThreads | None = None
