@@ -27,7 +27,7 @@ from dask.diagnostics import ProgressBar
 
 import dask_gpustreams
 import dask_gpustreams.integrations.launcher as launcher_module
-from dask_gpustreams import KernelError, sim
+from dask_gpustreams import KernelError, host_task, sim
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime import StreamPool, get_runtime
@@ -561,6 +561,55 @@ def test_a_group_stays_large_across_computes_until_a_task_allocates_less(on_the_
             streams_used.append(len(set(seen)))
             assert ("scaled_on" in get_runtime().large_tasks) is (n == CHUNK)
     assert streams_used[1] <= 2 < streams_used[2], streams_used
+
+
+def allocator_seen():
+    """Whether this thread's allocator is the pool's own ``malloc`` (no launcher's)."""
+    return sim.get_allocator() == sim.get_default_memory_pool().malloc
+
+
+@host_task
+def allocator_seen_on_a_host_thread():
+    return allocator_seen()
+
+
+@pytest.mark.parametrize(("small_blocks", "large_tasks"), [("64 KiB", 0), (0, "128 KiB"), (0, 0)])
+def test_the_launchers_allocator_is_off_only_with_both_keys_0(launcher, small_blocks, large_tasks):
+    """Tasks on the launching thread allocate through the launcher's allocator while either
+    key is set, host tasks while ``small-blocks`` is (they are not metered); with both 0
+    none is installed (so a task may call ``cupy.cuda.set_allocator``, which CuPy refuses
+    inside another)."""
+    config = {"small-blocks": small_blocks, "large-tasks": large_tasks}
+    with launcher(streams=4, **config):
+        own_on_launcher, own_on_host = dask.compute(
+            delayed(allocator_seen)(),
+            delayed(allocator_seen_on_a_host_thread)(),
+            scheduler="gpustreams",
+        )
+    assert own_on_launcher is not bool(small_blocks or large_tasks)
+    assert own_on_host is not bool(small_blocks)
+    assert allocator_seen()
+
+
+def allocate_on(nbytes, x):
+    """A result of ``nbytes`` (float64), after ``x``."""
+    out = sim.empty(nbytes // 8)
+    sim.launch(np.copyto, out, x[0])
+    return out
+
+
+def test_a_small_group_after_a_large_task_stays_small(on_the_launcher, launcher):
+    """The meter starts again at each task: a group whose blocks are metered but below
+    ``large-tasks``, launched after a large task, is not learned as large."""
+    config = {"large-tasks": "128 KiB", "small-blocks": SMALL_BLOCKS}
+    x = delayed(leaf)(1.0, 4, 0.0)
+    big = delayed(allocate_on)(256 << 10, x, dask_key_name="big-0")
+    mid = delayed(allocate_on)(96 << 10, big, dask_key_name="mid-0")
+    with launcher(streams=4, policy="auto", **config):
+        got = delayed(download)(mid).compute(scheduler="gpustreams")
+        large = get_runtime().large_tasks
+        assert ("big" in large, "mid" in large) == (True, False)
+    np.testing.assert_array_equal(got, np.ones(12 << 10))
 
 
 def cached_after_row_sums(launcher, rng, large_tasks) -> int:

@@ -111,7 +111,7 @@ class Backend(Protocol):
         """
 
     def launch_allocator(
-        self, streams: Sequence[Any], small_blocks: int
+        self, streams: Sequence[Any], small_blocks: int, large_tasks: int
     ) -> AbstractContextManager[AllocationMeter | None]:
         """This thread's allocator while the stream launcher runs; yields its meter.
 
@@ -120,9 +120,10 @@ class Backend(Protocol):
         stream only, as the pool's own arenas are: a small result is then never
         carved out of a large cached block, which the pool cannot free while the
         small part lives (each stream holding one would pin a whole block). The
-        meter records the largest of the other allocations. Only while the
-        allocator is the default pool's; under any other (RMM, ``cudaMallocAsync``)
-        nothing changes and the meter is None.
+        meter records the largest of the other allocations (for ``large_tasks``).
+        Only while the allocator is the default pool's and either size is set;
+        otherwise (RMM, ``cudaMallocAsync``; both 0) nothing changes and the meter
+        is None.
         """
 
     def hardware_queues(self) -> int | None:

@@ -18,6 +18,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -59,6 +60,7 @@ class CupyBackend:
         self._fft_warned = False
         # Pool stream (by handle) -> the stream whose arena holds its small blocks.
         self._small_streams: dict[int, cupy.cuda.Stream] = {}
+        self._small_lock = threading.Lock()
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -115,7 +117,8 @@ class CupyBackend:
         ``cudaFree``, which waits for the device. Never raises: after a sticky CUDA
         error the pool's close still ends its other streams.
         """
-        small = self._small_streams.pop(stream.ptr, None)
+        with self._small_lock:
+            small = self._small_streams.pop(stream.ptr, None)
         with contextlib.suppress(Exception), cupy.cuda.Device(self.device_id):
             pool = cupy.get_default_memory_pool()
             pool.free_all_blocks(stream=stream)
@@ -208,7 +211,7 @@ class CupyBackend:
 
     @contextlib.contextmanager
     def launch_allocator(
-        self, streams: Sequence[cupy.cuda.Stream], small_blocks: int
+        self, streams: Sequence[cupy.cuda.Stream], small_blocks: int, large_tasks: int
     ) -> Iterator[AllocationMeter | None]:
         """A small request is allocated while a stream of its own, standing for the
         current pool stream, is current (CuPy's pool keys its arenas by the stream
@@ -216,8 +219,9 @@ class CupyBackend:
 
         A thread-local allocator (``cupy.cuda.using_allocator``), installed only where
         the current one is the default pool's ``malloc`` (or wraps it,
-        ``functools.wraps``); inside, a task's ``cupy.cuda.set_allocator`` raises
-        (CuPy refuses it there), and one made by another thread is not seen. The
+        ``functools.wraps``) and ``small_blocks`` or ``large_tasks`` is set; inside, a
+        task's ``cupy.cuda.set_allocator`` raises (CuPy refuses it there), and one made
+        by another thread is not seen. The
         standing stream never runs work: a block in its arena is reused only by later
         allocations on the pool stream it stands for, so CuPy's stream-order reuse,
         and the inputs held for other streams, stay as they are. It lives as long as
@@ -226,15 +230,17 @@ class CupyBackend:
         of a nested compute, whose allocator is this one already.
         """
         allocator = cupy.cuda.get_allocator()
-        if inspect.unwrap(allocator) != cupy.get_default_memory_pool().malloc:
+        pool = cupy.get_default_memory_pool()
+        if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
             yield None
             return
         small_streams = self._small_streams
         if small_blocks:
-            for stream in streams:
-                if stream.ptr not in small_streams:
-                    with cupy.cuda.Device(self.device_id):
-                        small_streams[stream.ptr] = cupy.cuda.Stream(non_blocking=True)
+            with self._small_lock:  # one standing stream per pool stream, whoever enters
+                for stream in streams:
+                    if stream.ptr not in small_streams:
+                        with cupy.cuda.Device(self.device_id):
+                            small_streams[stream.ptr] = cupy.cuda.Stream(non_blocking=True)
         standing_for, current = small_streams.get, cupy.cuda.get_current_stream
         meter = AllocationMeter()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -27,6 +28,7 @@ class SimBackend:
         self.device_id = self.device.id
         # Pool stream (by id) -> the stream whose arena holds its small blocks.
         self._small_streams: dict[int, sim.Stream] = {}
+        self._small_lock = threading.Lock()
 
     def create_stream(self, priority: int = 0) -> sim.Stream:
         return self.device.create_stream(priority)
@@ -59,7 +61,8 @@ class SimBackend:
         stream.synchronize()
 
     def destroy_stream(self, stream: sim.Stream, timeout: float | None = None) -> None:
-        small = self._small_streams.pop(stream.id, None)
+        with self._small_lock:
+            small = self._small_streams.pop(stream.id, None)
         if small is not None:
             small.close()  # its arena goes with it
         stream.close(timeout)
@@ -91,26 +94,28 @@ class SimBackend:
 
     @contextmanager
     def launch_allocator(
-        self, streams: Sequence[sim.Stream], small_blocks: int
+        self, streams: Sequence[sim.Stream], small_blocks: int, large_tasks: int
     ) -> Iterator[AllocationMeter | None]:
         """A small request on a pool stream from the arena of a stream standing for it,
         through a thread-local allocator (``sim.using_allocator``), the others metered,
         as the CuPy backend does, where the current one is the default pool's
-        ``malloc`` (or wraps it).
+        ``malloc`` (or wraps it) and ``small_blocks`` or ``large_tasks`` is set.
 
         The sim's pool keys its arenas by the stream identifier it is given; the
         standing stream never runs work (nor starts a thread), and a reused block is
         still poisoned on the stream current at allocation.
         """
         allocator = sim.get_allocator()
-        if inspect.unwrap(allocator) != sim.get_default_memory_pool().malloc:
+        pool = sim.get_default_memory_pool()
+        if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
             yield None
             return
         small_streams = self._small_streams
         if small_blocks:
-            for stream in streams:
-                if stream.id not in small_streams:
-                    small_streams[stream.id] = self.device.create_stream()
+            with self._small_lock:  # one standing stream per pool stream, whoever enters
+                for stream in streams:
+                    if stream.id not in small_streams:
+                        small_streams[stream.id] = self.device.create_stream()
         standing_for = small_streams.get
         meter = AllocationMeter()
 

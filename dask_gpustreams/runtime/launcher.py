@@ -253,7 +253,11 @@ class GraphLauncher:
         """
         runtime = self.runtime
         self._streams = streams = [slot.stream for slot in runtime.pool.slots]
-        with runtime.backend.launch_allocator(streams, runtime.config.small_blocks) as meter:
+        config = runtime.config
+        allocator = runtime.backend.launch_allocator(
+            streams, config.small_blocks, config.large_tasks
+        )
+        with allocator as meter:
             return self._launch_all(meter)
 
     def _launch_all(self, meter: AllocationMeter | None) -> dict[Hashable, Any]:
@@ -322,7 +326,7 @@ class GraphLauncher:
                         self._submit_host(key, values)
                         continue
                     producers = [r for d in deps if (r := get_record(d)) is not None]
-                    large = bool(large_tasks) and self.group_of(key) in large_tasks
+                    large = bool(large_size and large_tasks) and self.group_of(key) in large_tasks
                     with assign_lock:
                         on_path = None if critical is None else key in critical
                         info = TaskInfo(key, producers, registry, on_path, large)
@@ -508,7 +512,8 @@ class GraphLauncher:
             for r in producers:
                 backend.synchronize_event(r.event)
             # Small blocks apart here too (the meter is the launching thread's business).
-            with backend.launch_allocator(self._streams, runtime.config.small_blocks):
+            config = runtime.config
+            with backend.launch_allocator(self._streams, config.small_blocks, 0):
                 t0 = perf_counter()
                 result = runtime.run(key, self.tasks[key], values, registry)
                 seconds = perf_counter() - t0

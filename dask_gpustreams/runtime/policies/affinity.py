@@ -77,11 +77,12 @@ class Auto(StreamPolicy):
     def __init__(self) -> None:
         self._tail: dict[int, int] = {}  # stream -> level of its last assigned task
         self._probe = 0  # the stream asked next whether it is idle
+        self._large_probe = 0  # the same, among the streams of large tasks
 
     def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
-        slots = pool.slots
+        every = slots = pool.slots
         if task.large:
-            slots = slots[: self.large_streams]
+            slots = every[: self.large_streams]
         n = len(slots)
         tail = self._tail
         ready = 0  # the level at which the last input is ready
@@ -89,18 +90,25 @@ class Auto(StreamPolicy):
         tail_of: StreamSlot | None = None  # a producer's stream that ends with it
         for record in task.producers:
             producer = record.slot
-            if producer.index >= n or slots[producer.index] is not producer:
+            index = producer.index
+            if index >= len(every) or every[index] is not producer:
                 continue  # recorded by another pool
             if record.level > ready:
                 ready = record.level
+            if index >= n:
+                continue  # not one of a large task's streams
             if producer not in mine:
                 mine.append(producer)
             if tail_of is None and pool.is_tail(producer, record.seq):
                 tail_of = producer
         if tail_of is not None:  # a chain goes on: no stream need be asked
             return self._assign(task, tail_of, ready)
-        probe = self._probe % n
-        self._probe = probe + 1
+        if task.large:
+            probe = self._large_probe % n
+            self._large_probe = probe + 1
+        else:
+            probe = self._probe % n
+            self._probe = probe + 1
         if tail.get(probe, 0) and pool.is_idle(slots[probe]):
             tail[probe] = 0  # drained: any task can start on it at once
         best, best_start = slots[0], -1
