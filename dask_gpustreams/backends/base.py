@@ -7,7 +7,8 @@ a thin pass-through. Everything here is safe to call from any thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -20,6 +21,30 @@ class AllocationMeter:
 
     def __init__(self) -> None:
         self.largest = 0
+
+
+class StandingStreams:
+    """For each pool stream (by a key: a handle or an id), the stream that stands for it
+    while its small blocks are allocated (``Backend.launch_allocator``); thread-safe."""
+
+    def __init__(self) -> None:
+        self._streams: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+        #: The standing stream of a key, or None (a dict lookup: the allocator's hot path).
+        self.get = self._streams.get
+
+    def ensure(self, keys: Iterable[Hashable], create: Callable[[], Any]) -> None:
+        """Make a standing stream with ``create()`` for each key that has none; only one
+        is ever made per key, however many threads enter at once."""
+        with self._lock:
+            for key in keys:
+                if key not in self._streams:
+                    self._streams[key] = create()
+
+    def pop(self, key: Hashable) -> Any:
+        """Forget ``key``'s standing stream (its pool stream is being destroyed); return it."""
+        with self._lock:
+            return self._streams.pop(key, None)
 
 
 class Backend(Protocol):

@@ -18,7 +18,6 @@ import inspect
 import logging
 import os
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -29,7 +28,7 @@ import cupyx
 import numpy as np
 
 from dask_gpustreams.backends import cufft_plans
-from dask_gpustreams.backends.base import AllocationMeter
+from dask_gpustreams.backends.base import AllocationMeter, StandingStreams
 from dask_gpustreams.backends.nvidia import cuda_connections
 
 logger = logging.getLogger("dask_gpustreams")
@@ -59,8 +58,7 @@ class CupyBackend:
         self._torch_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._fft_warned = False
         # Pool stream (by handle) -> the stream whose arena holds its small blocks.
-        self._small_streams: dict[int, cupy.cuda.Stream] = {}
-        self._small_lock = threading.Lock()
+        self._small_streams = StandingStreams()
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -117,8 +115,7 @@ class CupyBackend:
         ``cudaFree``, which waits for the device. Never raises: after a sticky CUDA
         error the pool's close still ends its other streams.
         """
-        with self._small_lock:
-            small = self._small_streams.pop(stream.ptr, None)
+        small = self._small_streams.pop(stream.ptr)
         with contextlib.suppress(Exception), cupy.cuda.Device(self.device_id):
             pool = cupy.get_default_memory_pool()
             pool.free_all_blocks(stream=stream)
@@ -234,14 +231,9 @@ class CupyBackend:
         if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
             yield None
             return
-        small_streams = self._small_streams
         if small_blocks:
-            with self._small_lock:  # one standing stream per pool stream, whoever enters
-                for stream in streams:
-                    if stream.ptr not in small_streams:
-                        with cupy.cuda.Device(self.device_id):
-                            small_streams[stream.ptr] = cupy.cuda.Stream(non_blocking=True)
-        standing_for, current = small_streams.get, cupy.cuda.get_current_stream
+            self._small_streams.ensure([s.ptr for s in streams], self._standing_stream)
+        standing_for, current = self._small_streams.get, cupy.cuda.get_current_stream
         meter = AllocationMeter()
 
         def malloc(size: int) -> cupy.cuda.MemoryPointer:
@@ -256,6 +248,11 @@ class CupyBackend:
 
         with cupy.cuda.using_allocator(malloc):
             yield meter
+
+    def _standing_stream(self) -> cupy.cuda.Stream:
+        """A stream of this device that never runs work (see :meth:`launch_allocator`)."""
+        with cupy.cuda.Device(self.device_id):
+            return cupy.cuda.Stream(non_blocking=True)
 
     def hardware_queues(self) -> int | None:
         if self.is_hip:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from dask_gpustreams import sim
-from dask_gpustreams.backends.base import AllocationMeter
+from dask_gpustreams.backends.base import AllocationMeter, StandingStreams
 
 
 class SimBackend:
@@ -27,8 +26,7 @@ class SimBackend:
         self.device = sim.get_device()
         self.device_id = self.device.id
         # Pool stream (by id) -> the stream whose arena holds its small blocks.
-        self._small_streams: dict[int, sim.Stream] = {}
-        self._small_lock = threading.Lock()
+        self._small_streams = StandingStreams()
 
     def create_stream(self, priority: int = 0) -> sim.Stream:
         return self.device.create_stream(priority)
@@ -61,8 +59,7 @@ class SimBackend:
         stream.synchronize()
 
     def destroy_stream(self, stream: sim.Stream, timeout: float | None = None) -> None:
-        with self._small_lock:
-            small = self._small_streams.pop(stream.id, None)
+        small = self._small_streams.pop(stream.id)
         if small is not None:
             small.close()  # its arena goes with it
         stream.close(timeout)
@@ -110,13 +107,9 @@ class SimBackend:
         if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
             yield None
             return
-        small_streams = self._small_streams
         if small_blocks:
-            with self._small_lock:  # one standing stream per pool stream, whoever enters
-                for stream in streams:
-                    if stream.id not in small_streams:
-                        small_streams[stream.id] = self.device.create_stream()
-        standing_for = small_streams.get
+            self._small_streams.ensure([s.id for s in streams], self.device.create_stream)
+        standing_for = self._small_streams.get
         meter = AllocationMeter()
 
         def malloc(nbytes: int, stream_id: int) -> tuple[Any, bool]:
