@@ -150,6 +150,47 @@ def test_auto_follows_a_producer_only_at_the_tail_of_its_stream(pool):
     assert Auto().select(info("c3", [other], registry), pool).index == 0
 
 
+def large(key, producers, registry):
+    return TaskInfo(key, tuple(producers), registry, None, True)
+
+
+def test_auto_runs_large_tasks_on_two_streams_after_inputs_anywhere(pool):
+    """A large task goes to one of the first 2 streams, and its level counts an input on a
+    stream it may not use: its consumers then wait for what it waits for."""
+    registry = EventRegistry()
+    auto = Auto()
+    pool.busy(2, 3)
+    producer = TaskRecord("far", pool.slots[2], sim.Event(), pool.slots[2].seq)
+    producer.level = 10
+    slot = auto.select(large("big", [producer], registry), pool)
+    assert slot.index in (0, 1)
+    record = TaskRecord("big", slot, sim.Event(), 1)
+    registry.add(record)
+    assert record.level == 11
+
+
+def test_auto_asks_each_of_a_large_tasks_two_streams_in_turn(pool, monkeypatch):
+    """Large and other tasks alternating: each kind asks its own streams whether they are
+    idle, in turn, so every stream is asked (one shared turn skipped streams 3 and up)."""
+    asked: list[int] = []
+    monkeypatch.setattr(Auto, "queries", 0)  # only the turn's question
+    real_is_idle = type(pool).is_idle
+
+    def is_idle(self, slot):
+        asked.append(slot.index)
+        return real_is_idle(self, slot)
+
+    monkeypatch.setattr(type(pool), "is_idle", is_idle)
+    auto, registry = Auto(), EventRegistry()
+    for i in range(3):
+        pool.busy(i, 1)
+    auto._tail.update({0: 5, 1: 5, 2: 5})  # every stream has work planned
+    for n in range(6):
+        auto.select(large(("big", n), [], registry), pool)
+        auto.select(info(("small", n), [], registry), pool)
+    assert {0, 1, 2} <= set(asked), asked
+
+
 def test_affinity_keeps_a_chain_on_one_stream(gpustreams):
     def step(x):
         out = sim.empty(4)
