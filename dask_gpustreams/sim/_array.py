@@ -115,7 +115,7 @@ class SimArray(NDArrayOperatorsMixin):
             self._block = None
             self._view = np.empty(shape, dtype)
             return self
-        allocator = getattr(_local, "allocator", None)
+        allocator = getattr(_local, "allocator", None)  # get_allocator(), inline
         chunk, reused = (_pool.malloc if allocator is None else allocator)(nbytes, stream.id)
         self._block = chunk
         self._view = chunk.buffer[:nbytes].view(dtype).reshape(shape)
