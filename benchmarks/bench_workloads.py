@@ -73,10 +73,12 @@ from dask_gpustreams.backends import resolve_backend
 
 MODES = ("threads", "sync", "launcher", "enabled-threads")
 #: Modes for finding where the launcher loses (not in the default set): one stream, so the
-#: launcher's host path without concurrency on the device; and the round-robin policy.
+#: launcher's host path without concurrency on the device; the round-robin policy; and each
+#: stream's own arena of the memory pool instead of the shared one.
 DIAGNOSTIC_MODES = {
     "launcher-1": {"gpustreams.streams": 1},
     "launcher-rr": {"gpustreams.policy": "round-robin"},
+    "launcher-own-arenas": {"gpustreams.shared-arena": False},
 }
 BACKENDS = ("auto", "cupy", "sim", "numpy")
 F4 = np.float32

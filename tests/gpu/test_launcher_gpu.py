@@ -215,3 +215,40 @@ def test_cached_plans_race_across_streams_control():
     if not wrong:
         pytest.skip("no race in 5 rounds of 32 same-shape FFTs on 8 streams")
     assert wrong > 0
+
+
+def through_a_temporary(x, ms):
+    """``x * 2`` through a copy of ``x`` that the task frees (on the host) on return, while
+    its kernel, enqueued, still spins before reading it."""
+    temporary = x.copy()
+    return spin_scale(temporary, 2.0, ms)
+
+
+def filled_after(x, value):
+    """A new array of ``x``'s size filled with ``value`` (``x`` only orders it)."""
+    return cupy.full(x.shape, value)
+
+
+@pytest.mark.parametrize("claims", [True, False])
+def test_the_shared_arena_orders_a_reuse_after_the_task_that_freed_the_block(claims, monkeypatch):
+    """16 tasks free 2 MiB temporaries that their kernels read after spinning 1-3 ms; 16
+    tasks on other streams allocate 2 MiB from the shared arena as they are launched, and
+    fill it. Exact; with the arena's claims (its waits) switched off, the spinning kernels
+    read the fills instead (the control)."""
+    from dask_gpustreams.backends.base import SharedArena
+
+    if not claims:
+        monkeypatch.setattr(SharedArena, "claim", lambda self, start, size, meter: None)
+    rng = np.random.default_rng(3)
+    n = 1 << 18
+    leaves = [delayed(spin_fill)(n, float(i), 0.0) for i in range(16)]
+    scaled = [delayed(through_a_temporary)(x, rng.uniform(1, 3)) for x in leaves]
+    fills = [delayed(filled_after)(x, 100.0 + i) for i, x in enumerate(leaves)]
+    config = {**CONFIG, "gpustreams.policy": "round-robin", "gpustreams.shared-arena": True}
+    with dask.config.set(config):
+        got = dask.compute(
+            *[delayed(cupy.asnumpy)(v) for v in scaled + fills], scheduler="gpustreams"
+        )
+    expected = [2.0 * i for i in range(16)] + [100.0 + i for i in range(16)]
+    wrong = sum(not (g == e).all() for g, e in zip(got, expected, strict=True))
+    assert (wrong == 0) is claims, f"{wrong} of 32 results wrong"
