@@ -10,7 +10,7 @@ cost. Two graphs: ``wide`` (every task reads one source array) and
 ``chains`` (chains of 20 tasks, so event waits and stream reuse are
 exercised). Every run is checked: each output must be the source array itself
 (a no-op task returns its input), else the row is FAILED. ``--profile`` reruns the launcher
-on the ``chains`` graph under cProfile and prints where the time goes. ``--out DIR`` also
+on each graph of ``--graphs`` under cProfile and prints where the time goes. ``--out DIR`` also
 writes ``results.json`` (meta; one row per graph and mode, with every sample) and
 ``rows.jsonl`` (rows as they complete), the files ``python -m benchmarks run`` reads::
 
@@ -174,14 +174,15 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(os.path.join(out, "results.json"), meta, results)
         print(f"results in {out}")
     if args.profile:
-        profile(backend, args, policies[0])
+        for kind in args.graphs.split(","):
+            profile(backend, args, policies[0], kind)
     return 1 if any(r["status"] != "ok" for r in results) else 0
 
 
-def profile(backend: str, args: argparse.Namespace, policy: str) -> None:
-    """cProfile of the launcher on the ``chains`` graph."""
+def profile(backend: str, args: argparse.Namespace, policy: str, kind: str) -> None:
+    """cProfile of the launcher on the ``kind`` graph."""
     source = kernels.to_device(backend, kernels.source(0, 256))
-    dsk, keys = graph("chains", args.tasks, source)
+    dsk, keys = graph(kind, args.tasks, source)
     config = {
         "gpustreams.backend": backend,
         "gpustreams.streams": args.streams,
@@ -193,7 +194,7 @@ def profile(backend: str, args: argparse.Namespace, policy: str) -> None:
         prof.enable()
         dask_gpustreams.get(dsk, keys)
         prof.disable()
-    print(f"\ncProfile, the launcher, chains graph, policy {policy}: top 15 by")
+    print(f"\ncProfile, the launcher, {kind} graph, policy {policy}: top 15 by")
     print("own time, then the package's functions by cumulative time (per call: percall)")
     print(report.profile_text(prof, 15, "dask_gpustreams"))
 
