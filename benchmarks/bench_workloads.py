@@ -73,12 +73,13 @@ from dask_gpustreams.backends import resolve_backend
 
 MODES = ("threads", "sync", "launcher", "enabled-threads")
 #: Modes for finding where the launcher loses (not in the default set): one stream, so the
-#: launcher's host path without concurrency on the device; the round-robin policy; and each
-#: stream's own arena of the memory pool instead of the shared one.
+#: launcher's host path without concurrency on the device; the round-robin policy; and less
+#: of the graph launched ahead of the device (its memory against its speed).
 DIAGNOSTIC_MODES = {
     "launcher-1": {"gpustreams.streams": 1},
     "launcher-rr": {"gpustreams.policy": "round-robin"},
-    "launcher-own-arenas": {"gpustreams.shared-arena": False},
+    "launcher-ahead128": {"gpustreams.launch-ahead": "128 MiB"},
+    "launcher-ahead64": {"gpustreams.launch-ahead": "64 MiB"},
 }
 BACKENDS = ("auto", "cupy", "sim", "numpy")
 F4 = np.float32

@@ -28,7 +28,6 @@ from dask.diagnostics import ProgressBar
 import dask_gpustreams
 import dask_gpustreams.integrations.launcher as launcher_module
 from dask_gpustreams import KernelError, host_task, sim
-from dask_gpustreams.backends.base import SharedArena
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime import StreamPool, get_runtime
@@ -432,15 +431,12 @@ def row_sums(rng):
     return (da.sin(x) ** 2 + x * 0.5).sum(axis=1), (np.sin(host) ** 2 + host * 0.5).sum(axis=1)
 
 
-def pinned_after_persist(
-    launcher, rng, small_blocks, shared_arena=True
-) -> tuple[int, np.ndarray, np.ndarray]:
+def pinned_after_persist(launcher, rng, small_blocks) -> tuple[int, np.ndarray, np.ndarray]:
     """Bytes the pool cannot free while the small results of 8 streams live, and the values;
     the second of two computes, as every stream's arena holds free chunks then."""
     pool = sim.get_default_memory_pool()
     y, expected = row_sums(rng)
-    settings = {"small-blocks": small_blocks, "shared-arena": shared_arena}
-    with launcher(streams=8, policy="round-robin", **settings):
+    with launcher(streams=8, policy="round-robin", **{"small-blocks": small_blocks}):
         y.compute(scheduler="gpustreams")
         (kept,) = dask.persist(y, scheduler="gpustreams")
         sim.get_device().synchronize()
@@ -459,9 +455,9 @@ def test_small_results_leave_no_large_block_pinned(on_the_launcher, launcher, rn
 
 
 def test_without_small_blocks_apart_each_stream_pins_a_block(on_the_launcher, launcher, rng):
-    """The control of the test above: ``small-blocks: 0`` and each stream's own arena pin
-    chunk-sized blocks (all but their small part: a block minus 1 KiB each)."""
-    pinned, got, expected = pinned_after_persist(launcher, rng, 0, shared_arena=False)
+    """The control of the test above: ``small-blocks: 0``, as before, pins chunk-sized
+    blocks (all but their small part: a block minus 1 KiB each)."""
+    pinned, got, expected = pinned_after_persist(launcher, rng, 0)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     assert pinned >= 255 << 10, f"{pinned / 2**10:.0f} KiB pinned"
 
@@ -577,25 +573,20 @@ def allocator_seen_on_a_host_thread():
     return allocator_seen()
 
 
-@pytest.mark.parametrize(
-    ("small_blocks", "large_tasks", "shared_arena"),
-    [("64 KiB", 0, False), (0, "128 KiB", False), (0, 0, True), (0, 0, False)],
-)
-def test_the_launchers_allocator_is_off_only_with_all_three_keys_off(
-    launcher, small_blocks, large_tasks, shared_arena
-):
-    """Tasks on the launching thread allocate through the launcher's allocator while any
-    key is on, host tasks while ``small-blocks`` is (they are not metered, nor given the
-    shared arena); with all three off none is installed (so a task may call
-    ``cupy.cuda.set_allocator``, which CuPy refuses inside another)."""
+@pytest.mark.parametrize(("small_blocks", "large_tasks"), [("64 KiB", 0), (0, "128 KiB"), (0, 0)])
+def test_the_launchers_allocator_is_off_only_with_both_keys_0(launcher, small_blocks, large_tasks):
+    """Tasks on the launching thread allocate through the launcher's allocator while either
+    key is set, host tasks while ``small-blocks`` is (they are not metered); with both 0
+    none is installed (so a task may call ``cupy.cuda.set_allocator``, which CuPy refuses
+    inside another)."""
     config = {"small-blocks": small_blocks, "large-tasks": large_tasks}
-    with launcher(streams=4, **config, **{"shared-arena": shared_arena}):
+    with launcher(streams=4, **config):
         own_on_launcher, own_on_host = dask.compute(
             delayed(allocator_seen)(),
             delayed(allocator_seen_on_a_host_thread)(),
             scheduler="gpustreams",
         )
-    assert own_on_launcher is not bool(small_blocks or large_tasks or shared_arena)
+    assert own_on_launcher is not bool(small_blocks or large_tasks)
     assert own_on_host is not bool(small_blocks)
     assert allocator_seen()
 
@@ -621,16 +612,12 @@ def test_a_small_group_after_a_large_task_stays_small(on_the_launcher, launcher)
     np.testing.assert_array_equal(got, np.ones(12 << 10))
 
 
-def cached_after_row_sums(launcher, rng, large_tasks, shared_arena) -> int:
+def cached_after_row_sums(launcher, rng, large_tasks) -> int:
     """Free bytes the pool keeps cached after the row sums on 8 busy streams, and check them."""
     pool = sim.get_default_memory_pool()
     y, expected = row_sums(rng)
     pool.free_all_blocks()
-    config = {
-        "large-tasks": large_tasks,
-        "small-blocks": SMALL_BLOCKS,
-        "shared-arena": shared_arena,
-    }
+    config = {"large-tasks": large_tasks, "small-blocks": SMALL_BLOCKS}
     with launcher(streams=8, policy="auto", **config):
         got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
     np.testing.assert_allclose(got, expected, rtol=1e-5)
@@ -639,83 +626,12 @@ def cached_after_row_sums(launcher, rng, large_tasks, shared_arena) -> int:
 
 def test_large_tasks_keep_two_streams_of_free_blocks(on_the_launcher, launcher, rng, monkeypatch):
     """The row sums' tasks (chunk-sized temporaries of 256 KiB) are large at ``large-tasks``
-    128 KiB: each stream's own arena (``shared-arena: false``) caches 2 streams'
-    temporaries (and the first task's), not up to 8."""
+    128 KiB: the pool caches 2 streams' temporaries (and the first task's), not up to 8."""
     monkeypatch.setattr(sim.get_device(), "kernel_delay", (0.0005, 0.001))
-    large = cached_after_row_sums(launcher, rng, "128 KiB", False)
-    spread = cached_after_row_sums(launcher, rng, 0, False)
+    large = cached_after_row_sums(launcher, rng, "128 KiB")
+    spread = cached_after_row_sums(launcher, rng, 0)
     chunk = 256 << 10
     assert large <= 2 * 4 * chunk < spread, (large / chunk, spread / chunk)
-
-
-# --- the shared arena ------------------------------------------------------------------------
-
-
-def test_the_shared_arena_caches_one_set_of_temporaries(
-    on_the_launcher, launcher, rng, monkeypatch
-):
-    """The row sums on 8 busy streams, every task allowed on every stream (``large-tasks``
-    0): from the shared arena the pool caches about one stream's temporaries (3 of a chunk's
-    size per task), from each stream's own arena more than 2 streams' (up to 8)."""
-    monkeypatch.setattr(sim.get_device(), "kernel_delay", (0.0005, 0.001))
-    shared = cached_after_row_sums(launcher, rng, 0, True)
-    spread = cached_after_row_sums(launcher, rng, 0, False)
-    chunk = 256 << 10
-    assert shared <= 4 * chunk and 2 * 4 * chunk < spread, (shared / chunk, spread / chunk)
-
-
-def through_a_temporary(x, delay):
-    """``x * 2`` through a temporary of ``x``'s size, which the task frees (on the host) on
-    return while its slow kernel, enqueued, still has to read it."""
-    temporary = sim.empty(x.shape)
-    sim.launch(np.copyto, temporary, x)
-    out = sim.empty(x.shape)
-    sim.launch(slow_scale, out, temporary, 2.0, delay)
-    return out
-
-
-def filled_after(x, value):
-    """A new array of ``x``'s size filled with ``value`` (``x`` only orders it)."""
-    out = sim.empty(x.shape)
-    sim.launch(np.copyto, out, value)
-    return out
-
-
-def temporaries_reused_across_streams(launcher, rng) -> tuple[list, list]:
-    """16 tasks whose temporaries a slow kernel reads after they are freed, and 16 tasks
-    on other streams (round-robin) that allocate the same size as soon as they are
-    launched, from the shared arena: each reuses a freed temporary (poisoned first, on
-    its own stream), unless ordered after the task that freed it. Their results, and
-    the values expected."""
-    leaves = [delayed(leaf)(float(i), CHUNK, 0.0) for i in range(16)]
-    scaled = [delayed(through_a_temporary)(x, rng.uniform(0.002, 0.006)) for x in leaves]
-    fills = [delayed(filled_after)(x, 100.0 + i) for i, x in enumerate(leaves)]
-    expected = [np.full(CHUNK, 2.0 * i) for i in range(16)]
-    expected += [np.full(CHUNK, 100.0 + i) for i in range(16)]
-    with launcher(streams=8, policy="round-robin", **{"small-blocks": SMALL_BLOCKS}):
-        got = dask.compute([delayed(download)(v) for v in scaled + fills], scheduler="gpustreams")
-    return list(got[0]), expected
-
-
-def test_a_block_reused_by_another_stream_waits_for_the_task_that_freed_it(
-    on_the_launcher, launcher, rng
-):
-    """Exact results: the reuses of freed temporaries on other streams come after the
-    kernels that read them."""
-    got, expected = temporaries_reused_across_streams(launcher, rng)
-    for g, e in zip(got, expected, strict=True):
-        np.testing.assert_array_equal(g, e)
-
-
-def test_without_the_shared_arenas_waits_a_reused_temporary_is_overwritten(
-    on_the_launcher, launcher, rng, monkeypatch
-):
-    """The control of the test above: with the shared arena's claims (and their waits)
-    switched off, the slow kernels read poison, or another task's values."""
-    monkeypatch.setattr(SharedArena, "claim", lambda self, start, size, meter: None)
-    got, expected = temporaries_reused_across_streams(launcher, rng)
-    wrong = sum(not np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
-    assert wrong > 0
 
 
 # --- host tasks ------------------------------------------------------------------------------

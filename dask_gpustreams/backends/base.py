@@ -7,7 +7,6 @@ a thin pass-through. Everything here is safe to call from any thread.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -15,112 +14,13 @@ from typing import Any, Protocol
 
 
 class AllocationMeter:
-    """What a launcher's allocator and the launcher tell each other.
+    """The largest device allocation made through a launcher's allocator since
+    :attr:`largest` was last set to 0 (by the launcher, after each task)."""
 
-    :attr:`largest`: the largest device allocation made through the allocator since
-    the launcher last set it to 0 (after each task). :attr:`stream` and :attr:`event`:
-    the pool stream of the task being launched and the event the launcher records on it
-    after the task (None between tasks); the task's blocks on that stream that are not
-    small come from the :class:`SharedArena`.
-    """
-
-    __slots__ = ("largest", "stream", "event")
+    __slots__ = ("largest",)
 
     def __init__(self) -> None:
         self.largest = 0
-        self.stream: Any = None
-        self.event: Any = None
-
-
-class SharedArena:
-    """One arena of the device's memory pool for the large blocks of every pool stream's
-    tasks, and which task held each of its ranges last.
-
-    The pool keeps an arena per stream and reuses a freed block only on its own
-    stream, in stream order; a block freed on one stream is never reused by
-    another, so each stream caches its own set of a graph's temporaries. Here the
-    blocks of every stream come from the arena of one :attr:`stream` that runs
-    no work, and :meth:`claim` orders a reuse across streams as the per-stream
-    arenas order it on one: a range handed to a task on one stream, that a task
-    on another stream held last, makes the new task's stream wait (on the device)
-    for the old task's event, unless it has completed. That event follows all of
-    the old task's work on its stream, and the launcher frees a task's inputs only
-    once their consumers' events have completed, so every use of the range comes
-    before its reuse. Thread-safe.
-    """
-
-    def __init__(self, backend: Backend, create_stream: Callable[[], Any]) -> None:
-        self._backend = backend
-        self._create_stream = create_stream
-        self._lock = threading.Lock()
-        self._stream: Any = None
-        # The ranges claimed, as sorted starts and start -> (end, stream, event): each
-        # range's last holder; ranges never overlap (a claim trims those it covers).
-        self._starts: list[int] = []
-        self._ranges: dict[int, tuple[int, Any, Any]] = {}
-
-    @property
-    def stream(self) -> Any:
-        """The stream current while the shared blocks are allocated (made at first use)."""
-        if self._stream is None:
-            with self._lock:
-                if self._stream is None:
-                    self._stream = self._create_stream()
-        return self._stream
-
-    @property
-    def existing_stream(self) -> Any:
-        """:attr:`stream` if made, else None."""
-        return self._stream
-
-    def claim(self, start: int, size: int, meter: AllocationMeter) -> None:
-        """The task being launched with ``meter`` got ``[start, start + size)``: make its
-        stream wait for the event of each other stream's task that held a part of it
-        last, unless that event has completed.
-
-        A task still being launched (by another thread: the distributed worker's
-        threads share a runtime) has not recorded its event yet: a wait for it would
-        be none, so its stream records a new event for this wait. An event given back
-        to the launcher's pool may be recorded again for a later task before it is
-        waited on here; it is handed out again only once complete, so that wait orders
-        the reuse after a later task as well: a needless dependency, never a missing one.
-        """
-        end = start + size
-        stream = meter.stream
-        backend = self._backend
-        done, wait = backend.done, backend.wait_event
-        with self._lock:
-            starts, ranges = self._starts, self._ranges
-            first = bisect.bisect_right(starts, start) - 1
-            if first < 0 or ranges[starts[first]][0] <= start:
-                first += 1  # the range before ends before ``start``
-            last = first
-            before: list[tuple[int, tuple]] = []
-            after: list[tuple[int, tuple]] = []
-            waited = None
-            while last < len(starts) and starts[last] < end:
-                old_start = starts[last]
-                old = old_end, old_stream, old_event, old_meter = ranges.pop(old_start)
-                last += 1
-                launching = old_meter.event is old_event
-                if not launching and done(old_event):
-                    continue  # its task has completed: nothing to order, nor to remember
-                if old_stream is not stream and old_event is not waited:
-                    waited = old_event
-                    if launching:
-                        event = backend.create_event()
-                        backend.record(event, old_stream)
-                        wait(stream, event)
-                    else:
-                        wait(stream, old_event)
-                # Its parts outside the claim still follow that task's work.
-                if old_start < start:
-                    before.append((old_start, (start, *old[1:])))
-                if old_end > end:
-                    after.append((end, old))
-            claimed = [*before, (start, (end, stream, meter.event, meter)), *after]
-            starts[first:last] = [s for s, _ in claimed]
-            ranges.update(claimed)
 
 
 class StandingStreams:
@@ -236,11 +136,7 @@ class Backend(Protocol):
         """
 
     def launch_allocator(
-        self,
-        streams: Sequence[Any],
-        small_blocks: int,
-        large_tasks: int,
-        shared_arena: bool,
+        self, streams: Sequence[Any], small_blocks: int, large_tasks: int
     ) -> AbstractContextManager[AllocationMeter | None]:
         """This thread's allocator while the stream launcher runs; yields its meter.
 
@@ -249,13 +145,9 @@ class Backend(Protocol):
         stream only, as the pool's own arenas are: a small result is then never
         carved out of a large cached block, which the pool cannot free while the
         small part lives (each stream holding one would pin a whole block). The
-        meter records the largest of the other allocations (for ``large_tasks``);
-        those a task makes on its stream (:attr:`AllocationMeter.stream`, set by the
-        launcher) come from the backend's :class:`SharedArena`, one for every stream,
-        so that a graph's temporaries are cached once, not once per stream. Only
-        while the allocator is the default pool's and one of the three is on
-        (``shared_arena``: the shared arena); otherwise (RMM, ``cudaMallocAsync``;
-        all off) nothing changes and the meter
+        meter records the largest of the other allocations (for ``large_tasks``).
+        Only while the allocator is the default pool's and either size is set;
+        otherwise (RMM, ``cudaMallocAsync``; both 0) nothing changes and the meter
         is None.
         """
 

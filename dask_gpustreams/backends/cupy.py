@@ -28,7 +28,7 @@ import cupyx
 import numpy as np
 
 from dask_gpustreams.backends import cufft_plans
-from dask_gpustreams.backends.base import AllocationMeter, SharedArena, StandingStreams
+from dask_gpustreams.backends.base import AllocationMeter, StandingStreams
 from dask_gpustreams.backends.nvidia import cuda_connections
 
 logger = logging.getLogger("dask_gpustreams")
@@ -59,8 +59,6 @@ class CupyBackend:
         self._fft_warned = False
         # Pool stream (by handle) -> the stream whose arena holds its small blocks.
         self._small_streams = StandingStreams()
-        # The arena of the large blocks of every pool stream's launched tasks.
-        self._shared = SharedArena(self, self._standing_stream)
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -113,8 +111,7 @@ class CupyBackend:
         made again, as by a plugin registered twice, grew the pool each time).
         Its blocks still in use (results alive at the close) go back to that arena
         when freed, and stay there. So does the arena of the stream that stood for
-        its small blocks, and the free blocks of the shared arena
-        (:meth:`launch_allocator`). Each block freed is a
+        its small blocks (:meth:`launch_allocator`). Each block freed is a
         ``cudaFree``, which waits for the device. Never raises: after a sticky CUDA
         error the pool's close still ends its other streams.
         """
@@ -124,9 +121,6 @@ class CupyBackend:
             pool.free_all_blocks(stream=stream)
             if small is not None:
                 pool.free_all_blocks(stream=small)
-            shared = self._shared.existing_stream
-            if shared is not None:
-                pool.free_all_blocks(stream=shared)
 
     def elapsed_ms(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
         return cupy.cuda.get_elapsed_time(start, end)
@@ -214,21 +208,15 @@ class CupyBackend:
 
     @contextlib.contextmanager
     def launch_allocator(
-        self,
-        streams: Sequence[cupy.cuda.Stream],
-        small_blocks: int,
-        large_tasks: int,
-        shared_arena: bool,
+        self, streams: Sequence[cupy.cuda.Stream], small_blocks: int, large_tasks: int
     ) -> Iterator[AllocationMeter | None]:
         """A small request is allocated while a stream of its own, standing for the
         current pool stream, is current (CuPy's pool keys its arenas by the stream
-        current then); the others are metered, and those of a task on its pool stream
-        come from the arena of the :class:`.SharedArena`'s stream.
+        current then); the others are metered.
 
         A thread-local allocator (``cupy.cuda.using_allocator``), installed only where
         the current one is the default pool's ``malloc`` (or wraps it,
-        ``functools.wraps``) and ``small_blocks``, ``large_tasks`` or ``shared_arena`` is
-        on; inside, a
+        ``functools.wraps``) and ``small_blocks`` or ``large_tasks`` is set; inside, a
         task's ``cupy.cuda.set_allocator`` raises (CuPy refuses it there), and one made
         by another thread is not seen. The
         standing stream never runs work: a block in its arena is reused only by later
@@ -236,21 +224,16 @@ class CupyBackend:
         and the inputs held for other streams, stay as they are. It lives as long as
         that stream (:meth:`destroy_stream`). Allocations on other streams (the
         default, other devices', a task's own) are left as they are; so are those
-        of a nested compute, whose allocator is this one already (its tasks' large
-        blocks come from the shared arena only on the stream of the task that called
-        it, in whose event they are ordered).
+        of a nested compute, whose allocator is this one already.
         """
         allocator = cupy.cuda.get_allocator()
         pool = cupy.get_default_memory_pool()
-        if not (small_blocks or large_tasks or shared_arena) or (
-            inspect.unwrap(allocator) != pool.malloc
-        ):
+        if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
             yield None
             return
         if small_blocks:
             self._small_streams.ensure([s.ptr for s in streams], self._standing_stream)
         standing_for, current = self._small_streams.get, cupy.cuda.get_current_stream
-        shared = self._shared
         meter = AllocationMeter()
 
         def malloc(size: int) -> cupy.cuda.MemoryPointer:
@@ -259,16 +242,9 @@ class CupyBackend:
                 if small is not None:
                     with small:
                         return allocator(size)
-                return allocator(size)
-            if size > meter.largest:
+            elif size > meter.largest:
                 meter.largest = size
-            stream = meter.stream
-            if not shared_arena or stream is None or current().ptr != stream.ptr:
-                return allocator(size)
-            with shared.stream:
-                memory = allocator(size)
-            shared.claim(memory.mem.ptr, memory.mem.size, meter)
-            return memory
+            return allocator(size)
 
         with cupy.cuda.using_allocator(malloc):
             yield meter

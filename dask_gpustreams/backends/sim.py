@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from dask_gpustreams import sim
-from dask_gpustreams.backends.base import AllocationMeter, SharedArena, StandingStreams
+from dask_gpustreams.backends.base import AllocationMeter, StandingStreams
 
 
 class SimBackend:
@@ -27,8 +27,6 @@ class SimBackend:
         self.device_id = self.device.id
         # Pool stream (by id) -> the stream whose arena holds its small blocks.
         self._small_streams = StandingStreams()
-        # The arena of the large blocks of every pool stream's launched tasks.
-        self._shared = SharedArena(self, self.device.create_stream)
 
     def create_stream(self, priority: int = 0) -> sim.Stream:
         return self.device.create_stream(priority)
@@ -64,9 +62,6 @@ class SimBackend:
         small = self._small_streams.pop(stream.id)
         if small is not None:
             small.close()  # its arena goes with it
-        shared = self._shared.existing_stream
-        if shared is not None:  # as CuPy's backend: the shared arena's free blocks
-            sim.get_default_memory_pool().free_all_blocks(shared.id)
         stream.close(timeout)
 
     def elapsed_ms(self, start: sim.Event, end: sim.Event) -> float:
@@ -96,35 +91,25 @@ class SimBackend:
 
     @contextmanager
     def launch_allocator(
-        self,
-        streams: Sequence[sim.Stream],
-        small_blocks: int,
-        large_tasks: int,
-        shared_arena: bool,
+        self, streams: Sequence[sim.Stream], small_blocks: int, large_tasks: int
     ) -> Iterator[AllocationMeter | None]:
         """A small request on a pool stream from the arena of a stream standing for it,
         through a thread-local allocator (``sim.using_allocator``), the others metered,
         as the CuPy backend does, where the current one is the default pool's
-        ``malloc`` (or wraps it) and ``small_blocks``, ``large_tasks`` or ``shared_arena`` is
-        on.
+        ``malloc`` (or wraps it) and ``small_blocks`` or ``large_tasks`` is set.
 
         The sim's pool keys its arenas by the stream identifier it is given; the
         standing stream never runs work (nor starts a thread), and a reused block is
-        still poisoned on the stream current at allocation. A task's large blocks on its
-        stream come from the arena of the :class:`.SharedArena`'s stream, addressed by
-        each chunk's host address.
+        still poisoned on the stream current at allocation.
         """
         allocator = sim.get_allocator()
         pool = sim.get_default_memory_pool()
-        if not (small_blocks or large_tasks or shared_arena) or (
-            inspect.unwrap(allocator) != pool.malloc
-        ):
+        if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
             yield None
             return
         if small_blocks:
             self._small_streams.ensure([s.id for s in streams], self.device.create_stream)
         standing_for = self._small_streams.get
-        shared = self._shared
         meter = AllocationMeter()
 
         def malloc(nbytes: int, stream_id: int) -> tuple[Any, bool]:
@@ -132,15 +117,9 @@ class SimBackend:
                 small = standing_for(stream_id)
                 if small is not None:
                     return allocator(nbytes, small.id)
-                return allocator(nbytes, stream_id)
-            if nbytes > meter.largest:
+            elif nbytes > meter.largest:
                 meter.largest = nbytes
-            stream = meter.stream
-            if not shared_arena or stream is None or stream_id != stream.id:
-                return allocator(nbytes, stream_id)
-            chunk, reused = allocator(nbytes, shared.stream.id)
-            shared.claim(chunk.address, chunk.nbytes, meter)
-            return chunk, reused
+            return allocator(nbytes, stream_id)
 
         with sim.using_allocator(malloc):
             yield meter

@@ -247,17 +247,15 @@ class GraphLauncher:
         Meanwhile this thread allocates through ``Backend.launch_allocator``:
         allocations below ``config.small_blocks`` bytes come from arenas of their
         own (running ``streams`` paths at once, each stream would otherwise pin a
-        large cached block under its small results); the larger blocks a task
-        allocates on its stream come from one arena for every stream, a reuse across
-        streams waiting for the task that held the block (``SharedArena``); and the
-        largest block each task allocates goes to the runtime's ``large_tasks``,
-        which makes the later tasks of its group large (:attr:`TaskInfo.large`).
+        large cached block under its small results), and the largest block each
+        task allocates goes to the runtime's ``large_tasks``, which makes the
+        later tasks of its group large (:attr:`TaskInfo.large`).
         """
         runtime = self.runtime
         self._streams = streams = [slot.stream for slot in runtime.pool.slots]
         config = runtime.config
         allocator = runtime.backend.launch_allocator(
-            streams, config.small_blocks, config.large_tasks, config.shared_arena
+            streams, config.small_blocks, config.large_tasks
         )
         with allocator as meter:
             return self._launch_all(meter)
@@ -349,8 +347,6 @@ class GraphLauncher:
                         else:
                             event = acquire()
                         state["stream"] = stream
-                        if meter is not None:  # its large blocks: from the shared arena
-                            meter.stream, meter.event = stream, event
                         t0 = perf_counter()
                         with use_stream(stream, key):
                             called = True
@@ -383,8 +379,6 @@ class GraphLauncher:
                             # Kernels it enqueued may still read the inputs: hold them.
                             record_on(slot, event, (values, held[:]), True)
                             launched.append(event)
-                        if meter is not None:  # after the record (SharedArena.claim)
-                            meter.stream = meter.event = None
                         held.clear()
                         self._error = e
                         break
@@ -394,8 +388,6 @@ class GraphLauncher:
                         held.clear()
                     else:
                         seq = record_on(slot, event, values, True)
-                    if meter is not None:  # after the record (SharedArena.claim)
-                        meter.stream = meter.event = None
                     record = TaskRecord(key, slot, event, seq, start)
                     add_record(record)
                     launched.append(event)
@@ -521,7 +513,7 @@ class GraphLauncher:
                 backend.synchronize_event(r.event)
             # Small blocks apart here too (the meter is the launching thread's business).
             config = runtime.config
-            with backend.launch_allocator(self._streams, config.small_blocks, 0, False):
+            with backend.launch_allocator(self._streams, config.small_blocks, 0):
                 t0 = perf_counter()
                 result = runtime.run(key, self.tasks[key], values, registry)
                 seconds = perf_counter() - t0

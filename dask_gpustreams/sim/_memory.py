@@ -79,11 +79,6 @@ class Chunk:
         return self.segment[self.offset : self.offset + self.nbytes]
 
     @property
-    def address(self) -> int:
-        """Where its bytes start in the host's memory (unique among live chunks)."""
-        return self.segment.ctypes.data + self.offset
-
-    @property
     def whole(self) -> bool:
         """Whether this chunk is its whole allocation (nothing split off)."""
         return self.prev is None and self.next is None
@@ -271,21 +266,15 @@ class MemoryPool:
             self._drop_ended()
             return self._total
 
-    def free_all_blocks(self, stream: Hashable | None = None) -> None:
-        """Free every allocation none of whose parts is in use (as CuPy's pool); of the
-        arena of ``stream`` only, if given."""
+    def free_all_blocks(self) -> None:
+        """Free every allocation none of whose parts is in use (as CuPy's pool)."""
         with self._lock:
-            self._drop_free(stream)
+            self._drop_free()
 
-    def _drop_free(self, stream: Hashable | None = None) -> None:
-        """Free every allocation none of whose parts is in use (of ``stream``'s arena
-        only, if given). Locked."""
+    def _drop_free(self) -> None:
+        """Free every allocation none of whose parts is in use. Locked."""
         self._drop_ended()
-        if stream is None:
-            arenas = list(self._arenas.values())
-        else:
-            arenas = [self._arenas[stream]] if stream in self._arenas else []
-        for arena in arenas:
+        for arena in self._arenas.values():
             for chunk in arena.chunks():
                 if chunk.whole:
                     arena.remove(chunk)
