@@ -624,6 +624,50 @@ def cached_after_row_sums(launcher, rng, large_tasks) -> int:
     return pool.total_bytes() - pool.used_bytes()
 
 
+def two_step_paths_peak(launcher, rng, large_tasks) -> float:
+    """Peak chunks alive beyond the inputs while 32 independent paths of two chunk-sized
+    steps (slow kernels) and a small last step run on 8 streams; results checked."""
+    pool = sim.get_default_memory_pool()
+    peak = [0]
+
+    def step(x, delay):
+        out = sim.empty(x.shape)
+        sim.launch(slow_scale, out, x, 2.0, delay)
+        peak[0] = max(peak[0], pool.used_bytes())
+        return out
+
+    inputs = [sim.asarray(np.full(CHUNK, float(i))) for i in range(32)]
+    base = pool.used_bytes()
+    paths = [
+        delayed(filled_after)(
+            delayed(step)(delayed(step)(x, rng.uniform(0.0005, 0.002)), rng.uniform(0.0005, 0.002))
+        )
+        for x in inputs
+    ]
+    config = {"large-tasks": large_tasks, "small-blocks": SMALL_BLOCKS}
+    with launcher(streams=8, policy="auto", **config):
+        got = dask.compute(*[delayed(download)(p) for p in paths], scheduler="gpustreams")
+    for i, g in enumerate(got):
+        np.testing.assert_array_equal(g, np.full(1, 4.0 * i))
+    return (peak[0] - base) / (CHUNK * 8)
+
+
+def filled_after(x):
+    """A one-element array of ``x``'s first value (a small step that reads ``x``)."""
+    out = sim.empty(1)
+    sim.launch(lambda o, a: np.copyto(o, a[:1]), out, x)
+    return out
+
+
+def test_a_round_launches_as_many_large_tasks_as_their_streams(on_the_launcher, launcher, rng):
+    """With the paths' steps large (``large-tasks`` 128 KiB), ``auto`` runs them on 2
+    streams and each round launches 2 of them: the chunks alive are those of a few paths,
+    less than half of what 8 paths side by side hold (large tasks off). Exact."""
+    large = two_step_paths_peak(launcher, rng, "128 KiB")
+    spread = two_step_paths_peak(launcher, rng, 0)
+    assert large <= spread / 2, (large, spread)
+
+
 def test_large_tasks_keep_two_streams_of_free_blocks(on_the_launcher, launcher, rng, monkeypatch):
     """The row sums' tasks (chunk-sized temporaries of 256 KiB) are large at ``large-tasks``
     128 KiB: the pool caches 2 streams' temporaries (and the first task's), not up to 8."""

@@ -4,7 +4,9 @@ A task is launched as soon as its inputs have been *launched*: the device,
 not the host, waits for them (event waits). Ready tasks go in rounds of as
 many as the pool has streams, most urgent first (``dask.order``, computed
 only once more tasks are ready than a round takes), so independent chains
-start together rather than one after another. The launching thread never waits
+start together rather than one after another; of large tasks, at most as many as
+the policy runs them on (``StreamPolicy.large_streams``), so that memory holds
+that many large paths, not one per stream. The launching thread never waits
 for the device except for back-pressure: at most ``config.launch_ahead``
 bytes of device outputs whose kernels have not completed, and
 ``pool.max_inflight`` tasks per stream. Tasks that block the host (marked,
@@ -278,6 +280,7 @@ class GraphLauncher:
         threshold = learned.threshold_s
         large_tasks = runtime.large_tasks
         large_size = large_tasks.size if meter is not None else 0
+        large_per_round = runtime.policy.large_streams or width
         # Once per graph, for policies that place the longest path apart (critical-path).
         critical = critical_keys(dependencies) if runtime.policy.needs_critical_path else None
 
@@ -315,9 +318,17 @@ class GraphLauncher:
                     outcomes.wait()
                     continue
                 # The `width` most urgent ready tasks, then those they made ready: independent
-                # work reaches every stream at once, and memory stays that of `width` paths.
+                # work reaches every stream at once, and memory stays that of `width` paths;
+                # of large tasks, as many as the policy runs them on (the others wait a round).
                 batch = ready.pop_round(width)
+                large_room = large_per_round
                 for key in batch:
+                    large = bool(large_size and large_tasks) and self.group_of(key) in large_tasks
+                    if large:
+                        if not large_room:  # the next round's: memory of that many paths
+                            ready.push(key)
+                            continue
+                        large_room -= 1
                     deps = dependencies[key]
                     values = {d: results[d] for d in deps}
                     if hooks is not None:
@@ -326,7 +337,6 @@ class GraphLauncher:
                         self._submit_host(key, values)
                         continue
                     producers = [r for d in deps if (r := get_record(d)) is not None]
-                    large = bool(large_size and large_tasks) and self.group_of(key) in large_tasks
                     with assign_lock:
                         on_path = None if critical is None else key in critical
                         info = TaskInfo(key, producers, registry, on_path, large)

@@ -41,6 +41,10 @@ class StreamPolicy(ABC):
 
     #: Whether the integration should compute :attr:`TaskInfo.critical`.
     needs_critical_path: bool = False
+    #: How many streams large tasks (:attr:`TaskInfo.large`) run on; None: any. The stream
+    #: launcher then launches at most that many large tasks a round, so that the large
+    #: paths it keeps in flight are no more than their streams run.
+    large_streams: int | None = None
 
     @abstractmethod
     def select(self, task: TaskInfo, pool: PoolView) -> StreamSlot:
