@@ -8,7 +8,10 @@ second, and the difference to plain Dask's synchronous scheduler: for the
 plugin on the synchronous scheduler that difference is the runtime's own
 cost. Two graphs: ``wide`` (every task reads one source array) and
 ``chains`` (chains of 20 tasks, so event waits and stream reuse are
-exercised). Every run is checked: each output must be the source array itself
+exercised). The modes take turns: each of ``--repeats`` rounds runs every mode once,
+starting one further each round, after collecting garbage untimed, and the difference
+to plain sync is paired by round (the host's drift between calls is as large as the
+differences measured). Every run is checked: each output must be the source array itself
 (a no-op task returns its input), else the row is FAILED. ``--profile`` reruns the launcher
 on each graph of ``--graphs`` under cProfile and prints where the time goes. ``--out DIR`` also
 writes ``results.json`` (meta; one row per graph and mode, with every sample) and
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -66,28 +70,43 @@ SCHEDULERS = {
 }
 
 
-def sampled(
-    get, dsk: dict, keys: list, config: dict, threads: int, repeats: int
-) -> tuple[list[float], str | None]:
-    """Seconds of each of ``repeats`` runs (after one warm-up), and the first wrong output.
+def run_once(get, dsk: dict, keys: list, config: dict, threads: int) -> tuple[float, str | None]:
+    """Seconds of one run, and what is wrong with its outputs (None: each is the source).
 
-    Every output of a no-op graph is its source array itself: anything else is wrong.
+    The garbage of earlier runs is collected first, untimed, so that no mode pays
+    for another's.
     """
-    walls = []
-    problem = None
     kwargs = {"num_workers": threads} if get is dask.threaded.get else {}
+    gc.collect()
+    with dask.config.set(config):
+        t0 = time.perf_counter()
+        results = get(dsk, keys, **kwargs)
+        wall = time.perf_counter() - t0
+    wrong = [j for j, r in enumerate(results) if r is not dsk["src"]]
+    if len(results) != len(keys) or wrong:
+        return wall, f"{len(wrong)} of {len(keys)} outputs are not the source"
+    return wall, None
+
+
+def sampled(
+    rows: list[tuple[str, object, dict]], dsk: dict, keys: list, threads: int, repeats: int
+) -> tuple[list[list[float]], list[str | None]]:
+    """Each row's seconds in ``repeats`` rounds (after one warm-up each), and its first problem.
+
+    In a round every mode runs once, in turn, starting one further each round, so that
+    drift of the host between rounds and the order of the modes weigh on all alike.
+    """
+    walls: list[list[float]] = [[] for _ in rows]
+    problems: list[str | None] = [None] * len(rows)
     for i in range(repeats + 1):
-        with dask.config.set(config):
-            t0 = time.perf_counter()
-            results = get(dsk, keys, **kwargs)
-            wall = time.perf_counter() - t0
-        if problem is None:
-            wrong = [j for j, r in enumerate(results) if r is not dsk["src"]]
-            if len(results) != len(keys) or wrong:
-                problem = f"run {i}: {len(wrong)} of {len(keys)} outputs are not the source"
-        if i:
-            walls.append(wall)
-    return walls, problem
+        for j in (*range(i % len(rows), len(rows)), *range(i % len(rows))):
+            _, get, config = rows[j]
+            wall, problem = run_once(get, dsk, keys, config, threads)
+            if problem is not None and problems[j] is None:
+                problems[j] = f"run {i}: {problem}"
+            if i:
+                walls[j].append(wall)
+    return walls, problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,15 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     print(
         f"backend {backend}, {args.tasks} no-op tasks, {args.streams} streams, threaded "
-        f"scheduler with {args.threads} threads; median of {args.repeats} runs; "
-        "'vs plain sync': us/task minus plain Dask's synchronous scheduler's"
+        f"scheduler with {args.threads} threads; median of {args.repeats} rounds of every "
+        "mode in turn; 'vs plain sync': the median over rounds of us/task minus plain "
+        "Dask's synchronous scheduler's in the same round"
     )
     print(f"{'graph':<7} {'mode':<30} {'us/task':>8} {'tasks/s':>9} {'vs plain sync':>14}")
     for kind in args.graphs.split(","):
         dsk, keys = graph(kind, args.tasks, source)
         n = len(dsk) - 1
         plain = {"gpustreams.enabled": False}
-        base = None
         rows = [(f"plain {m}", SCHEDULERS[m], plain) for m in ("sync", "threads")]
         for policy in policies:
             config = {
@@ -144,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.timeline:
             tl = {**rows[-1][2], "gpustreams.timeline": True}
             rows.append((rows[-1][0] + " +timeline", dask_gpustreams.get, tl))
-        for label, get, config in rows:
-            walls, problem = sampled(get, dsk, keys, config, args.threads, args.repeats)
+        all_walls, problems = sampled(rows, dsk, keys, args.threads, args.repeats)
+        base_walls = all_walls[0]  # plain sync's, round by round
+        for (label, _, _), walls, problem in zip(rows, all_walls, problems, strict=True):
             wall = statistics.median(walls)
-            base = wall if base is None else base
+            paired = statistics.median(w - b for w, b in zip(walls, base_walls, strict=True))
             print(
                 f"{kind:<7} {label:<30} {wall / n * 1e6:8.1f} {n / wall:9.0f} "
-                f"{(wall - base) / n * 1e6:14.1f}" + (f"  FAILED: {problem}" if problem else ""),
+                f"{paired / n * 1e6:14.1f}" + (f"  FAILED: {problem}" if problem else ""),
                 flush=True,
             )
             row = {
@@ -162,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 "walls_ms": [w * 1e3 for w in walls],
                 **report.summarize([w * 1e3 for w in walls]),
                 "us_per_task": wall / n * 1e6,
-                "us_per_task_vs_plain_sync": (wall - base) / n * 1e6,
+                "us_per_task_vs_plain_sync": paired / n * 1e6,
                 "status": "FAILED" if problem else "ok",
                 "error": problem or "",
             }

@@ -37,9 +37,11 @@ import os
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -155,6 +157,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--samples", type=int, default=7)
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="threaded: rounds of all modes of a shape in turn (at most --samples), "
+        "--samples shared out over them, warm-ups in the first; ratios paired by round",
+    )
+    p.add_argument(
         "--cluster",
         default="auto",
         choices=("auto", "cuda", "local"),
@@ -194,6 +203,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} {','.join(bad)} is invalid: allowed values are {','.join(allowed)}")
     if not args.dist_workers or min(args.dist_workers) < 1:
         p.error("--dist-workers needs worker counts >= 1")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds} is invalid: it needs an int >= 1")
     return args
 
 
@@ -301,6 +312,9 @@ class Runner:
         self.rows: list[dict] = []
         self.t0 = time.monotonic()
         self._launchers: dict[int, IdealLauncher] = {}
+        #: Inside :meth:`rounds`: the rows to measure, and rows to report again after them.
+        self._pending: list[tuple[dict, Workload, Any]] | None = None
+        self._aliases: list[tuple[dict, dict]] = []
 
     def launcher(self, n_streams: int) -> IdealLauncher:
         """The hand launcher onto ``n_streams`` streams (created once per count)."""
@@ -336,14 +350,25 @@ class Runner:
         }
 
     def measure(self, row: dict, wl: Workload, prepare: Any) -> dict:
-        """Warm-ups then samples of ``prepare(i)()``, each timed between device syncs, checked."""
+        """Warm-ups then samples of ``prepare(i)()``, each timed between device syncs, checked.
+
+        Inside :meth:`rounds` the row is only noted, and measured when the rounds run.
+        """
+        if self._pending is not None:
+            self._pending.append((row, wl, prepare))
+            return row
         if self.deadline is not None and time.monotonic() > self.deadline:
             row["error"] = "time budget spent"
             return self._done(row)
-        args = self.args
-        walls = []
+        self._sample(row, wl, prepare, self.args.warmup, self.args.samples)
+        row.update(report.summarize(row["walls_ms"]))
+        return self._done(row)
+
+    def _sample(self, row: dict, wl: Workload, prepare: Any, warmup: int, samples: int) -> None:
+        """Run ``warmup`` then ``samples`` timed runs; add their walls to ``row``, check each."""
+        walls = row["walls_ms"]
         try:
-            for i in range(args.warmup + args.samples):
+            for i in range(warmup + samples):
                 go = prepare(next(_tokens))
                 kernels.device_synchronize(self.backend)
                 t0 = time.perf_counter()
@@ -355,17 +380,59 @@ class Runner:
                 if problem is not None:
                     row["status"], row["error"] = "FAILED", f"run {i}: {problem}"
                     break
-                if i >= args.warmup:
+                if i >= warmup:
                     walls.append(wall)
             else:
-                row["status"] = "ok"
+                if row["status"] == "SKIPPED":
+                    row["status"] = "ok"
         except Exception as e:  # a broken configuration must not end the whole run
             row["status"], row["error"] = "ERROR", f"{type(e).__name__}: {e}"
             traceback.print_exc()
-        row["walls_ms"] = walls
         row["samples"] = len(walls)
-        row.update(report.summarize(walls))
-        return self._done(row)
+
+    def alias(self, row: dict, **changes: Any) -> None:
+        """Report ``row`` once more with ``changes`` (the same run under another name)."""
+        if self._pending is not None:
+            self._aliases.append((row, changes))
+        else:
+            self.rows.append(dict(row, **changes))
+
+    @contextlib.contextmanager
+    def rounds(self, n: int):
+        """Measure the rows noted inside in turn, ``n`` times, sharing ``--samples`` out.
+
+        Drift of the host (its clock, other jobs) then weighs on every mode alike;
+        each row keeps its walls per round (``round_walls_ms``) for ratios paired by
+        round (:func:`paired_table`). Warm-ups run in the first round only.
+        """
+        if n <= 1:
+            yield
+            return
+        self._pending, self._aliases = [], []
+        try:
+            yield
+            entries, aliases = self._pending, self._aliases
+        finally:
+            self._pending = None
+        samples = self.args.samples
+        n = min(n, samples)
+        for k in range(n):
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                for row, _, _ in entries:
+                    row["error"] = row["error"] or "time budget spent"
+                break
+            share = samples // n + (k < samples % n)
+            for row, wl, prepare in entries:
+                if row["status"] in ("FAILED", "ERROR"):
+                    continue
+                before = len(row["walls_ms"])
+                self._sample(row, wl, prepare, self.args.warmup if k == 0 else 0, share)
+                row.setdefault("round_walls_ms", []).append(row["walls_ms"][before:])
+        for row, _, _ in entries:
+            row.update(report.summarize(row["walls_ms"]))
+            self._done(row)
+        for row, changes in aliases:
+            self.rows.append(dict(row, **changes))
 
     def skip(self, row: dict, why: str) -> dict:
         row["error"] = why
@@ -556,72 +623,75 @@ def run_group(
         print(
             f"-- {row_scheduler} · {wl.shape.describe()} · kernel {wl.kernel_ms:.3f} ms", flush=True
         )
-        if dist is not None:
-            dist.use_streams(None)
-        if "serial" in modes:
-            row = new_row(wl, "serial", "", 1)
-            prep = threaded_prepare(wl, OFF, args.threads) if dist is None else dist.prepare(wl)
-            runner.measure(row, wl, prep)
-        if "serial-sync" in modes and dist is None:
-            row = new_row(wl, "serial-sync", "", 1)
-            runner.measure(row, wl, threaded_prepare(wl, OFF, 1, get=dask.get))
-        if "ptds-sync" in modes:  # only in the child process, where PTDS is on
-            row = new_row(wl, "ptds-sync", "", args.threads)
-            prep = (
-                threaded_prepare(wl, OFF, args.threads, sync_after=True)
-                if dist is None
-                else dist.prepare(wl, sync_after=True)
-            )
-            runner.measure(row, wl, prep)
-        if "gpustreams" in modes:
-            problem = plugin_problem() if dist is not None else None
-            for n in streams:
-                # With one stream every policy picks it: measure once, report for all.
-                for policy in policies[:1] if n == 1 else policies:
-                    row = new_row(wl, "gpustreams", policy, n)
-                    if problem is not None:
-                        runner.skip(row, problem)
-                        continue
-                    if dist is None:
-                        config = gpustreams_config(backend, n, policy)
-                        runner.measure(row, wl, threaded_prepare(wl, config, args.threads))
-                        for chunksize in (c for c in args.chunksizes if c != 1):
-                            label = f"{policy}/chunksize={chunksize}"
-                            tuned = new_row(wl, "gpustreams", label, n)
-                            chunked = {**config, "chunksize": chunksize}
-                            runner.measure(tuned, wl, threaded_prepare(wl, chunked, args.threads))
-                    else:
-                        for blocks in args.dist_blocks:
-                            if blocks != "auto":
-                                label = f"{policy}/blocks={blocks}"
-                                if blocks == args.dist_blocks[0]:
-                                    row["policy"] = label
-                                else:
-                                    row = new_row(wl, "gpustreams", label, n)
-                            elif blocks != args.dist_blocks[0]:
-                                row = new_row(wl, "gpustreams", policy, n)
-                            try:
-                                dist.use_streams(n, policy, blocks=blocks)
-                            except Exception as e:
-                                runner.skip(row, f"plugin registration failed: {e!r}")
-                                continue
-                            runner.measure(row, wl, dist.prepare(wl))
-                    if n == 1:
-                        for other in policies[1:]:
-                            copy = dict(row, policy=other, note=f"same run as {policies[0]}")
-                            runner.rows.append(copy)
+        # On the threaded scheduler the modes take turns; a cluster is set up per mode.
+        with runner.rounds(args.rounds if dist is None else 1):
             if dist is not None:
                 dist.use_streams(None)
-        if "launcher" in modes and dist is None:
-            for n in streams:
-                for policy in policies[:1] if n == 1 else policies:
-                    row = new_row(wl, "launcher", policy, n)
-                    config = {**gpustreams_config(backend, n, policy), "gpustreams.enabled": False}
-                    prep = threaded_prepare(wl, config, 1, get=dask_gpustreams.get)
-                    runner.measure(row, wl, prep)
-        # The hand launch runs on this process's device: measured with the first cluster only.
-        if "ideal" in modes and (dist is None or dist.workers == args.dist_workers[0]):
-            run_ideal(runner, wl, row_scheduler, streams, workers)
+            if "serial" in modes:
+                row = new_row(wl, "serial", "", 1)
+                prep = threaded_prepare(wl, OFF, args.threads) if dist is None else dist.prepare(wl)
+                runner.measure(row, wl, prep)
+            if "serial-sync" in modes and dist is None:
+                row = new_row(wl, "serial-sync", "", 1)
+                runner.measure(row, wl, threaded_prepare(wl, OFF, 1, get=dask.get))
+            if "ptds-sync" in modes:  # only in the child process, where PTDS is on
+                row = new_row(wl, "ptds-sync", "", args.threads)
+                prep = (
+                    threaded_prepare(wl, OFF, args.threads, sync_after=True)
+                    if dist is None
+                    else dist.prepare(wl, sync_after=True)
+                )
+                runner.measure(row, wl, prep)
+            if "gpustreams" in modes:
+                problem = plugin_problem() if dist is not None else None
+                for n in streams:
+                    # With one stream every policy picks it: measure once, report for all.
+                    for policy in policies[:1] if n == 1 else policies:
+                        row = new_row(wl, "gpustreams", policy, n)
+                        if problem is not None:
+                            runner.skip(row, problem)
+                            continue
+                        if dist is None:
+                            config = gpustreams_config(backend, n, policy)
+                            runner.measure(row, wl, threaded_prepare(wl, config, args.threads))
+                            for chunksize in (c for c in args.chunksizes if c != 1):
+                                label = f"{policy}/chunksize={chunksize}"
+                                tuned = new_row(wl, "gpustreams", label, n)
+                                chunked = {**config, "chunksize": chunksize}
+                                chunked_prep = threaded_prepare(wl, chunked, args.threads)
+                                runner.measure(tuned, wl, chunked_prep)
+                        else:
+                            for blocks in args.dist_blocks:
+                                if blocks != "auto":
+                                    label = f"{policy}/blocks={blocks}"
+                                    if blocks == args.dist_blocks[0]:
+                                        row["policy"] = label
+                                    else:
+                                        row = new_row(wl, "gpustreams", label, n)
+                                elif blocks != args.dist_blocks[0]:
+                                    row = new_row(wl, "gpustreams", policy, n)
+                                try:
+                                    dist.use_streams(n, policy, blocks=blocks)
+                                except Exception as e:
+                                    runner.skip(row, f"plugin registration failed: {e!r}")
+                                    continue
+                                runner.measure(row, wl, dist.prepare(wl))
+                        if n == 1:
+                            for other in policies[1:]:
+                                runner.alias(row, policy=other, note=f"same run as {policies[0]}")
+                if dist is not None:
+                    dist.use_streams(None)
+            if "launcher" in modes and dist is None:
+                for n in streams:
+                    for policy in policies[:1] if n == 1 else policies:
+                        row = new_row(wl, "launcher", policy, n)
+                        config = gpustreams_config(backend, n, policy)
+                        config["gpustreams.enabled"] = False
+                        prep = threaded_prepare(wl, config, 1, get=dask_gpustreams.get)
+                        runner.measure(row, wl, prep)
+            # The hand launch runs on this process's device: measured with the first cluster only.
+            if "ideal" in modes and (dist is None or dist.workers == args.dist_workers[0]):
+                run_ideal(runner, wl, row_scheduler, streams, workers)
 
 
 def run_ideal(
@@ -635,7 +705,7 @@ def run_ideal(
             runner.measure(row, wl, lambda token, p=plan, go=launcher.run: lambda: go(wl, p))
             if n == 1:
                 for other in runner.args.ideal[1:]:
-                    runner.rows.append(dict(row, policy=other, note="same run (1 stream)"))
+                    runner.alias(row, policy=other, note="same run (1 stream)")
 
 
 def run_gantt(runner: Runner, loads: Workloads) -> None:
@@ -870,11 +940,16 @@ def finish(runner: Runner, meta: dict, out: str) -> None:
 def write_outputs(rows: list[dict], meta: dict, out: str, headline_streams: int) -> None:
     """results.json, results.csv, table.txt and the figures of ``rows``; print the table."""
     report.derive(rows)
+    paired = paired_table(rows)  # before results.json: it adds paired_vs_plain_best
     report.write_json(os.path.join(out, "results.json"), meta, rows)
     report.write_csv(os.path.join(out, "results.csv"), rows)
     text = report.table(rows, headline_streams=headline_streams)
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(text + "\n")
+    if paired:
+        text += "\n" + paired
+        with open(os.path.join(out, "table.txt"), "a") as f:
+            f.write(paired + "\n")
     scaling = scaling_table(rows)
     if scaling:
         text += "\n" + scaling
@@ -897,6 +972,47 @@ def write_outputs(rows: list[dict], meta: dict, out: str, headline_streams: int)
         + (f"; {elapsed:.0f} s" if elapsed is not None else "")
         + f"; results in {out}"
     )
+
+
+def paired_table(rows: list[dict]) -> str:
+    """Rows measured in rounds (``--rounds``) against plain Dask's best of the same shape in
+    the same rounds: the median over rounds of its median over the row's (2.0: twice as
+    fast), so that drift between rounds moves both sides. Empty without such rows."""
+    plain = ("serial", "serial-sync")
+    out = []
+    for r in rows:
+        walls = r.get("round_walls_ms")
+        if r["mode"] in plain or not walls or r["status"] != "ok" or r.get("note"):
+            continue
+        bases = [
+            b
+            for b in rows
+            if b["mode"] in plain
+            and b["status"] == "ok"
+            and len(b.get("round_walls_ms") or ()) == len(walls)
+            and (b["scheduler"], b["family"], b["shape"])
+            == (r["scheduler"], r["family"], r["shape"])
+        ]
+        if not bases or not all(walls):
+            continue
+        ratios = [
+            min(statistics.median(b["round_walls_ms"][k]) for b in bases)
+            / statistics.median(walls[k])
+            for k in range(len(walls))
+        ]
+        r["paired_vs_plain_best"] = statistics.median(ratios)
+        out.append(
+            f"{r['family']:<6} {r['shape']:<10} {report._label(r):<30} {r['streams']:>3} "
+            f"{r['paired_vs_plain_best']:8.2f} {min(ratios):6.2f}-{max(ratios):.2f}"
+        )
+    if not out:
+        return ""
+    head = [
+        "\n== paired by round: plain Dask's best mode (serial, serial-sync) of the round over "
+        "the row's median; median over rounds, then the range ==",
+        f"{'family':<6} {'shape':<10} {'mode:policy':<30} {'n':>3} {'paired':>8} range",
+    ]
+    return "\n".join(head + out)
 
 
 def scaling_table(rows: list[dict]) -> str:
