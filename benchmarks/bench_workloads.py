@@ -73,13 +73,17 @@ from dask_gpustreams.backends import resolve_backend
 
 MODES = ("threads", "sync", "launcher", "enabled-threads")
 #: Modes for finding where the launcher loses (not in the default set): one stream, so the
-#: launcher's host path without concurrency on the device; the round-robin policy; and less
-#: of the graph launched ahead of the device (its memory against its speed).
+#: launcher's host path without concurrency on the device; the round-robin policy; less
+#: of the graph launched ahead of the device (its memory against its speed); and, for its
+#: memory, 2 streams, no large tasks (every task on any stream) and no small-block arenas.
 DIAGNOSTIC_MODES = {
     "launcher-1": {"gpustreams.streams": 1},
     "launcher-rr": {"gpustreams.policy": "round-robin"},
     "launcher-ahead128": {"gpustreams.launch-ahead": "128 MiB"},
     "launcher-ahead64": {"gpustreams.launch-ahead": "64 MiB"},
+    "launcher-2": {"gpustreams.streams": 2},
+    "launcher-nolarge": {"gpustreams.large-tasks": 0},
+    "launcher-nosmall": {"gpustreams.small-blocks": 0},
 }
 BACKENDS = ("auto", "cupy", "sim", "numpy")
 F4 = np.float32
