@@ -31,9 +31,7 @@ def test_shapes_in_rounds_share_the_samples_and_pair_the_ratios(tmp_path):
         assert sorted(sum(r["round_walls_ms"], [])) == sorted(r["walls_ms"])
     # One stream: the ideal is measured once and reported for its other assignment too.
     alias = [r for r in rows if r.get("note")]
-    assert [(r["mode"], r["policy"], r["streams"]) for r in alias] == [
-        ("ideal", "rr", 1)
-    ]
+    assert [(r["mode"], r["policy"], r["streams"]) for r in alias] == [("ideal", "rr", 1)]
     assert alias[0]["walls_ms"] and alias[0]["walls_ms"] == next(
         r["walls_ms"] for r in measured if (r["mode"], r["streams"]) == ("ideal", 1)
     )
