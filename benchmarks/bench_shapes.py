@@ -203,8 +203,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} {','.join(bad)} is invalid: allowed values are {','.join(allowed)}")
     if not args.dist_workers or min(args.dist_workers) < 1:
         p.error("--dist-workers needs worker counts >= 1")
-    if args.rounds < 1:
-        p.error(f"--rounds {args.rounds} is invalid: it needs an int >= 1")
+    if args.rounds < 1 or args.samples < 1:
+        p.error(f"--rounds {args.rounds} and --samples {args.samples} must be ints >= 1")
     return args
 
 
@@ -364,8 +364,12 @@ class Runner:
         row.update(report.summarize(row["walls_ms"]))
         return self._done(row)
 
-    def _sample(self, row: dict, wl: Workload, prepare: Any, warmup: int, samples: int) -> None:
-        """Run ``warmup`` then ``samples`` timed runs; add their walls to ``row``, check each."""
+    def _sample(
+        self, row: dict, wl: Workload, prepare: Any, warmup: int, samples: int, where: str = ""
+    ) -> None:
+        """Run ``warmup`` then ``samples`` timed runs; add their walls to ``row``, check each.
+
+        ``where`` starts a failure's message (e.g. its round)."""
         walls = row["walls_ms"]
         try:
             for i in range(warmup + samples):
@@ -378,7 +382,7 @@ class Runner:
                 problem = wl.check(results)
                 del results
                 if problem is not None:
-                    row["status"], row["error"] = "FAILED", f"run {i}: {problem}"
+                    row["status"], row["error"] = "FAILED", f"{where}run {i}: {problem}"
                     break
                 if i >= warmup:
                     walls.append(wall)
@@ -417,16 +421,16 @@ class Runner:
         samples = self.args.samples
         n = min(n, samples)
         for k in range(n):
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                for row, _, _ in entries:
-                    row["error"] = row["error"] or "time budget spent"
-                break
             share = samples // n + (k < samples % n)
             for row, wl, prepare in entries:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    row["error"] = row["error"] or "time budget spent"
+                    continue
                 if row["status"] in ("FAILED", "ERROR"):
                     continue
                 before = len(row["walls_ms"])
-                self._sample(row, wl, prepare, self.args.warmup if k == 0 else 0, share)
+                warmup = self.args.warmup if k == 0 else 0
+                self._sample(row, wl, prepare, warmup, share, f"round {k}, ")
                 row.setdefault("round_walls_ms", []).append(row["walls_ms"][before:])
         for row, _, _ in entries:
             row.update(report.summarize(row["walls_ms"]))
@@ -977,12 +981,13 @@ def write_outputs(rows: list[dict], meta: dict, out: str, headline_streams: int)
 def paired_table(rows: list[dict]) -> str:
     """Rows measured in rounds (``--rounds``) against plain Dask's best of the same shape in
     the same rounds: the median over rounds of its median over the row's (2.0: twice as
-    fast), so that drift between rounds moves both sides. Empty without such rows."""
+    fast), so that drift between rounds moves both sides. ``ptds-sync`` rows are left out:
+    its child process measures them at another time. Empty without such rows."""
     plain = ("serial", "serial-sync")
     out = []
     for r in rows:
         walls = r.get("round_walls_ms")
-        if r["mode"] in plain or not walls or r["status"] != "ok" or r.get("note"):
+        if r["mode"] in (*plain, "ptds-sync") or not walls or r["status"] != "ok" or r.get("note"):
             continue
         bases = [
             b

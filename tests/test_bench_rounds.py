@@ -45,9 +45,11 @@ def test_shapes_in_rounds_share_the_samples_and_pair_the_ratios(tmp_path):
     assert "paired by round" in (out / "table.txt").read_text()
 
 
-def test_rounds_must_be_a_count():
+def test_rounds_and_samples_must_be_counts():
     with pytest.raises(SystemExit):
         bench_shapes.parse_args(["--rounds", "0"])
+    with pytest.raises(SystemExit):
+        bench_shapes.parse_args(["--samples", "0", "--rounds", "2"])
     assert bench_shapes.parse_args([]).rounds == 1
 
 
@@ -76,3 +78,26 @@ def test_overhead_modes_take_turns_and_pair_with_plain_sync(tmp_path, monkeypatc
         walls, base = r["walls_ms"], rows[0]["walls_ms"]
         diffs = [(w - b) * 1e3 / r["n_tasks"] for w, b in zip(walls, base, strict=True)]
         assert r["us_per_task_vs_plain_sync"] == pytest.approx(statistics.median(diffs))
+
+
+def test_a_failure_in_a_later_round_names_its_round(tmp_path, monkeypatch):
+    checks = []
+    check = bench_shapes.Workload.check
+
+    def wrong_in_round_one(self, results):
+        checks.append(None)
+        return "a wrong tile" if len(checks) == 4 else check(self, results)
+
+    monkeypatch.setattr(bench_shapes.Workload, "check", wrong_in_round_one)
+    out = tmp_path / "shapes"
+    argv = ["--backend", "sim", "--schedulers", "threaded", "--families", "wide"]
+    argv += ["--shapes", "linear", "--width", "2", "--depth", "2", "--kernel-ms", "1"]
+    argv += ["--modes", "serial-sync,launcher", "--streams", "2", "--policies", "auto"]
+    argv += ["--warmup", "0", "--samples", "2", "--rounds", "2", "--out", str(out)]
+    assert bench_shapes.main(argv) == 0
+    rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    # Round 0: serial-sync, launcher; round 1: serial-sync, then the launcher's run fails.
+    assert rows["launcher"]["status"] == "FAILED"
+    assert rows["launcher"]["error"] == "round 1, run 0: a wrong tile"
+    assert rows["launcher"]["samples"] == 1 and rows["serial-sync"]["samples"] == 2
+    assert "paired_vs_plain_best" not in rows["launcher"]
