@@ -8,7 +8,8 @@ start together rather than one after another; of large tasks, at most as many as
 the policy runs them on (``StreamPolicy.large_streams``), so that memory holds
 that many large paths, not one per stream. The launching thread never waits
 for the device except for back-pressure: at most ``config.launch_ahead``
-bytes of device outputs whose kernels have not completed, and
+bytes of device outputs whose kernels have not completed (an input returned,
+updated in place as Dagger's gemm tiles are, is no new output), and
 ``pool.max_inflight`` tasks per stream. Tasks that block the host (marked,
 or learned by :class:`~dask_gpustreams.runtime.hosttasks.HostTasks`) run on
 the runtime's host threads after a host wait for their inputs' events, so
@@ -409,13 +410,17 @@ class GraphLauncher:
                     if not len(launched) % COLLECT_EVERY:
                         pool.collect_all()  # streams not used lately hold finished inputs
                     if is_device(result):
-                        nbytes = result.nbytes
-                        ahead.append((event, nbytes))
-                        ahead_bytes += nbytes
-                        while ahead_bytes > limit:
-                            done_event, done_bytes = ahead.popleft()
-                            backend.synchronize_event(done_event)
-                            ahead_bytes -= done_bytes
+                        for value in values.values():
+                            if value is result:  # an input updated in place: no new memory
+                                break
+                        else:
+                            nbytes = result.nbytes
+                            ahead.append((event, nbytes))
+                            ahead_bytes += nbytes
+                            while ahead_bytes > limit:
+                                done_event, done_bytes = ahead.popleft()
+                                backend.synchronize_event(done_event)
+                                ahead_bytes -= done_bytes
                     self._finish(key, deps, ready, dependents, missing, consumers)
                     if hooks is not None:
                         hooks.posttask(key, result, 0)
