@@ -2,7 +2,8 @@
 
 For each Dagger shape, modes in turn for ``--rounds`` rounds: plain Dask's synchronous
 scheduler, the launcher (default settings), the launcher without its allocator
-(``small-blocks`` and ``large-tasks`` 0), the launcher on one stream, and the hand launch
+(``small-blocks`` and ``large-tasks`` 0), the launcher on one stream, the launcher that
+never waits for its launch-ahead (16 GiB), and the hand launch
 (``ideal:layers``) on the same streams. For the launcher and the ideal it also prints the
 host time to launch every task (until the launcher's final sync starts, or the ideal's
 stream syncs), per task. Then a cProfile of the launcher on ``linear``. Every result is
@@ -77,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             dask_gpustreams.get,
         ),
         "launcher, 1 stream": (launcher_config(backend, 1), dask_gpustreams.get),
+        "launcher, ahead 16 GiB": (
+            launcher_config(backend, n, **{"gpustreams.launch-ahead": "16 GiB"}),
+            dask_gpustreams.get,
+        ),
     }
     print(f"backend {backend}, {n} streams, tile gemm {gemm_ms:.4f} ms alone; {args.rounds} rounds")
     print(
