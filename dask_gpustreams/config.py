@@ -11,6 +11,7 @@ starts, so a bad value or an unknown ``gpustreams.*`` key fails the
 from __future__ import annotations
 
 import difflib
+import functools
 import numbers
 import os
 from dataclasses import dataclass, fields
@@ -233,16 +234,36 @@ class StreamsConfig:
         """Read ``gpustreams.*`` from dask's config; keyword arguments take precedence.
 
         Raises ``ValueError`` for a bad value and for an unknown ``gpustreams.*`` key.
+        Every local compute reads it: settings already read are not parsed again (a
+        snapshot of the section is the key), which costs tens of microseconds a compute.
         """
+        overridden = {k: v for k, v in overrides.items() if v is not None}
+        try:
+            # With the types: 8.0 and True equal 8 and 1 but are not read alike.
+            snapshot = tuple((k, type(v), v) for k, v in dask.config.get("gpustreams").items())
+            return _config_of(cls, snapshot, tuple(overridden.items()))
+        except TypeError:  # an unhashable value somewhere: read the long way
+            return cls._read(overridden)
+
+    @classmethod
+    def _read(cls, overrides: dict[str, Any]) -> StreamsConfig:
+        """:meth:`from_dask_config` without its cache."""
         _check_keys()
         values = {
             field: dask.config.get(f"gpustreams.{field.replace('_', '-')}")
             for field in cls.__dataclass_fields__
         }
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        values.update(overrides)
         if values["pinned_pool_size"] is None:  # YAML null: 'auto' is spelt out there
             raise invalid_value("pinned-pool-size", None, _PINNED)
         return cls(**values)
+
+
+@functools.lru_cache(maxsize=32)
+def _config_of(cls: type[StreamsConfig], snapshot: tuple, overrides: tuple) -> StreamsConfig:
+    """The settings read from a ``gpustreams`` section whose ``(key, type, value)`` items
+    are ``snapshot`` (hashable: a value that is not raises ``TypeError`` before the read)."""
+    return cls._read(dict(overrides))
 
 
 #: The boolean fields of :class:`StreamsConfig`, read by :func:`parse_bool`.

@@ -35,6 +35,25 @@ def test_from_dask_config_reads_set_values_and_overrides():
     assert (config.backend, config.streams, config.policy) == ("sim", 3, "least-loaded")
 
 
+def test_every_read_sees_the_settings_of_its_moment():
+    """Settings read once are not parsed again, but a change, an equal value of another
+    type, or an unhashable value is read anew, and a bad value fails every time."""
+    reads = []
+    for value in (3, 4, 3, 3.0, 3, [3], 3.0):
+        with dask.config.set({"gpustreams.streams": value}):
+            try:
+                reads.append(StreamsConfig.from_dask_config().streams)
+            except ValueError as e:
+                reads.append(str(e).split(" is invalid")[0])
+    bad = "gpustreams.streams=3.0"
+    assert reads == [3, 4, 3, bad, 3, "gpustreams.streams=[3]", bad]
+    with dask.config.set({"gpustreams.streams": 5, "gpustreams.policy": "round-robin"}):
+        assert StreamsConfig.from_dask_config(policy="least-loaded").policy == "least-loaded"
+        assert StreamsConfig.from_dask_config().policy == "round-robin"
+    with dask.config.set({"gpustreams.nonsense": 1}), pytest.raises(ValueError, match="nonsense"):
+        StreamsConfig.from_dask_config()
+
+
 @pytest.mark.parametrize(
     "value, expected",
     [(True, True), (False, False), ("true", True), ("True", True), (" on ", True), ("1", True)]
