@@ -409,18 +409,16 @@ class GraphLauncher:
                         learned.observe(self.group_of(key), seconds)
                     if not len(launched) % COLLECT_EVERY:
                         pool.collect_all()  # streams not used lately hold finished inputs
-                    if is_device(result):
-                        for value in values.values():
-                            if value is result:  # an input updated in place: no new memory
-                                break
-                        else:
-                            nbytes = result.nbytes
-                            ahead.append((event, nbytes))
-                            ahead_bytes += nbytes
-                            while ahead_bytes > limit:
-                                done_event, done_bytes = ahead.popleft()
-                                backend.synchronize_event(done_event)
-                                ahead_bytes -= done_bytes
+                    # An input updated in place is no new memory (a loop's variable would
+                    # hold an input past its consumers: a generator's does not).
+                    if is_device(result) and not any(v is result for v in values.values()):
+                        nbytes = result.nbytes
+                        ahead.append((event, nbytes))
+                        ahead_bytes += nbytes
+                        while ahead_bytes > limit:
+                            done_event, done_bytes = ahead.popleft()
+                            backend.synchronize_event(done_event)
+                            ahead_bytes -= done_bytes
                     self._finish(key, deps, ready, dependents, missing, consumers)
                     if hooks is not None:
                         hooks.posttask(key, result, 0)
