@@ -622,6 +622,74 @@ def run_group(
     def new_row(wl: Workload, mode: str, policy: str, n: int) -> dict:
         return runner.row(row_scheduler, wl, mode, policy, n, workers)
 
+    def measure_modes(wl: Workload) -> None:
+        """Every mode of ``modes`` on ``wl`` (measured now, or noted inside rounds)."""
+        if dist is not None:
+            dist.use_streams(None)
+        if "serial" in modes:
+            row = new_row(wl, "serial", "", 1)
+            prep = threaded_prepare(wl, OFF, args.threads) if dist is None else dist.prepare(wl)
+            runner.measure(row, wl, prep)
+        if "serial-sync" in modes and dist is None:
+            row = new_row(wl, "serial-sync", "", 1)
+            runner.measure(row, wl, threaded_prepare(wl, OFF, 1, get=dask.get))
+        if "ptds-sync" in modes:  # only in the child process, where PTDS is on
+            row = new_row(wl, "ptds-sync", "", args.threads)
+            prep = (
+                threaded_prepare(wl, OFF, args.threads, sync_after=True)
+                if dist is None
+                else dist.prepare(wl, sync_after=True)
+            )
+            runner.measure(row, wl, prep)
+        if "gpustreams" in modes:
+            problem = plugin_problem() if dist is not None else None
+            for n in streams:
+                # With one stream every policy picks it: measure once, report for all.
+                for policy in policies[:1] if n == 1 else policies:
+                    row = new_row(wl, "gpustreams", policy, n)
+                    if problem is not None:
+                        runner.skip(row, problem)
+                        continue
+                    if dist is None:
+                        config = gpustreams_config(backend, n, policy)
+                        runner.measure(row, wl, threaded_prepare(wl, config, args.threads))
+                        for chunksize in (c for c in args.chunksizes if c != 1):
+                            label = f"{policy}/chunksize={chunksize}"
+                            tuned = new_row(wl, "gpustreams", label, n)
+                            chunked = {**config, "chunksize": chunksize}
+                            runner.measure(tuned, wl, threaded_prepare(wl, chunked, args.threads))
+                    else:
+                        for blocks in args.dist_blocks:
+                            if blocks != "auto":
+                                label = f"{policy}/blocks={blocks}"
+                                if blocks == args.dist_blocks[0]:
+                                    row["policy"] = label
+                                else:
+                                    row = new_row(wl, "gpustreams", label, n)
+                            elif blocks != args.dist_blocks[0]:
+                                row = new_row(wl, "gpustreams", policy, n)
+                            try:
+                                dist.use_streams(n, policy, blocks=blocks)
+                            except Exception as e:
+                                runner.skip(row, f"plugin registration failed: {e!r}")
+                                continue
+                            runner.measure(row, wl, dist.prepare(wl))
+                    if n == 1:
+                        for other in policies[1:]:
+                            runner.alias(row, policy=other, note=f"same run as {policies[0]}")
+            if dist is not None:
+                dist.use_streams(None)
+        if "launcher" in modes and dist is None:
+            for n in streams:
+                for policy in policies[:1] if n == 1 else policies:
+                    row = new_row(wl, "launcher", policy, n)
+                    config = {**gpustreams_config(backend, n, policy), "gpustreams.enabled": False}
+                    prep = threaded_prepare(wl, config, 1, get=dask_gpustreams.get)
+                    runner.measure(row, wl, prep)
+        # The hand launch runs on this process's device: measured with the first cluster only.
+        if "ideal" in modes and (dist is None or dist.workers == args.dist_workers[0]):
+            run_ideal(runner, wl, row_scheduler, streams, workers)
+
     for name in args.shapes:
         wl = loads.get(scheduler, family, name)
         print(
@@ -629,73 +697,7 @@ def run_group(
         )
         # On the threaded scheduler the modes take turns; a cluster is set up per mode.
         with runner.rounds(args.rounds if dist is None else 1):
-            if dist is not None:
-                dist.use_streams(None)
-            if "serial" in modes:
-                row = new_row(wl, "serial", "", 1)
-                prep = threaded_prepare(wl, OFF, args.threads) if dist is None else dist.prepare(wl)
-                runner.measure(row, wl, prep)
-            if "serial-sync" in modes and dist is None:
-                row = new_row(wl, "serial-sync", "", 1)
-                runner.measure(row, wl, threaded_prepare(wl, OFF, 1, get=dask.get))
-            if "ptds-sync" in modes:  # only in the child process, where PTDS is on
-                row = new_row(wl, "ptds-sync", "", args.threads)
-                prep = (
-                    threaded_prepare(wl, OFF, args.threads, sync_after=True)
-                    if dist is None
-                    else dist.prepare(wl, sync_after=True)
-                )
-                runner.measure(row, wl, prep)
-            if "gpustreams" in modes:
-                problem = plugin_problem() if dist is not None else None
-                for n in streams:
-                    # With one stream every policy picks it: measure once, report for all.
-                    for policy in policies[:1] if n == 1 else policies:
-                        row = new_row(wl, "gpustreams", policy, n)
-                        if problem is not None:
-                            runner.skip(row, problem)
-                            continue
-                        if dist is None:
-                            config = gpustreams_config(backend, n, policy)
-                            runner.measure(row, wl, threaded_prepare(wl, config, args.threads))
-                            for chunksize in (c for c in args.chunksizes if c != 1):
-                                label = f"{policy}/chunksize={chunksize}"
-                                tuned = new_row(wl, "gpustreams", label, n)
-                                chunked = {**config, "chunksize": chunksize}
-                                chunked_prep = threaded_prepare(wl, chunked, args.threads)
-                                runner.measure(tuned, wl, chunked_prep)
-                        else:
-                            for blocks in args.dist_blocks:
-                                if blocks != "auto":
-                                    label = f"{policy}/blocks={blocks}"
-                                    if blocks == args.dist_blocks[0]:
-                                        row["policy"] = label
-                                    else:
-                                        row = new_row(wl, "gpustreams", label, n)
-                                elif blocks != args.dist_blocks[0]:
-                                    row = new_row(wl, "gpustreams", policy, n)
-                                try:
-                                    dist.use_streams(n, policy, blocks=blocks)
-                                except Exception as e:
-                                    runner.skip(row, f"plugin registration failed: {e!r}")
-                                    continue
-                                runner.measure(row, wl, dist.prepare(wl))
-                        if n == 1:
-                            for other in policies[1:]:
-                                runner.alias(row, policy=other, note=f"same run as {policies[0]}")
-                if dist is not None:
-                    dist.use_streams(None)
-            if "launcher" in modes and dist is None:
-                for n in streams:
-                    for policy in policies[:1] if n == 1 else policies:
-                        row = new_row(wl, "launcher", policy, n)
-                        config = gpustreams_config(backend, n, policy)
-                        config["gpustreams.enabled"] = False
-                        prep = threaded_prepare(wl, config, 1, get=dask_gpustreams.get)
-                        runner.measure(row, wl, prep)
-            # The hand launch runs on this process's device: measured with the first cluster only.
-            if "ideal" in modes and (dist is None or dist.workers == args.dist_workers[0]):
-                run_ideal(runner, wl, row_scheduler, streams, workers)
+            measure_modes(wl)
 
 
 def run_ideal(
