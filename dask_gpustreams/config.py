@@ -238,12 +238,14 @@ class StreamsConfig:
         snapshot of the section is the key), which costs tens of microseconds a compute.
         """
         overridden = {k: v for k, v in overrides.items() if v is not None}
+        # With the types: 8.0 and True equal 8 and 1 but are not read alike.
+        snapshot = tuple((k, type(v), v) for k, v in dask.config.get("gpustreams").items())
+        key = (snapshot, tuple(overridden.items()))
         try:
-            # With the types: 8.0 and True equal 8 and 1 but are not read alike.
-            snapshot = tuple((k, type(v), v) for k, v in dask.config.get("gpustreams").items())
-            return _config_of(cls, snapshot, tuple(overridden.items()))
+            hash(key)
         except TypeError:  # an unhashable value somewhere: read the long way
             return cls._read(overridden)
+        return _config_of(cls, *key)  # a TypeError of the read itself is raised once
 
     @classmethod
     def _read(cls, overrides: dict[str, Any]) -> StreamsConfig:
@@ -262,7 +264,7 @@ class StreamsConfig:
 @functools.lru_cache(maxsize=32)
 def _config_of(cls: type[StreamsConfig], snapshot: tuple, overrides: tuple) -> StreamsConfig:
     """The settings read from a ``gpustreams`` section whose ``(key, type, value)`` items
-    are ``snapshot`` (hashable: a value that is not raises ``TypeError`` before the read)."""
+    are ``snapshot``."""
     return cls._read(dict(overrides))
 
 

@@ -20,18 +20,28 @@ cProfile of the launcher at the first kernel length, sorted by own time. ``--pre
 times, on the host alone, the three steps before a first launch for each shape's graph:
 Dask's conversion of its tuple tasks (``convert_legacy_graph``), ``dask.order`` (which the
 launcher skips since 0c426a9 where every ready task fits a round) and the launch plan.
+``--steps`` instead marks, with the timeline and callbacks off (as ``bench_shapes`` runs
+the launcher), when each step of a launcher compute ends, in ms from the call (medians of
+``--reps`` after a warm-up): the conversion, ``acquire_runtime``, the launch plan, the
+launcher's allocator entered, ``order_after_caller``, ``isolate_thread``, the first and
+last kernel calls, the final ``synchronize`` and the return; and the ideal's first and last
+kernel calls and return, for the same graph.
 
     python -m benchmarks.probes.probe_shape_lag --backend cupy --kernel-ms 0.5,2
     python -m benchmarks.probes.probe_shape_lag --backend sim --prep
+    python -m benchmarks.probes.probe_shape_lag --backend cupy --kernel-ms 2 --steps
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import statistics
 import time
+from collections.abc import Iterator
 from functools import partial
+from unittest import mock
 
 import dask
 from dask._task_spec import DataNode, convert_legacy_graph
@@ -42,8 +52,10 @@ import dask_gpustreams
 from benchmarks import bench_shapes, kernels
 from benchmarks.report import profile_text
 from dask_gpustreams.diagnostics import clear_timeline, timeline
+from dask_gpustreams.integrations import launcher as local_launcher
 from dask_gpustreams.integrations.launcher import launch_plan
-from dask_gpustreams.runtime import acquire_runtime
+from dask_gpustreams.runtime import StreamRuntime, acquire_runtime
+from dask_gpustreams.runtime.launcher import GraphLauncher
 
 HOST_BOUND_MS = 0.05
 
@@ -135,6 +147,118 @@ def prep_times(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def step_marks(marks: dict[str, float]) -> Iterator[None]:
+    """Inside, the steps of a launcher compute put the time they end at in ``marks``
+    (only the first time each ends, except the final ``synchronize``)."""
+
+    def ends(owner, name: str, label: str):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            out = original(*args, **kwargs)
+            marks.setdefault(label, time.perf_counter())
+            return out
+
+        return mock.patch.object(owner, name, wrapper)
+
+    def launch_all(launcher, meter):  # entered once the allocator is
+        marks.setdefault("allocator", time.perf_counter())
+        return original_launch_all(launcher, meter)
+
+    def synchronize(runtime, *args, **kwargs):
+        marks["synchronize"] = time.perf_counter()
+        out = original_synchronize(runtime, *args, **kwargs)
+        marks["synchronized"] = time.perf_counter()
+        return out
+
+    original_launch_all, original_synchronize = GraphLauncher._launch_all, StreamRuntime.synchronize
+    with contextlib.ExitStack() as stack:
+        for owner, name, label in (
+            (local_launcher, "convert_legacy_graph", "converted"),
+            (local_launcher, "acquire_runtime", "acquired"),
+            (local_launcher, "launch_plan", "planned"),
+            (StreamRuntime, "order_after_caller", "ordered after caller"),
+            (StreamRuntime, "isolate_thread", "isolated"),
+        ):
+            stack.enter_context(ends(owner, name, label))
+        stack.enter_context(mock.patch.object(GraphLauncher, "_launch_all", launch_all))
+        stack.enter_context(mock.patch.object(StreamRuntime, "synchronize", synchronize))
+        yield
+
+
+class KernelCalls:
+    """``kernel`` that notes the time of its first and last call in ``marks``."""
+
+    def __init__(self, kernel, marks: dict[str, float]):
+        self.kernel, self.marks = kernel, marks
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def __call__(self, *args):
+        now = time.perf_counter()
+        self.marks.setdefault("first kernel", now)
+        self.marks["last kernel"] = now
+        return self.kernel(*args)
+
+
+def step_times(args: argparse.Namespace) -> int:
+    """``--steps``: medians of when each step of a launcher compute and of the ideal ends."""
+    config = {
+        **bench_shapes.gpustreams_config(args.backend, 8, "auto"),
+        "gpustreams.enabled": False,
+    }
+    for ms in args.kernel_ms.split(","):
+        sargs = bench_shapes.parse_args(
+            ["--families", "wide", "--schedulers", "threaded", "--kernel-ms", ms]
+        )
+        bench_shapes.set_defaults(sargs, args.backend)
+        loads = bench_shapes.Workloads(
+            sargs, args.backend, bench_shapes.calibrate(sargs, args.backend)
+        )
+        ideal = bench_shapes.Runner(sargs, args.backend, "/tmp", None).launcher(8)
+        for name in args.shapes.split(","):
+            wl = loads.get("threaded", "wide", name)
+            plan = bench_shapes.ideal_plan(wl, 8, "layers")
+            kernel = wl.kernel
+            rows: dict[str, list[dict[str, float]]] = {"launcher": [], "ideal": []}
+            problems = set()
+            try:
+                for i in range(args.reps + 1):
+                    for mode in rows:
+                        marks: dict[str, float] = {}
+                        wl.kernel = KernelCalls(kernel, marks)
+                        dsk, keys = wl.graph(object())
+                        kernels.device_synchronize(args.backend)
+                        with dask.config.set(config), step_marks(marks):
+                            t0 = time.perf_counter()
+                            if mode == "launcher":
+                                out = dask_gpustreams.get(dsk, keys)
+                            else:
+                                out = ideal.run(wl, plan)
+                            kernels.device_synchronize(args.backend)
+                            marks["returned"] = time.perf_counter()
+                        problems.add(wl.check(out))
+                        if i:  # the first round warms up
+                            rows[mode].append({k: (v - t0) * 1e3 for k, v in marks.items()})
+            finally:
+                wl.kernel = kernel
+            problems.discard(None)
+            print(
+                f"\n== {name}, {ms} ms kernels, 8 streams: ms from the call, medians of "
+                f"{args.reps}; " + ("ok" if not problems else f"WRONG: {sorted(problems)}")
+            )
+            for mode, runs in rows.items():
+                steps = sorted(runs[0], key=lambda k: statistics.median(r[k] for r in runs))
+                print(
+                    f"{mode:<9} "
+                    + "  ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}" for k in steps),
+                    flush=True,
+                )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy")
@@ -143,9 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--prep", action="store_true", help="time the host steps before a launch")
+    p.add_argument("--steps", action="store_true", help="when each step of a compute ends")
     args = p.parse_args(argv)
     if args.prep:
         return prep_times(args)
+    if args.steps:
+        return step_times(args)
     config = {
         **bench_shapes.gpustreams_config(args.backend, 8, "auto"),
         "gpustreams.enabled": False,
