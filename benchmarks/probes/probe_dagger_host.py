@@ -4,10 +4,10 @@ For each Dagger shape, modes in turn for ``--rounds`` rounds: plain Dask's synch
 scheduler, the launcher (default settings), the launcher without its allocator
 (``small-blocks`` and ``large-tasks`` 0), the launcher on one stream, the launcher that
 never waits for its launch-ahead (16 GiB), and the hand launch
-(``ideal:layers``) on the same streams. For the launcher and the ideal it also prints the
-host time to launch every task (until the launcher's final sync starts, or the ideal's
-stream syncs), per task. Then a cProfile of the launcher on ``linear``. Every result is
-checked against the reference.
+(``ideal:layers``) on the same streams. It also prints the host time to launch every task,
+per task: until the launcher's final sync starts, the ideal's stream syncs, or plain sync's
+last task returns. Then a cProfile of plain sync and of the launcher on ``linear``. Every
+result is checked against the reference.
 
     python -m benchmarks.probes.probe_dagger_host --backend cupy --rounds 5
 """
@@ -20,6 +20,7 @@ import statistics
 import time
 
 import dask
+from dask.callbacks import Callback
 
 import dask_gpustreams
 from benchmarks import bench_shapes, kernels, report
@@ -53,6 +54,15 @@ class HostMarks:
         StreamRuntime.synchronize = runtime_sync
         ideal.backend.synchronize_stream = ideal_sync
 
+    def plain_sync(self, dsk, keys):
+        """``dask.get``, marking the end of each task: the last one's is plain sync's."""
+
+        def posttask(key, result, dsk, state, worker_id):
+            self.last = time.perf_counter()
+
+        with Callback(posttask=posttask):
+            return dask.get(dsk, keys)
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.probes.probe_dagger_host")
@@ -69,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     marks = HostMarks(ideal)
     n = args.streams
     modes = {
-        "plain sync": (OFF, dask.get),
+        "plain sync": (OFF, marks.plain_sync),
         "launcher": (launcher_config(backend, n), dask_gpustreams.get),
         "launcher, no allocator": (
             launcher_config(
@@ -115,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                     failed = True
                 if k:
                     walls[label].append((t1 - t0) * 1e3)
-                    if marks.last is not None and label != "plain sync":
+                    if marks.last is not None:
                         hosts[label].append((marks.last - t0) / shape.n_tasks * 1e6)
         for label in runs:
             w = walls[label]
@@ -127,15 +137,16 @@ def main(argv: list[str] | None = None) -> int:
             )
     shape = bench_shapes.make_shape(shape_args, "dagger", "linear")
     wl = gemm_workload(shape, backend, shape_args.matrix, gemm_ms)
-    cfg, get = modes["launcher"]
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(3):
-        _run_graph(wl, cfg, get)
-    prof.disable()
-    kernels.device_synchronize(backend)
-    print(f"\ncProfile, the launcher on linear ({shape.n_tasks} tasks) x 3:")
-    print(report.profile_text(prof, 30))
+    for label in ("plain sync", "launcher"):
+        cfg, get = modes[label]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(3):
+            _run_graph(wl, cfg, get)
+        prof.disable()
+        kernels.device_synchronize(backend)
+        print(f"\ncProfile, {label} on linear ({shape.n_tasks} tasks) x 3:")
+        print(report.profile_text(prof, 30))
     return 1 if failed else 0
 
 
