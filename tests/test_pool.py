@@ -34,6 +34,26 @@ def test_inflight_queue_pops_done_pairs_from_the_front_only():
     assert queue.pop_done(finished.__contains__) == []
 
 
+def test_collect_after_the_last_event_completed_drops_all_with_one_query():
+    """After a graph's final sync a stream's whole queue is done: its last event says so,
+    and the earlier ones (done before it, in stream order) need no query each."""
+    events = [sim.Event() for _ in range(4)]
+    queries = []
+
+    def done(event):
+        queries.append(event)
+        return event is not events[2]
+
+    queue = InflightQueue((e, i) for i, e in enumerate(events))
+    queue.drop_done(done)
+    assert (len(queue), queries) == (0, [events[3]])
+    queue = InflightQueue((e, i) for i, e in enumerate(events[:3]))
+    queries.clear()
+    queue.drop_done(done)  # the last one is not done: front first, as pop_done
+    assert [payload for _, payload in queue] == [2]
+    assert queries == [events[2], events[0], events[1], events[2]]
+
+
 def test_back_pressure_waits_for_the_device_without_the_slot_lock():
     """A record blocked behind the oldest task leaves the slot's queries free.
 

@@ -26,6 +26,14 @@ class InflightQueue(deque):
             payloads.append(self.popleft()[1])
         return payloads
 
+    def drop_done(self, done: Callable[[Any], bool]) -> None:
+        """Drop the pairs whose event is ``done``: all of them after one query when the
+        last one is (after a graph's final sync, the common case), else front first."""
+        if self and done(self[-1][0]):
+            self.clear()
+        else:
+            self.pop_done(done)
+
 
 class EventPool:
     """Timing-free events of one backend, handed out again once complete and unreferenced.

@@ -226,7 +226,7 @@ class StreamPool:
         """Drop completed work from ``slot``'s in-flight queue; return how much is left."""
         inflight = slot.inflight
         with slot.lock:
-            inflight.pop_done(self.backend.done)
+            inflight.drop_done(self.backend.done)
             return len(inflight)
 
     def assign(self, slot: StreamSlot) -> None:
