@@ -594,7 +594,9 @@ def test_a_group_stays_large_across_computes_until_a_task_allocates_less(on_the_
             got = dask.compute(*outs, scheduler="gpustreams")
             assert [g.tolist() for g in got] == [[2.0 * i] * n for i in range(16)]
             streams_used.append(len(set(seen)))
-            assert ("scaled_on" in get_runtime().large_tasks) is (n == CHUNK)
+            large = get_runtime().large_tasks
+            assert ("scaled_on" in large) is (n == CHUNK)
+            assert sorted(large.groups()) == (["leaf", "scaled_on"] if n == CHUNK else [])
     assert streams_used[1] <= 2 < streams_used[2], streams_used
 
 

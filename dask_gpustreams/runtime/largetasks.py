@@ -28,6 +28,10 @@ class LargeTasks:
     def __contains__(self, group: Hashable) -> bool:
         return group in self._groups
 
+    def groups(self) -> list[Hashable]:
+        """The groups learned to be large."""
+        return list(self._groups)
+
     def observe(self, group: Hashable, largest: int) -> None:
         """A task of ``group`` allocated blocks of at most ``largest`` bytes."""
         if largest >= self.size:

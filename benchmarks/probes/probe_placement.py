@@ -1,0 +1,98 @@
+"""Where the launcher puts the wide shapes' tasks, in a process whose share of ``ideal`` is low.
+
+``bench_shapes`` with 0.5 ms kernels gave 60-73% of ``ideal`` in some processes and 82-94%
+in others, with either of two libraries (h200-revert-3e60518). This probe runs each wide
+shape under the launcher (8 streams, ``auto``, timeline off) and ``ideal:layers`` in turn,
+prints the share of the medians, and for the last launcher run: the streams each column's
+tasks went to, the host-bound task groups (``HostTasks``) and the large ones
+(``LargeTasks``) the runtime has learned. Run it in several processes to see both kinds::
+
+    for i in 1 2 3 4; do python -m benchmarks.probes.probe_placement --backend cupy; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import dask
+
+import dask_gpustreams
+from benchmarks import bench_shapes, kernels
+from dask_gpustreams.runtime import acquire_runtime
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="cupy")
+    p.add_argument("--kernel-ms", default="0.5")
+    p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
+    p.add_argument("--reps", type=int, default=6)
+    args = p.parse_args(argv)
+    sargs = bench_shapes.parse_args(
+        ["--families", "wide", "--schedulers", "threaded", "--kernel-ms", args.kernel_ms]
+    )
+    bench_shapes.set_defaults(sargs, args.backend)
+    loads = bench_shapes.Workloads(sargs, args.backend, bench_shapes.calibrate(sargs, args.backend))
+    ideal = bench_shapes.Runner(sargs, args.backend, "/tmp", None).launcher(8)
+    config = {
+        **bench_shapes.gpustreams_config(args.backend, 8, "auto"),
+        "gpustreams.enabled": False,
+    }
+    failed = False
+    with dask.config.set(config):
+        runtime = acquire_runtime()
+    try:
+        placed: dict = {}
+        select = runtime.policy.select
+
+        def noting(task, pool):
+            slot = select(task, pool)
+            placed[task.key] = slot.index
+            return slot
+
+        runtime.policy.select = noting
+        for name in args.shapes.split(","):
+            wl = loads.get("threaded", "wide", name)
+            plan = bench_shapes.ideal_plan(wl, 8, "layers")
+            walls: dict[str, list[float]] = {"launcher": [], "ideal": []}
+            for i in range(args.reps + 1):
+                for mode in walls:
+                    if mode == "launcher":
+                        placed.clear()
+                    dsk, keys = wl.graph(object())
+                    kernels.device_synchronize(args.backend)
+                    t0 = time.perf_counter()
+                    with dask.config.set(config):
+                        out = (
+                            dask_gpustreams.get(dsk, keys)
+                            if mode == "launcher"
+                            else ideal.run(wl, plan)
+                        )
+                    kernels.device_synchronize(args.backend)
+                    if i:
+                        walls[mode].append((time.perf_counter() - t0) * 1e3)
+                    problem = wl.check(out)
+                    if problem:
+                        print(f"{name} {mode}: WRONG: {problem}")
+                        failed = True
+            columns = defaultdict(list)
+            for key, stream in placed.items():
+                columns[key[0]].append((key[1], stream))
+            launcher, hand = statistics.median(walls["launcher"]), statistics.median(walls["ideal"])
+            print(f"{name:<10} launcher {launcher:6.2f} ms  ideal {hand:6.2f} ms  ", end="")
+            print(f"share {hand / launcher:4.0%}")
+            for column in sorted(columns):
+                streams = "".join(str(s) for _, s in sorted(columns[column]))
+                print(f"  {column}: {streams}")
+        print("host-task groups:", runtime.host_tasks.groups())
+        print("large groups:", sorted(runtime.large_tasks.groups()))
+    finally:
+        runtime.release()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
