@@ -43,7 +43,6 @@ from tests.test_local_scheduler import (
     failing,
     leaf,
     slow_add,
-    slow_fill,
     slow_scale,
     tree_workload,
 )
@@ -562,64 +561,6 @@ def scaled_on(streams_seen, x):
     out = sim.empty(x.shape)
     sim.launch(slow_scale, out, x, 2.0, 0.002)
     return out
-
-
-def gated_root(value, seen, gate):
-    """A chain's first task: the first one called completes at once (the device keeps up
-    with one kernel: the third waits for its stream, event included, to be idle); the
-    next ones wait for ``gate``, which the last one opens."""
-    order = len(seen)
-    stream = sim.get_device().current_stream()
-    seen.append(stream)
-    out = sim.empty(4)
-    if order == 0:
-        sim.launch(slow_fill, out, value, 0.0)
-    elif order < 3:
-        if order == 2:
-            seen[0].synchronize()
-        sim.launch(lambda: gate.wait(10))
-        sim.launch(slow_fill, out, value, 0.0)
-    else:
-        gate.set()
-        sim.launch(slow_fill, out, value, 0.0)
-    return out
-
-
-def scaled_noting(seen, key, x):
-    """``x * 2``, noting the stream it is launched on under ``key``."""
-    seen[key] = sim.get_device().current_stream().id
-    out = sim.empty(x.shape)
-    sim.launch(slow_scale, out, x, 2.0, 0.001)
-    return out
-
-
-def test_a_rounds_paths_keep_their_streams_when_its_first_task_completes_at_once(
-    on_the_launcher, launcher
-):
-    """Four chains on 4 streams, computed three times: the first root's kernel completes
-    before the other roots are placed (the host slower than a kernel, as 0.5 ms kernels
-    on the H200). Once the streams hold the levels of a compute before, no root may take
-    that idle stream from the chain it starts: each chain stays on a stream of its own.
-    (In the first compute the streams not used yet are only asked after the idle one, so
-    that a graph the device keeps up with stays on one stream.) Exact."""
-    with launcher(streams=4, policy="auto"):
-        for compute in range(3):
-            roots: list[int] = []
-            links: dict = {}
-            gate = threading.Event()
-            outs = []
-            for i in range(4):
-                x = delayed(gated_root)(float(i), roots, gate)
-                for d in range(3):
-                    x = delayed(scaled_noting)(links, (i, d), x)
-                outs.append(delayed(download)(x))
-            got = dask.compute(*outs, scheduler="gpustreams")
-            assert [g.tolist() for g in got] == [[8.0 * i] * 4 for i in range(4)]
-            if not compute:
-                continue
-            assert len({s.id for s in roots}) == 4, [s.id for s in roots]
-            chains = [{links[(i, d)] for d in range(3)} for i in range(4)]
-            assert [len(c) for c in chains] == [1, 1, 1, 1], chains
 
 
 @pytest.mark.parametrize("large_tasks", ["128 KiB", 0])

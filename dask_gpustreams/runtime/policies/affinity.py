@@ -44,16 +44,12 @@ class Auto(StreamPolicy):
     chainlink, tangled) instead of queueing behind a sibling, even while the
     host runs far ahead of the device.
 
-    It reads levels and asks the device little, one event query per ask. A
-    stream free by its level is taken before any is asked; only then does it ask
+    It reads levels and asks the device little, one event query per ask:
 
     - whether the first :attr:`queries` streams it would pass over by level
       are idle (a producer's first, then the pool's in order), so that while
       the device keeps up with the host the work stays on few streams, as on
-      one (fewer event waits, memory arenas and cuFFT plans), and a stream
-      whose task completed is not taken from the path it starts while another
-      stream is free (the launcher's rounds: one root completes before the
-      last of eight is placed, and two paths would then share a stream);
+      one (fewer event waits, memory arenas and cuFFT plans);
     - whether one more stream, taken in turn, is idle; its level then drops
       to 0, so a stream that drained is seen within ``n_streams`` selections
       of tasks that do not follow a producer (one that does asks nothing).
@@ -115,14 +111,9 @@ class Auto(StreamPolicy):
             self._probe = probe + 1
         if tail.get(probe, 0) and pool.is_idle(slots[probe]):
             tail[probe] = 0  # drained: any task can start on it at once
-        order = (*mine, *(s for s in slots if s not in mine)) if mine else slots
-        for slot in order:  # free by its level: no query, and no other task's path taken
-            start = tail.get(slot.index)
-            if start is not None and start <= ready:
-                return self._assign(task, slot, ready)
         best, best_start = slots[0], -1
         queries = self.queries
-        for slot in order:
+        for slot in (*mine, *(s for s in slots if s not in mine)) if mine else slots:
             start = tail.get(slot.index)
             if start is None:  # work of unknown level: count it
                 start = ready + pool.load(slot)
