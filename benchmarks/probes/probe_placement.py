@@ -21,6 +21,7 @@ import dask
 
 import dask_gpustreams
 from benchmarks import bench_shapes, kernels
+from benchmarks.probes.probe_shape_lag import launcher_config, wide_loads
 from dask_gpustreams.runtime import acquire_runtime
 
 
@@ -31,16 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
     p.add_argument("--reps", type=int, default=6)
     args = p.parse_args(argv)
-    sargs = bench_shapes.parse_args(
-        ["--families", "wide", "--schedulers", "threaded", "--kernel-ms", args.kernel_ms]
-    )
-    bench_shapes.set_defaults(sargs, args.backend)
-    loads = bench_shapes.Workloads(sargs, args.backend, bench_shapes.calibrate(sargs, args.backend))
-    ideal = bench_shapes.Runner(sargs, args.backend, "/tmp", None).launcher(8)
-    config = {
-        **bench_shapes.gpustreams_config(args.backend, 8, "auto"),
-        "gpustreams.enabled": False,
-    }
+    loads, ideal = wide_loads(args.backend, args.kernel_ms)
+    config = launcher_config(args.backend)
     failed = False
     with dask.config.set(config):
         runtime = acquire_runtime()

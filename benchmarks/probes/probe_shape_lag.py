@@ -203,21 +203,26 @@ class KernelCalls:
         return self.kernel(*args)
 
 
+def launcher_config(backend: str) -> dict:
+    """The launcher's settings here: 8 streams, ``auto``, the plugin switch off."""
+    return {**bench_shapes.gpustreams_config(backend, 8, "auto"), "gpustreams.enabled": False}
+
+
+def wide_loads(backend: str, ms: str) -> tuple[bench_shapes.Workloads, object]:
+    """The wide shapes with ``ms`` kernels (calibrated), and the ideal's launcher on 8 streams."""
+    sargs = bench_shapes.parse_args(
+        ["--families", "wide", "--schedulers", "threaded", "--kernel-ms", ms]
+    )
+    bench_shapes.set_defaults(sargs, backend)
+    loads = bench_shapes.Workloads(sargs, backend, bench_shapes.calibrate(sargs, backend))
+    return loads, bench_shapes.Runner(sargs, backend, "/tmp", None).launcher(8)
+
+
 def step_times(args: argparse.Namespace) -> int:
     """``--steps``: medians of when each step of a launcher compute and of the ideal ends."""
-    config = {
-        **bench_shapes.gpustreams_config(args.backend, 8, "auto"),
-        "gpustreams.enabled": False,
-    }
+    config = launcher_config(args.backend)
     for ms in args.kernel_ms.split(","):
-        sargs = bench_shapes.parse_args(
-            ["--families", "wide", "--schedulers", "threaded", "--kernel-ms", ms]
-        )
-        bench_shapes.set_defaults(sargs, args.backend)
-        loads = bench_shapes.Workloads(
-            sargs, args.backend, bench_shapes.calibrate(sargs, args.backend)
-        )
-        ideal = bench_shapes.Runner(sargs, args.backend, "/tmp", None).launcher(8)
+        loads, ideal = wide_loads(args.backend, ms)
         for name in args.shapes.split(","):
             wl = loads.get("threaded", "wide", name)
             plan = bench_shapes.ideal_plan(wl, 8, "layers")
@@ -273,18 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         return prep_times(args)
     if args.steps:
         return step_times(args)
-    config = {
-        **bench_shapes.gpustreams_config(args.backend, 8, "auto"),
-        "gpustreams.enabled": False,
-    }
+    config = launcher_config(args.backend)
     for ms in args.kernel_ms.split(","):
-        sargs = bench_shapes.parse_args(
-            ["--families", "wide", "--schedulers", "threaded", "--kernel-ms", ms]
-        )
-        bench_shapes.set_defaults(sargs, args.backend)
-        calibration = bench_shapes.calibrate(sargs, args.backend)
-        loads = bench_shapes.Workloads(sargs, args.backend, calibration)
-        ideal = bench_shapes.Runner(sargs, args.backend, "/tmp", None).launcher(8)
+        loads, ideal = wide_loads(args.backend, ms)
         print(
             f"\n== {ms} ms kernels, 8 streams: medians of {args.reps}, ms ==\n"
             f"{'shape':<10} {'ideal':>7} {'ideal host':>10} {'launcher':>9} {'share':>6} "
