@@ -14,7 +14,10 @@ class InflightQueue(deque):
     """``(event, payload)`` pairs in the order their events were recorded on one stream.
 
     Events of one stream complete in that order, so the completed ones are
-    always at the front. Not locked: its owner serializes the calls that pop.
+    always at the front. Not locked: its owner serializes the calls that pop or
+    drop with those that append (:meth:`drop_done` reads the last pair, then
+    clears). A queue of several streams' events (the pinned pool's) may use
+    :meth:`pop_done` only.
     """
 
     __slots__ = ()
