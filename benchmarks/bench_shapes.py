@@ -418,10 +418,7 @@ class Runner:
             entries, aliases = self._pending, self._aliases
         finally:
             self._pending = None
-        samples = self.args.samples
-        n = min(n, samples)
-        for k in range(n):
-            share = samples // n + (k < samples % n)
+        for k, share in enumerate(report.round_shares(self.args.samples, n)):
             for row, wl, prepare in entries:
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     row["error"] = row["error"] or "time budget spent"

@@ -659,10 +659,7 @@ class Runner:
         modes weigh on all of them alike. Each row keeps its walls per round
         (``round_walls_ms``), for speedups paired by round (:func:`derive`).
         """
-        samples = self.args.samples
-        rounds = min(self.args.rounds, samples)
-        for k in range(rounds):
-            share = samples // rounds + (k < samples % rounds)
+        for share in report.round_shares(self.args.samples, self.args.rounds):
             for r in rows:
                 if r["status"] == "ok":
                     before = len(r["walls_ms"])

@@ -119,6 +119,13 @@ CSV_FIELDS = (
 )
 
 
+def round_shares(samples: int, rounds: int) -> list[int]:
+    """``samples`` shared out over at most ``rounds`` rounds (as many as samples at most),
+    the first rounds taking one more where they do not divide evenly."""
+    n = min(rounds, samples)
+    return [samples // n + (k < samples % n) for k in range(n)]
+
+
 def summarize(walls: list[float]) -> dict:
     """Median, min, max and inter-quartile range of wall times (ms)."""
     if not walls:
