@@ -43,7 +43,6 @@ from tests.test_local_scheduler import (
     failing,
     leaf,
     slow_add,
-    slow_fill,
     slow_scale,
     tree_workload,
 )
@@ -562,94 +561,6 @@ def scaled_on(streams_seen, x):
     out = sim.empty(x.shape)
     sim.launch(slow_scale, out, x, 2.0, 0.002)
     return out
-
-
-def gated_root(value, seen, first, rest):
-    """A chain's first task. The first one's kernel runs until the third one is called,
-    which waits for it to complete; the second and third ones' kernels run until the
-    fourth one is called. So the second root's placement sees the first one's kernel
-    running, and the fourth root's sees its stream idle (a kernel longer than a
-    placement that completed meanwhile, as 0.5 ms kernels on the H200)."""
-    order = len(seen)
-    stream = sim.get_device().current_stream()
-    seen.append(stream)
-    out = sim.empty(4)
-    if order == 0:
-        sim.launch(lambda: first.wait(10))
-    elif order < 3:
-        if order == 2:
-            first.set()
-            seen[0].synchronize()
-        sim.launch(lambda: rest.wait(10))
-    else:
-        rest.set()
-    sim.launch(slow_fill, out, value, 0.0)
-    return out
-
-
-def scaled_noting(seen, key, x):
-    """``x * 2``, noting the stream it is launched on under ``key``."""
-    seen[key] = sim.get_device().current_stream().id
-    out = sim.empty(x.shape)
-    sim.launch(slow_scale, out, x, 2.0, 0.001)
-    return out
-
-
-@pytest.mark.parametrize("computes", [1, 3])
-def test_a_root_does_not_take_the_idle_stream_of_a_path_whose_next_task_is_ready(
-    on_the_launcher, launcher, computes
-):
-    """Four chains on 4 streams. The first root's kernel is seen running by the second
-    root's placement and completes before the fourth root's: its stream stays its
-    chain's, whose next task is ready, so each chain runs on a stream of its own
-    (rather than the fourth root queueing the first chain behind it). In each of
-    ``computes`` computes (the streams' levels then start from the last one's). Exact."""
-    with launcher(streams=4, policy="auto"):
-        for _ in range(computes):
-            roots: list = []
-            links: dict = {}
-            first, rest = threading.Event(), threading.Event()
-            outs = []
-            for i in range(4):
-                x = delayed(gated_root)(float(i), roots, first, rest)
-                for d in range(3):
-                    x = delayed(scaled_noting)(links, (i, d), x)
-                outs.append(delayed(download)(x))
-            got = dask.compute(*outs, scheduler="gpustreams")
-            assert [g.tolist() for g in got] == [[8.0 * i] * 4 for i in range(4)]
-            assert len({s.id for s in roots}) == 4, [s.id for s in roots]
-            chains = [{links[(i, d)] for d in range(3)} for i in range(4)]
-            assert [len(c) for c in chains] == [1, 1, 1, 1], chains
-
-
-def noting_root(value, seen):
-    """A chain's first task, noting the stream it is launched on."""
-    seen.append(sim.get_device().current_stream().id)
-    out = sim.empty(4)
-    sim.launch(slow_fill, out, value, 0.0)
-    return out
-
-
-def test_roots_the_device_keeps_up_with_stay_on_one_stream(on_the_launcher, launcher):
-    """Four chains; the device completes every task before the next is placed (a callback
-    waits for the streams first), while the roots' next tasks are ready: no placement saw
-    a root running, so the roots all take the first stream (one memory arena), as plain
-    sync runs them. Exact."""
-    with launcher(streams=4, policy="auto"):
-        slots = get_runtime().pool.slots
-        device_keeps_up = Callback(pretask=lambda *_: [s.stream.synchronize() for s in slots])
-        roots: list = []
-        links: dict = {}
-        outs = []
-        for i in range(4):
-            x = delayed(noting_root)(float(i), roots)
-            for d in range(2):
-                x = delayed(scaled_noting)(links, (i, d), x)
-            outs.append(delayed(download)(x))
-        with device_keeps_up:
-            got = dask.compute(*outs, scheduler="gpustreams")
-    assert [g.tolist() for g in got] == [[4.0 * i] * 4 for i in range(4)]
-    assert len(set(roots)) == 1, roots
 
 
 @pytest.mark.parametrize("large_tasks", ["128 KiB", 0])

@@ -419,7 +419,7 @@ class GraphLauncher:
                             done_event, done_bytes = ahead.popleft()
                             backend.synchronize_event(done_event)
                             ahead_bytes -= done_bytes
-                    self._finish(key, record, deps, ready, dependents, missing, consumers)
+                    self._finish(key, deps, ready, dependents, missing, consumers)
                     if hooks is not None:
                         hooks.posttask(key, result, 0)
                 if self._error is not None:
@@ -480,17 +480,14 @@ class GraphLauncher:
             if error is not None:
                 raise error.with_traceback(None)  # shared: not the frames of an earlier raise
 
-    def _finish(self, key, record, deps, ready, dependents, missing, consumers) -> None:
-        """``key`` is launched (its ``record``, if it has one): ready its dependents (and
-        say so on the record, for the policy), drop inputs nobody else will read."""
+    def _finish(self, key, deps, ready, dependents, missing, consumers) -> None:
+        """``key`` is launched: ready its dependents, drop inputs nobody else will read."""
         push = ready.push
         for c in dependents[key]:
             n = missing[c] - 1
             missing[c] = n
             if n == 0:
                 push(c)
-                if record is not None:
-                    record.consumer_ready = True
         results = self.results
         wanted = self.wanted
         discard = self.registry.discard
@@ -558,9 +555,7 @@ class GraphLauncher:
             self.results[key] = done.result
             if done.record is not None:
                 self.registry.add(done.record)
-            self._finish(
-                key, done.record, self.dependencies[key], ready, dependents, missing, consumers
-            )
+            self._finish(key, self.dependencies[key], ready, dependents, missing, consumers)
             if self.hooks is not None:
                 self.hooks.posttask(key, done.result, done.worker)
 

@@ -12,7 +12,7 @@ from dask_gpustreams.runtime.pool import StreamSlot
 class TaskRecord:
     """The stream a task ran on and the event recorded after its work."""
 
-    __slots__ = ("key", "slot", "event", "seq", "start", "claimed", "level", "consumer_ready")
+    __slots__ = ("key", "slot", "event", "seq", "start", "claimed", "level")
 
     def __init__(self, key: Hashable, slot: StreamSlot, event: Any, seq: int, start: Any = None):
         self.key = key
@@ -22,7 +22,6 @@ class TaskRecord:
         self.start = start  # a timing event recorded before the task's work, if timeline is on
         self.claimed = False  # set by the first consumer that takes this stream (affinity)
         self.level = 0  # when the task ends, in task durations, as its policy planned (auto)
-        self.consumer_ready = False  # a task reading it is ready to launch (stream launcher)
 
     @property
     def timed(self) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from dask_gpustreams.runtime.policies.base import (
     StreamPolicy,
     TaskInfo,
@@ -11,7 +9,6 @@ from dask_gpustreams.runtime.policies.base import (
     register_policy,
 )
 from dask_gpustreams.runtime.pool import PoolView, StreamSlot
-from dask_gpustreams.runtime.registry import EventRegistry
 
 
 @register_policy
@@ -57,16 +54,6 @@ class Auto(StreamPolicy):
       to 0, so a stream that drained is seen within ``n_streams`` selections
       of tasks that do not follow a producer (one that does asks nothing).
 
-    An idle stream is not taken, though, while it is *kept* for its path: its
-    last task was seen running by an earlier ask (its kernels outlast a
-    placement: the device does not keep up with it) and a consumer of that
-    task is ready to launch (:attr:`TaskRecord.consumer_ready`, told by the
-    stream launcher), which will follow it there. Such a stream counts as
-    reaching one level more, that consumer's. So in a round of roots of long
-    kernels, a late root does not take the stream of a root that completed
-    meanwhile, which would queue that root's path behind it; while the device
-    keeps up (no ask saw the task running), the work stays on few streams.
-
     Streams with work of unknown level (recorded by other means) count their
     unfinished tasks instead.
 
@@ -89,8 +76,6 @@ class Auto(StreamPolicy):
 
     def __init__(self) -> None:
         self._tail: dict[int, int] = {}  # stream -> level of its last assigned task
-        self._last: dict[int, Hashable] = {}  # stream -> key of its last assigned task
-        self._outlived: set[int] = set()  # streams whose last task an ask saw running
         self._probe = 0  # the stream asked next whether it is idle
         self._large_probe = 0  # the same, among the streams of large tasks
 
@@ -124,12 +109,8 @@ class Auto(StreamPolicy):
         else:
             probe = self._probe % n
             self._probe = probe + 1
-        registry = task.registry
-        if tail.get(probe, 0):
-            if not pool.is_idle(slots[probe]):
-                self._outlived.add(probe)
-            elif not self._kept(slots[probe], registry):
-                tail[probe] = 0  # drained: any task can start on it at once
+        if tail.get(probe, 0) and pool.is_idle(slots[probe]):
+            tail[probe] = 0  # drained: any task can start on it at once
         best, best_start = slots[0], -1
         queries = self.queries
         for slot in (*mine, *(s for s in slots if s not in mine)) if mine else slots:
@@ -138,11 +119,7 @@ class Auto(StreamPolicy):
                 start = ready + pool.load(slot)
             elif start > ready and queries:
                 queries -= 1
-                if not pool.is_idle(slot):
-                    self._outlived.add(slot.index)
-                elif self._kept(slot, registry):
-                    start += 1  # its path's next task goes there first
-                else:
+                if pool.is_idle(slot):
                     start = ready
             if start <= ready:
                 return self._assign(task, slot, ready)
@@ -152,17 +129,6 @@ class Auto(StreamPolicy):
 
     def _assign(self, task: TaskInfo, slot: StreamSlot, start: int) -> StreamSlot:
         """Note the level ``task`` ends at on ``slot``: the stream's tail, and its record's."""
-        index = slot.index
-        self._tail[index] = level = start + 1
-        self._last[index] = task.key
-        self._outlived.discard(index)
+        self._tail[slot.index] = level = start + 1
         task.registry.plan(task.key, level)
         return slot
-
-    def _kept(self, slot: StreamSlot, registry: EventRegistry) -> bool:
-        """Whether idle ``slot`` stays its last task's path's: that task outlived an ask,
-        and a consumer of it is ready to launch."""
-        if slot.index not in self._outlived:
-            return False
-        record = registry.get(self._last.get(slot.index))
-        return record is not None and record.consumer_ready
