@@ -398,11 +398,7 @@ def test_the_preload_options_are_the_config_keys():
     shown = [p for p in dask_setup.params if not p.hidden]
     assert [p.opts for p in shown] == [[f"--{k}"] for k in KEYS if k != "enabled"]
     flags = {p.opts[0]: p.secondary_opts for p in shown if p.secondary_opts}
-    assert flags == {
-        "--timeline": ["--no-timeline"],
-        "--pin-launcher": ["--no-pin-launcher"],
-        "--nvtx": ["--no-nvtx"],
-    }
+    assert flags == {"--timeline": ["--no-timeline"], "--nvtx": ["--no-nvtx"]}
 
 
 def test_a_setup_that_fails_otherwise_fails_the_tasks_and_leaves_the_worker_as_it_was():

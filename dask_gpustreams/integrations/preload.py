@@ -30,8 +30,7 @@ Options
     :class:`~dask_gpustreams.StreamsConfig` (``--streams``, ``--copy-streams``,
     ``--policy``, ``--backend``, ``--pinned-pool-size``, ``--launch-ahead``,
     ``--small-blocks``, ``--large-tasks``, ``--blocks``, ``--block-size``, and the
-    flags ``--timeline/--no-timeline``, ``--pin-launcher/--no-pin-launcher``,
-    ``--nvtx/--no-nvtx``). They override the
+    flags ``--timeline/--no-timeline``, ``--nvtx/--no-nvtx``). They override the
     config of the workers, as the keyword arguments of ``StreamsPlugin`` do::
 
         dask worker tcp://host:8786 --preload dask_gpustreams --streams 4 --policy round-robin
