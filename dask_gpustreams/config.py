@@ -195,9 +195,6 @@ class StreamsConfig:
     #: The launcher's tasks of a group (key prefix) that has allocated a block of this many
     #: bytes are large (``TaskInfo.large``): ``auto`` runs them on 2 streams; 0: off.
     large_tasks: int | str = 16 << 20
-    #: The stream launcher keeps its thread on one CPU while it launches a graph
-    #: (:mod:`dask_gpustreams.runtime.cpu`).
-    pin_launcher: bool = True
     #: One NVTX range per task (Nsight Systems); see :mod:`dask_gpustreams.diagnostics.nvtx`.
     nvtx: bool = False
     #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``

@@ -15,8 +15,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from dask_gpustreams.runtime.cpu import run_on
-
 logger = logging.getLogger("dask_gpustreams")
 
 
@@ -26,17 +24,15 @@ class HostThreads:
     Unlike a ``ThreadPoolExecutor``, whose threads live until it shuts down,
     each thread ends after :attr:`idle_timeout` seconds without work. Calls
     return nothing to the submitter: they report their own outcome. A call
-    that raises is logged. ``cpus``: the CPUs each thread runs on (else those of
-    the thread that starts it, which may be pinned: the stream launcher's).
+    that raises is logged.
     """
 
     #: Seconds without work after which a thread ends (the next call starts one).
     idle_timeout = 0.5
 
-    def __init__(self, size: int, name: str, cpus: frozenset[int] | None = None) -> None:
+    def __init__(self, size: int, name: str) -> None:
         self._size = size
         self._name = name
-        self._cpus = cpus
         self._work: deque[tuple[Callable, tuple]] = deque()
         lock = threading.Lock()
         self._more = threading.Condition(lock)  # work came, or shutdown
@@ -91,8 +87,6 @@ class HostThreads:
             thread.join()
 
     def _serve(self) -> None:
-        if self._cpus is not None:
-            run_on(self._cpus)
         me = threading.current_thread()
         more = self._more
         work = self._work

@@ -39,7 +39,6 @@ from dask.utils import format_bytes
 from dask_gpustreams.backends.base import AllocationMeter
 from dask_gpustreams.config import MIN_SIZE
 from dask_gpustreams.runtime.context import task_state
-from dask_gpustreams.runtime.cpu import kept_on_current_cpu
 from dask_gpustreams.runtime.policies import TaskInfo, critical_keys
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 
@@ -253,10 +252,7 @@ class GraphLauncher:
         own (running ``streams`` paths at once, each stream would otherwise pin a
         large cached block under its small results), and the largest block each
         task allocates goes to the runtime's ``large_tasks``, which makes the
-        later tasks of its group large (:attr:`TaskInfo.large`). With
-        ``config.pin_launcher``, this thread stays on its CPU until the return
-        (:func:`~dask_gpustreams.runtime.cpu.kept_on_current_cpu`); the pool's streams
-        exist before (a simulated stream's thread does not inherit the pin).
+        later tasks of its group large (:attr:`TaskInfo.large`).
         """
         runtime = self.runtime
         self._streams = streams = [slot.stream for slot in runtime.pool.slots]
@@ -264,8 +260,7 @@ class GraphLauncher:
         allocator = runtime.backend.launch_allocator(
             streams, config.small_blocks, config.large_tasks
         )
-        pinned = kept_on_current_cpu() if config.pin_launcher else contextlib.nullcontext()
-        with allocator as meter, pinned:
+        with allocator as meter:
             return self._launch_all(meter)
 
     def _launch_all(self, meter: AllocationMeter | None) -> dict[Hashable, Any]:

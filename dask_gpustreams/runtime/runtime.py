@@ -22,7 +22,6 @@ from dask.utils import format_bytes
 from dask_gpustreams.backends import Backend, host_device_count
 from dask_gpustreams.config import StreamsConfig, auto_pinned_pool_size
 from dask_gpustreams.runtime.context import task_state
-from dask_gpustreams.runtime.cpu import thread_cpus
 from dask_gpustreams.runtime.events import EventPool
 from dask_gpustreams.runtime.hosttasks import HostTasks
 from dask_gpustreams.runtime.hostthreads import HostThreads
@@ -85,9 +84,6 @@ class StreamRuntime:
         # The thread-local flag of threads whose library state is isolated for this device.
         self._isolation = ("isolated", backend.name, backend.device_id)
         self._host_executor: HostThreads | None = None
-        #: The CPUs of the thread that made the runtime: its host threads run on them, not
-        #: on the one CPU the stream launcher keeps its thread on (``pin-launcher``).
-        self._host_cpus = thread_cpus()
         self._host_lock = threading.Lock()
         self._host_closed = False
         # Lifetime: "open", "closing" (waiting for its users), "closed"; users counted.
@@ -199,9 +195,7 @@ class StreamRuntime:
                 if self._host_executor is None:
                     if self._host_closed:
                         raise RuntimeError(f"{self!r} is closed")
-                    self._host_executor = HostThreads(
-                        self.host_threads, "gpustreams-host", self._host_cpus
-                    )
+                    self._host_executor = HostThreads(self.host_threads, "gpustreams-host")
                 executor = self._host_executor
         return executor
 
