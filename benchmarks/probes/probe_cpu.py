@@ -11,11 +11,6 @@ those its main thread was seen on; three host timings (a Python loop, a CuPy lau
 processes, pinned (``taskset -c``) or not, to see what the poor ones share::
 
     for i in 1 2 3 4; do python -m benchmarks.probes.probe_cpu --backend cupy; done
-
-``--pin`` pins the main thread alone (the launching thread) to the CPU it is on at the
-start, where ``taskset`` pins every thread of the process. ``--schedule`` sets how the CUDA
-driver waits for the device on the host (``cuDevicePrimaryCtxSetFlags`` before the context
-exists: ``spin``, ``yield`` or ``blocking``; default: the driver's ``auto``).
 """
 
 from __future__ import annotations
@@ -70,33 +65,13 @@ def cupy_us(n: int = 2000) -> tuple[float, float]:
     return launch, (time.perf_counter() - t0) / n * 1e6
 
 
-#: ``--schedule``: the ``CU_CTX_SCHED_*`` flags.
-SCHEDULES = {"spin": 1, "yield": 2, "blocking": 4}
-
-
-def set_schedule(flags: int) -> None:
-    """Set device 0's primary context's ``CU_CTX_SCHED_*`` flags (before it is made)."""
-    import ctypes
-
-    cuda = ctypes.CDLL("libcuda.so.1")
-    for call in (cuda.cuInit(0), cuda.cuDevicePrimaryCtxSetFlags(0, flags)):
-        if call:
-            raise RuntimeError(f"CUDA driver error {call} setting the schedule flags {flags}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cupy")
     p.add_argument("--kernel-ms", default="0.5")
     p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
     p.add_argument("--reps", type=int, default=6)
-    p.add_argument("--pin", action="store_true", help="pin the main thread to its CPU")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), help="the driver's host waits")
     args = p.parse_args(argv)
-    if args.schedule:
-        set_schedule(SCHEDULES[args.schedule])
-    if args.pin:
-        os.sched_setaffinity(0, {current_cpu()})  # 0: the calling thread only, on Linux
     seen = {current_cpu()}
     loads, ideal = wide_loads(args.backend, args.kernel_ms)
     config = launcher_config(args.backend)
@@ -136,10 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             shares.append(f"{name} {share:4.0%}")
     finally:
         runtime.release()
-    allowed = sorted(os.sched_getaffinity(0))  # the main thread's
+    allowed = sorted(os.sched_getaffinity(0))
     cpus = f"{allowed[0]}-{allowed[-1]}" if len(allowed) > 1 else str(allowed[0])
-    schedule = args.schedule or "auto"
-    print(f"cpus {cpus:<6} seen {sorted(seen)}  {schedule:<8} {host}  |  {'  '.join(shares)}")
+    print(f"cpus {cpus:<6} seen {sorted(seen)}  {host}  |  {'  '.join(shares)}")
     return 1 if failed else 0
 
 
