@@ -897,6 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": datetime.datetime.now().isoformat(),
         **environment(backend),
     }
+    print(f"host: {meta['host_loop_ns']} ns a loop iteration in this process (report.host_loop_ns)")
     calibration = calibrate(args, backend)
     meta["calibration"] = calibration
     runner = Runner(args, backend, out, deadline)

@@ -14,6 +14,7 @@ import platform
 import pstats
 import statistics
 import subprocess
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +47,20 @@ def out_dir(args: argparse.Namespace, backend: str) -> str:
     return path
 
 
+def host_loop_ns(n: int = 200_000) -> float:
+    """ns per iteration of a loop of dict reads and writes: how fast this process's host runs.
+
+    On the H200's host it took 87.7-210.1 ns in different processes, and the launcher's
+    share of ideal with 0.5 ms kernels followed it (``docs/launcher.md``), so every run
+    records it (``environment``) to tell a slow process from a slow change.
+    """
+    d: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for i in range(n):
+        d[i & 1023] = d.get(i & 1023, 0) + 1
+    return (time.perf_counter() - t0) / n * 1e9
+
+
 def environment(backend: str) -> dict:
     """Versions, host, CUDA/CuPy/gpustreams environment variables, source digest, commit and
     device of a run (``backend``: ``cupy`` queries the current device)."""
@@ -62,6 +77,7 @@ def environment(backend: str) -> dict:
         "numpy": np.__version__,
         "dask_gpustreams": dask_gpustreams.__version__,
         "host": platform.node(),
+        "host_loop_ns": round(host_loop_ns(), 1),
         "env": {
             k: v
             for k, v in os.environ.items()

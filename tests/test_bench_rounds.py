@@ -22,8 +22,11 @@ def test_shapes_in_rounds_share_the_samples_and_pair_the_ratios(tmp_path):
     argv += ["--ideal", "layers,rr", "--warmup", "1", "--samples", "3"]
     argv += ["--rounds", "2", "--out", str(out)]
     assert bench_shapes.main(argv) == 0
-    rows = json.loads((out / "results.json").read_text())["rows"]
+    data = json.loads((out / "results.json").read_text())
+    rows = data["rows"]
     assert all(r["status"] == "ok" for r in rows), [(r["mode"], r["error"]) for r in rows]
+    # The process's host speed goes with the run (it decides short-kernel shapes).
+    assert data["meta"]["host_loop_ns"] > 0
     measured = [r for r in rows if not r.get("note")]
     # 3 samples over 2 rounds: 2 then 1, each row with its walls per round.
     for r in measured:

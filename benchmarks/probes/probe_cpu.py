@@ -25,6 +25,7 @@ import dask
 import dask_gpustreams
 from benchmarks import bench_shapes, kernels
 from benchmarks.probes.probe_shape_lag import launcher_config, wide_loads
+from benchmarks.report import host_loop_ns
 from dask_gpustreams.runtime import acquire_runtime
 
 
@@ -32,15 +33,6 @@ def current_cpu() -> int:
     """The CPU the calling thread runs on now (``/proc/thread-self/stat``, field 39)."""
     with open("/proc/thread-self/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[36])
-
-
-def python_ns(n: int = 200_000) -> float:
-    """ns per iteration of a loop of dict reads and writes, as the launcher's bookkeeping."""
-    d: dict[int, int] = {}
-    t0 = time.perf_counter()
-    for i in range(n):
-        d[i & 1023] = d.get(i & 1023, 0) + 1
-    return (time.perf_counter() - t0) / n * 1e9
 
 
 def cupy_us(n: int = 2000) -> tuple[float, float]:
@@ -75,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     seen = {current_cpu()}
     loads, ideal = wide_loads(args.backend, args.kernel_ms)
     config = launcher_config(args.backend)
-    host = f"python {python_ns():5.1f} ns"
+    host = f"python {host_loop_ns():5.1f} ns"
     if args.backend == "cupy":
         launch, event = cupy_us()
         host += f"  launch {launch:5.2f} us  event {event:5.2f} us"
