@@ -51,7 +51,7 @@ def host_loop_ns(n: int = 200_000) -> float:
     """ns per iteration of a loop of dict reads and writes: how fast this process's host runs.
 
     On the H200's host it took 87.7-210.1 ns in different processes, and the launcher's
-    share of ideal with 0.5 ms kernels followed it (``docs/launcher.md``), so every run
+    share of ideal with 0.5 ms kernels correlated with it (``docs/launcher.md``), so every run
     records it (``environment``) to tell a slow process from a slow change.
     """
     d: dict[int, int] = {}

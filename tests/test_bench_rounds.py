@@ -25,7 +25,7 @@ def test_shapes_in_rounds_share_the_samples_and_pair_the_ratios(tmp_path):
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
     assert all(r["status"] == "ok" for r in rows), [(r["mode"], r["error"]) for r in rows]
-    # The process's host speed goes with the run (it decides short-kernel shapes).
+    # The process's host speed goes with the run (short-kernel shapes correlate with it).
     assert data["meta"]["host_loop_ns"] > 0
     measured = [r for r in rows if not r.get("note")]
     # 3 samples over 2 rounds: 2 then 1, each row with its walls per round.
