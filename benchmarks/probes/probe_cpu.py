@@ -22,9 +22,7 @@ import time
 
 import dask
 
-import dask_gpustreams
-from benchmarks import bench_shapes, kernels
-from benchmarks.probes.probe_shape_lag import launcher_config, wide_loads
+from benchmarks.probes.probe_shape_lag import launcher_config, walls_against_ideal, wide_loads
 from benchmarks.report import host_loop_ns
 from dask_gpustreams.runtime import acquire_runtime
 
@@ -78,27 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.shapes.split(","):
             wl = loads.get("threaded", "wide", name)
-            plan = bench_shapes.ideal_plan(wl, 8, "layers")
-            walls: dict[str, list[float]] = {"launcher": [], "ideal": []}
-            for i in range(args.reps + 1):
-                for mode in walls:
-                    dsk, keys = wl.graph(object())
-                    kernels.device_synchronize(args.backend)
-                    t0 = time.perf_counter()
-                    with dask.config.set(config):
-                        out = (
-                            dask_gpustreams.get(dsk, keys)
-                            if mode == "launcher"
-                            else ideal.run(wl, plan)
-                        )
-                    kernels.device_synchronize(args.backend)
-                    if i:
-                        walls[mode].append((time.perf_counter() - t0) * 1e3)
-                    seen.add(current_cpu())
-                    problem = wl.check(out)
-                    if problem:
-                        print(f"{name} {mode}: WRONG: {problem}")
-                        failed = True
+            walls, problems = walls_against_ideal(
+                wl, ideal, config, args.backend, args.reps, lambda _: seen.add(current_cpu())
+            )
+            for problem in problems:
+                print(f"{name} {problem}: WRONG")
+                failed = True
             share = statistics.median(walls["ideal"]) / statistics.median(walls["launcher"])
             shares.append(f"{name} {share:4.0%}")
     finally:

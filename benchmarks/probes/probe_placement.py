@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 
 import dask
 
-import dask_gpustreams
-from benchmarks import bench_shapes, kernels
-from benchmarks.probes.probe_shape_lag import launcher_config, wide_loads
+from benchmarks.probes.probe_shape_lag import launcher_config, walls_against_ideal, wide_loads
 from dask_gpustreams.runtime import acquire_runtime
 
 
@@ -47,30 +44,19 @@ def main(argv: list[str] | None = None) -> int:
             return slot
 
         runtime.policy.select = noting
+
+        def before(mode: str) -> None:  # only the last launcher run's placement is kept
+            if mode == "launcher":
+                placed.clear()
+
         for name in args.shapes.split(","):
             wl = loads.get("threaded", "wide", name)
-            plan = bench_shapes.ideal_plan(wl, 8, "layers")
-            walls: dict[str, list[float]] = {"launcher": [], "ideal": []}
-            for i in range(args.reps + 1):
-                for mode in walls:
-                    if mode == "launcher":
-                        placed.clear()
-                    dsk, keys = wl.graph(object())
-                    kernels.device_synchronize(args.backend)
-                    t0 = time.perf_counter()
-                    with dask.config.set(config):
-                        out = (
-                            dask_gpustreams.get(dsk, keys)
-                            if mode == "launcher"
-                            else ideal.run(wl, plan)
-                        )
-                    kernels.device_synchronize(args.backend)
-                    if i:
-                        walls[mode].append((time.perf_counter() - t0) * 1e3)
-                    problem = wl.check(out)
-                    if problem:
-                        print(f"{name} {mode}: WRONG: {problem}")
-                        failed = True
+            walls, problems = walls_against_ideal(
+                wl, ideal, config, args.backend, args.reps, before
+            )
+            for problem in problems:
+                print(f"{name} {problem}: WRONG")
+                failed = True
             columns = defaultdict(list)
             for key, stream in placed.items():
                 columns[key[0]].append((key[1], stream))

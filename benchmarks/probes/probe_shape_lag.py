@@ -39,8 +39,9 @@ import contextlib
 import cProfile
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
+from typing import Any
 from unittest import mock
 
 import dask
@@ -216,6 +217,38 @@ def wide_loads(backend: str, ms: str) -> tuple[bench_shapes.Workloads, object]:
     bench_shapes.set_defaults(sargs, backend)
     loads = bench_shapes.Workloads(sargs, backend, bench_shapes.calibrate(sargs, backend))
     return loads, bench_shapes.Runner(sargs, backend, "/tmp", None).launcher(8)
+
+
+def walls_against_ideal(
+    wl: Any,
+    ideal: Any,
+    config: dict,
+    backend: str,
+    reps: int,
+    before: Callable[[str], object] | None = None,
+) -> tuple[dict[str, list[float]], list[str]]:
+    """Walls (ms) of ``reps`` runs of the launcher and of ``ideal:layers`` on ``wl``, in turn,
+    after a warm-up of each, and the problems of the results that were wrong.
+    ``before(mode)`` is called before each run."""
+    plan = bench_shapes.ideal_plan(wl, 8, "layers")
+    walls: dict[str, list[float]] = {"launcher": [], "ideal": []}
+    problems = []
+    for i in range(reps + 1):
+        for mode in walls:
+            if before is not None:
+                before(mode)
+            dsk, keys = wl.graph(object())
+            kernels.device_synchronize(backend)
+            t0 = time.perf_counter()
+            with dask.config.set(config):
+                out = dask_gpustreams.get(dsk, keys) if mode == "launcher" else ideal.run(wl, plan)
+            kernels.device_synchronize(backend)
+            if i:
+                walls[mode].append((time.perf_counter() - t0) * 1e3)
+            problem = wl.check(out)
+            if problem:
+                problems.append(f"{mode}: {problem}")
+    return walls, problems
 
 
 def step_times(args: argparse.Namespace) -> int:
