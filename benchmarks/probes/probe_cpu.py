@@ -15,14 +15,18 @@ processes, pinned (``taskset -c``) or not, to see what the poor ones share::
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import dask
 
-from benchmarks.probes.probe_shape_lag import launcher_config, walls_against_ideal, wide_loads
+from benchmarks.probes.probe_shape_lag import (
+    launcher_config,
+    walls_against_ideal,
+    wide_loads,
+    wide_parser,
+)
 from benchmarks.report import host_loop_ns
 from dask_gpustreams.runtime import acquire_runtime
 
@@ -56,12 +60,7 @@ def cupy_us(n: int = 2000) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="cupy")
-    p.add_argument("--kernel-ms", default="0.5")
-    p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
-    p.add_argument("--reps", type=int, default=6)
-    args = p.parse_args(argv)
+    args = wide_parser(__doc__).parse_args(argv)
     seen = {current_cpu()}
     loads, ideal = wide_loads(args.backend, args.kernel_ms)
     config = launcher_config(args.backend)

@@ -219,6 +219,17 @@ def wide_loads(backend: str, ms: str) -> tuple[bench_shapes.Workloads, object]:
     return loads, bench_shapes.Runner(sargs, backend, "/tmp", None).launcher(8)
 
 
+def wide_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a probe of the wide shapes against the ideal, one process at a time:
+    ``--backend``, ``--kernel-ms`` (0.5), ``--shapes`` (all four), ``--reps`` (6)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--backend", default="cupy")
+    p.add_argument("--kernel-ms", default="0.5")
+    p.add_argument("--shapes", default="linear,diamond,chainlink,tangled")
+    p.add_argument("--reps", type=int, default=6)
+    return p
+
+
 def walls_against_ideal(
     wl: Any,
     ideal: Any,
