@@ -23,6 +23,8 @@ from dask.utils import parse_bytes
 
 #: Values of ``gpustreams.blocks``: stream blocks on distributed (:mod:`.integrations.blocks`).
 BLOCKS = ("auto", "off")
+#: Values of ``gpustreams.launch-order``: how the stream launcher ranks ready tasks.
+LAUNCH_ORDERS = ("depth-first", "dask")
 
 #: Share of the host's memory (or of its cgroup limit, if lower) that
 #: ``pinned-pool-size: auto`` gives the host's devices, split evenly.
@@ -189,6 +191,9 @@ class StreamsConfig:
     pinned_pool_size: int | str | None = None
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
     launch_ahead: int | str = 256 << 20
+    #: How the launcher ranks ready tasks: ``depth-first`` (:mod:`.runtime.ordering`) or
+    #: ``dask`` (``dask.order``).
+    launch_order: str = "depth-first"
     #: Allocations below this many bytes, made by the launcher's tasks, come from arenas
     #: of their own (``Backend.launch_allocator``); 0: off.
     small_blocks: int | str = 1 << 20
@@ -213,6 +218,8 @@ class StreamsConfig:
             object.__setattr__(self, "blocks", "off")
         if self.blocks not in BLOCKS:
             raise invalid_value("blocks", self.blocks, " | ".join(BLOCKS))
+        if self.launch_order not in LAUNCH_ORDERS:
+            raise invalid_value("launch-order", self.launch_order, " | ".join(LAUNCH_ORDERS))
         size = self.pinned_pool_size
         auto = size is None or (isinstance(size, str) and size.strip().lower() == "auto")
         normalized = {

@@ -165,6 +165,21 @@ def test_small_blocks_and_large_tasks_are_a_size_or_zero():
         StreamsConfig(large_tasks="big")
 
 
+def test_launch_order_is_depth_first_or_dask_and_a_compute_names_a_bad_one(gpustreams):
+    assert StreamsConfig().launch_order == "depth-first"
+    assert StreamsConfig(launch_order="dask").launch_order == "dask"
+    message = (
+        "gpustreams.launch-order='breadth-first' is invalid: allowed values are depth-first | dask"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        StreamsConfig(launch_order="breadth-first")
+    with (
+        gpustreams(**{"launch-order": "breadth-first"}),
+        pytest.raises(ValueError, match="^" + re.escape(message) + "$"),
+    ):
+        delayed(len)([1]).compute(scheduler="gpustreams")
+
+
 # --- unknown keys -----------------------------------------------------------------------------
 
 KNOWN = ", ".join(f"gpustreams.{k}" for k in KEYS)

@@ -162,14 +162,18 @@ def delayed_chains(n: int, depth: int = 4) -> list:
     return outs
 
 
+@pytest.mark.parametrize(
+    "launch_order, function", [("depth-first", "depth_first"), ("dask", "order")]
+)
 def test_compute_orders_the_graph_only_when_more_tasks_are_ready_than_streams(
-    launcher, monkeypatch
+    launcher, monkeypatch, launch_order, function
 ):
-    """Through ``compute``: 4 chains on 4 streams skip ``dask.order``; 6 chains compute it."""
+    """Through ``compute``: 4 chains on 4 streams skip the order; 6 chains compute it, by
+    ``gpustreams.launch-order``."""
     calls = []
-    real = launcher_module.order
-    monkeypatch.setattr(launcher_module, "order", lambda dsk: calls.append(1) or real(dsk))
-    with launcher(streams=4, policy="auto"):
+    real = getattr(launcher_module, function)
+    monkeypatch.setattr(launcher_module, function, lambda *a: calls.append(1) or real(*a))
+    with launcher(streams=4, policy="auto", **{"launch-order": launch_order}):
         got = dask.compute(*delayed_chains(4), scheduler="gpustreams")
         assert calls == []
         more = dask.compute(*delayed_chains(6), scheduler="gpustreams")

@@ -1,7 +1,7 @@
 """``scheduler="gpustreams"``: Dask's local scheduler interface over the stream launcher.
 
 ``get(dsk, keys)`` converts the graph once (the transfer rewrites, the host
-tasks; dask.order priorities once they matter), runs it through
+tasks; priorities once they matter, by ``gpustreams.launch-order``), runs it through
 :class:`~dask_gpustreams.runtime.launcher.GraphLauncher` from the calling
 thread, and returns the wanted values once their events are complete.
 Dask's local callbacks (``ProgressBar``, ``Profiler``, ...) see every task,
@@ -29,6 +29,7 @@ from dask_gpustreams.markers import host_task, is_host_task
 from dask_gpustreams.runtime import StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.launcher import GraphLauncher
+from dask_gpustreams.runtime.ordering import depth_first
 from dask_gpustreams.transfers import to_host
 
 #: The name under which :func:`get` is registered in ``dask.base.named_schedulers``.
@@ -168,7 +169,7 @@ def _launch(
     if callbacks:
         hooks = DaskCallbacks([normalize_callback(cb) for cb in callbacks])
         hooks.start(dsk)
-    wanted = set(flatten(keys)) if isinstance(keys, list) else {keys}
+    outputs = list(flatten(keys)) if isinstance(keys, list) else [keys]
     values: dict = dict(cache or {})
     nodes = []
     for key, node in dsk.items():
@@ -179,8 +180,12 @@ def _launch(
     tasks, dependencies, host = launch_plan(nodes, runtime)
     if hooks is not None:
         hooks.start_state(dependencies, values)
+    if runtime.config.launch_order == "dask":
+        priority = partial(order, dsk)
+    else:
+        priority = partial(depth_first, dependencies, outputs)
     launcher = GraphLauncher(
-        runtime, tasks, dependencies, partial(order, dsk), wanted, values, host, key_split, hooks
+        runtime, tasks, dependencies, priority, outputs, values, host, key_split, hooks
     )
     errored = True
     try:

@@ -29,9 +29,10 @@ Options
     settings, one option per ``gpustreams.*`` key of
     :class:`~dask_gpustreams.StreamsConfig` (``--streams``, ``--copy-streams``,
     ``--policy``, ``--backend``, ``--pinned-pool-size``, ``--launch-ahead``,
-    ``--small-blocks``, ``--large-tasks``, ``--blocks``, ``--block-size``, and the
-    flags ``--timeline/--no-timeline``, ``--nvtx/--no-nvtx``). They override the
-    config of the workers, as the keyword arguments of ``StreamsPlugin`` do::
+    ``--launch-order``, ``--small-blocks``, ``--large-tasks``, ``--blocks``,
+    ``--block-size``, and the flags ``--timeline/--no-timeline``, ``--nvtx/--no-nvtx``).
+    They override the config of the workers, as the keyword arguments of
+    ``StreamsPlugin`` do::
 
         dask worker tcp://host:8786 --preload dask_gpustreams --streams 4 --policy round-robin
         dask scheduler --preload dask_gpustreams --streams 4
