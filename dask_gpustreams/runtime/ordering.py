@@ -1,15 +1,16 @@
-"""A launch order for ready tasks that costs about a microsecond a task.
+"""A launch order for ready tasks that costs 1-2 us a key.
 
 The launcher ranks ready tasks only once more are ready than a round takes
-(:class:`~dask_gpustreams.runtime.launcher.ReadyTasks`). ``dask.order`` ranks a
-graph at 9-22 us a key on the H200's host (the suite's graphs), as much as the
-rest of a no-op task's launch, so a graph of short kernels was launched at
-``dask.order``'s pace. :func:`depth_first` ranks tasks in the post-order of a
-depth-first walk from the outputs: each output's inputs are launched, then it,
-before the next output's. An intermediate's consumers so come soon after it,
-and the launcher drops it once they are launched, as Dask frees it. What it
-does not do is ``dask.order``'s tie-breaking (which input subtree first, by
-size and by what it frees); ``gpustreams.launch-order: dask`` keeps that.
+(:class:`~dask_gpustreams.runtime.launcher.ReadyTasks`). ``dask.order`` ranks the
+benchmark suite's graphs at 6-22 us a key (``benchmarks/probes/probe_order_cost``
+on a CPU machine), about as much as the rest of a no-op task's launch, so a graph
+of short kernels was launched at ``dask.order``'s pace. :func:`depth_first`
+ranks tasks in the post-order of a depth-first walk from the outputs: each
+output's inputs are launched, then it, before the next output's. An
+intermediate's consumers so come soon after it, and the launcher drops it once
+they are launched, as Dask frees it. What it does not do is ``dask.order``'s
+tie-breaking (which input subtree first, by size and by what it frees);
+``gpustreams.launch-order: dask`` keeps that.
 """
 
 from __future__ import annotations
