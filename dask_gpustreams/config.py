@@ -24,7 +24,7 @@ from dask.utils import parse_bytes
 #: Values of ``gpustreams.blocks``: stream blocks on distributed (:mod:`.integrations.blocks`).
 BLOCKS = ("auto", "off")
 #: Values of ``gpustreams.launch-order``: how the stream launcher ranks ready tasks.
-LAUNCH_ORDERS = ("depth-first", "dask")
+LAUNCH_ORDERS = ("dask", "depth-first")
 
 #: Share of the host's memory (or of its cgroup limit, if lower) that
 #: ``pinned-pool-size: auto`` gives the host's devices, split evenly.
@@ -191,9 +191,9 @@ class StreamsConfig:
     pinned_pool_size: int | str | None = None
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
     launch_ahead: int | str = 256 << 20
-    #: How the launcher ranks ready tasks: ``depth-first`` (:mod:`.runtime.ordering`) or
-    #: ``dask`` (``dask.order``).
-    launch_order: str = "depth-first"
+    #: How the launcher ranks ready tasks: ``dask`` (``dask.order``) or ``depth-first``
+    #: (:mod:`.runtime.ordering`: cheaper, and it can hold far more memory).
+    launch_order: str = "dask"
     #: Allocations below this many bytes, made by the launcher's tasks, come from arenas
     #: of their own (``Backend.launch_allocator``); 0: off.
     small_blocks: int | str = 1 << 20

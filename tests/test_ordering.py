@@ -1,11 +1,14 @@
-"""The launcher's depth-first launch order: each output's inputs, then it, output by output."""
+"""The launcher's launch orders: ``dask.order`` (the default) and the depth-first order."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from dask.callbacks import Callback
+from dask.core import flatten
 
+from benchmarks.probes.probe_order_memory import Held, chunks
+from dask_gpustreams import sim
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime.ordering import depth_first
 from tests.test_launcher import launcher  # noqa: F401  (a fixture)
@@ -94,3 +97,16 @@ def test_the_launcher_finishes_an_output_before_it_starts_the_last_ones_leaves(
     assert most <= 2
     assert sorted(seen) == sorted(dsk)
     assert [g.get().tolist() for g in got] == [[4.0 * o + 1] * 4 for o in range(n)]
+
+
+def test_the_default_order_keeps_a_chunks_two_reductions_together(launcher):  # noqa: F811
+    """``x.max() - x.min()``: each chunk feeds a max and a min. By default (``dask.order``)
+    both run soon after the chunk, so the launcher never holds half of x's 64 chunks; the
+    depth-first order would hold every chunk until the second reduction (77 here)."""
+    x = chunks(16, 16)  # 64 chunks of 32 x 32
+    graph = x.max() - x.min()
+    held = Held(list(flatten(graph.__dask_keys__())), sim.get_default_memory_pool())
+    with launcher(streams=8), held:
+        got = graph.compute(scheduler="gpustreams")
+    assert got.get() == (x.max() - x.min()).compute(scheduler="sync").get()
+    assert held.most < x.npartitions // 2

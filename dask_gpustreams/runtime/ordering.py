@@ -6,11 +6,13 @@ benchmark suite's graphs at 6-22 us a key (``benchmarks/probes/probe_order_cost`
 on a CPU machine), about as much as the rest of a no-op task's launch, so a graph
 of short kernels was launched at ``dask.order``'s pace. :func:`depth_first`
 ranks tasks in the post-order of a depth-first walk from the outputs: each
-output's inputs are launched, then it, before the next output's. An
-intermediate's consumers so come soon after it, and the launcher drops it once
-they are launched, as Dask frees it. What it does not do is ``dask.order``'s
-tie-breaking (which input subtree first, by size and by what it frees);
-``gpustreams.launch-order: dask`` keeps that.
+output's inputs are launched, then it, before the next output's. It is the
+order of ``gpustreams.launch-order: depth-first``, not the default: where one
+chunk feeds two subtrees (``x.max() - x.min()``: each chunk's ``max`` and
+``min``), the second consumer ranks only after the whole first subtree, so every
+such chunk is held until then, where ``dask.order`` runs both consumers soon
+after the chunk. On trees and chains (a chunk read by one subtree) its
+intermediates' consumers come soon after them too.
 """
 
 from __future__ import annotations
