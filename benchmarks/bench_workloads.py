@@ -84,7 +84,7 @@ DIAGNOSTIC_MODES = {
     "launcher-2": {"gpustreams.streams": 2},
     "launcher-nolarge": {"gpustreams.large-tasks": 0},
     "launcher-nosmall": {"gpustreams.small-blocks": 0},
-    "launcher-dask-order": {"gpustreams.launch-order": "dask"},
+    "launcher-depth-first": {"gpustreams.launch-order": "depth-first"},
 }
 BACKENDS = ("auto", "cupy", "sim", "numpy")
 F4 = np.float32
