@@ -352,6 +352,13 @@ def transpose(a: NumpyArrays, p: dict) -> tuple:
     return ((x + x.T).mean(axis=0),)
 
 
+def value_range(a: NumpyArrays, p: dict) -> tuple:
+    """Each computed chunk of ``y`` feeds two reductions (its max and its min): the shape
+    where a launch order that finishes one reduction first holds all of ``y``."""
+    y = a.random((p["n"], p["n"]), p["chunk"], seed=13) * 2 + 1
+    return (y.max(axis=0) - y.min(axis=0),)
+
+
 def std(a: NumpyArrays, p: dict) -> tuple:
     x = a.random((p["n"], p["n"]), p["chunk"], seed=3)
     return (((x * 2 + 1) ** 2 - x).std(axis=0),)
@@ -457,6 +464,7 @@ WORKLOADS = {
         Workload("elementwise", elementwise, "(sin(x)**2 + x*0.5).sum(axis=1)", REDUCE),
         Workload("transpose", transpose, "(x + x.T).mean(axis=0)", REDUCE),
         Workload("std", std, "((x*2+1)**2 - x).std(axis=0)", REDUCE),
+        Workload("range", value_range, "y = x*2+1; y.max(axis=0) - y.min(axis=0)"),
         Workload("matmul", matmul, "x @ y, fp32 tiles", (1e-4, 1e-6)),
         Workload("stencil", stencil, "map_overlap stencil (GPU: ndimage.uniform_filter 5)"),
         Workload("small-chunks", small_chunks, "sqrt(y*1.5+0.25) chained, small chunks"),
@@ -476,6 +484,7 @@ SIZES: dict[str, dict[str, dict]] = {
         "elementwise": {"n": 32768, "chunk": 4096},  # 64 chunks of 64 MiB
         "transpose": {"n": 16384, "chunk": 2048},
         "std": {"n": 8192, "chunk": 512},  # 256 chunks of 512^2
+        "range": {"n": 16384, "chunk": 1024},  # 256 chunks of 4 MiB
         "matmul": {"n": 16384, "chunk": 2048},
         "stencil": {"n": 16384, "chunk": 1024},  # 256 tiles
         "small-chunks": {"n": 2048, "chunk": 128, "ops": 8},
@@ -490,6 +499,7 @@ SIZES: dict[str, dict[str, dict]] = {
         "elementwise": {"n": 2048, "chunk": 256},
         "transpose": {"n": 2048, "chunk": 256},
         "std": {"n": 2048, "chunk": 128},
+        "range": {"n": 2048, "chunk": 128},
         "matmul": {"n": 1024, "chunk": 256},
         "stencil": {"n": 2048, "chunk": 128},
         "small-chunks": {"n": 1024, "chunk": 32, "ops": 8},
@@ -504,6 +514,7 @@ SIZES: dict[str, dict[str, dict]] = {
         "elementwise": {"n": 128, "chunk": 32},
         "transpose": {"n": 128, "chunk": 32},
         "std": {"n": 128, "chunk": 32},
+        "range": {"n": 128, "chunk": 32},
         "matmul": {"n": 96, "chunk": 32},
         "stencil": {"n": 96, "chunk": 32},
         "small-chunks": {"n": 32, "chunk": 8, "ops": 4},
