@@ -34,7 +34,7 @@ gpu_tests() {
     timeout "$1" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
     echo "gpu tests rc $?" >> "$R/gpu-tests.txt"
 }
-# `launcher_workloads SECONDS OVERHEAD_SECONDS`: the 12 workloads under plain threads, plain
+# `launcher_workloads SECONDS OVERHEAD_SECONDS`: the workloads (13 since f697d93) under plain threads, plain
 # sync and the launcher into $R/workloads and its log (with its exit status), then the
 # runtime's cost per no-op task into $R/overhead.txt.
 launcher_workloads() {
