@@ -8,7 +8,6 @@ from dask.callbacks import Callback
 from dask.core import flatten
 
 from benchmarks.probes.probe_order_memory import Held, chunks
-from dask_gpustreams import sim
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime.ordering import depth_first
 from tests.test_launcher import launcher  # noqa: F401  (a fixture)
@@ -102,7 +101,7 @@ def test_the_default_order_keeps_a_chunks_two_reductions_together(launcher):  # 
     depth-first order would hold every chunk until the second reduction (77 here)."""
     x = chunks(16, 16)  # 64 chunks of 32 x 32
     graph = x.max() - x.min()
-    held = Held(list(flatten(graph.__dask_keys__())), sim.get_default_memory_pool())
+    held = Held(list(flatten(graph.__dask_keys__())))
     with launcher(streams=8), held:
         got = graph.compute(scheduler="gpustreams")
     assert got.get() == (x.max() - x.min()).compute(scheduler="sync").get()

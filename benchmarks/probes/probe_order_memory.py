@@ -4,7 +4,7 @@ For graphs where one chunk feeds two reductions (``x.max() - x.min()``, ``x.mean
 with ``x.std()``) and for single trees (``x.sum()``), runs the launcher
 (``scheduler="gpustreams"``, 8 streams, small blocks off) with each
 ``gpustreams.launch-order`` and prints the device memory used at its peak (the
-simulated pool's ``used_bytes``, read at each allocation and after each task) and
+simulated pool's ``used_bytes`` after each allocation, ``bench_workloads.PoolPeaks``) and
 the most launched intermediates not yet read by all their consumers. Then again
 with the pool capped at ``--cap-mib``, as a device nearly full would be. Every
 result is checked against Dask's synchronous scheduler::
@@ -15,7 +15,6 @@ result is checked against Dask's synchronous scheduler::
 from __future__ import annotations
 
 import argparse
-import functools
 
 import dask
 import dask.array as da
@@ -23,6 +22,7 @@ import numpy as np
 from dask.callbacks import Callback
 from dask.core import flatten
 
+from benchmarks.bench_workloads import PoolPeaks
 from dask_gpustreams import sim
 
 F4 = np.float32
@@ -54,13 +54,12 @@ GRAPHS = {
 
 
 class Held(Callback):
-    """The most launched intermediates whose consumers have not all launched, and the peak
-    of the pool's used bytes after each task."""
+    """The most launched intermediates whose consumers have not all launched."""
 
-    def __init__(self, outputs, pool) -> None:
+    def __init__(self, outputs) -> None:
         super().__init__()
-        self.outputs, self.pool = set(outputs), pool
-        self.live = self.most = self.peak = 0
+        self.outputs = set(outputs)
+        self.live = self.most = 0
 
     def _start_state(self, dsk, state):
         self.deps = state["dependencies"]
@@ -80,26 +79,17 @@ class Held(Callback):
             self.live += 1
         self.most = max(self.most, self.live)
 
-    def _posttask(self, key, result, dsk, state, worker_id):
-        self.peak = max(self.peak, self.pool.used_bytes())
-
 
 def run(make, order: str, cap: int) -> str:
     """One compute of ``make()`` with ``order``, the pool capped at ``cap`` bytes (0: not)."""
     pool = sim.get_default_memory_pool()
     collections = make()
     outputs = [k for c in collections for k in flatten(c.__dask_keys__())]
-    held = Held(outputs, pool)
-    malloc = pool.malloc
-
-    def tracked(*args):
-        block = malloc(*args)
-        held.peak = max(held.peak, pool.used_bytes())
-        return block
-
-    pool.free_all_blocks()
+    held = Held(outputs)
+    peaks = PoolPeaks(pool)
+    peaks.reset(free=True)
     pool.set_capacity(cap)
-    pool.malloc = functools.wraps(malloc)(tracked)
+    pool.malloc = peaks.track(pool.malloc)  # this instance only, removed below
     config = {
         "gpustreams.backend": "sim",
         "gpustreams.streams": 8,
@@ -117,7 +107,7 @@ def run(make, order: str, cap: int) -> str:
     finally:
         del pool.malloc
         pool.set_capacity(0)
-    return f"{held.peak / 2**20:7.1f} MiB {held.most:5d} {status:<17}"
+    return f"{peaks.peak_used / 2**20:7.1f} MiB {held.most:5d} {status:<17}"
 
 
 def main(argv: list[str] | None = None) -> int:
