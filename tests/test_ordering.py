@@ -60,6 +60,59 @@ def test_a_shared_input_ranks_once_before_its_first_consumer():
     assert depth_first(deps, ["y", "z"]) == {"x": 0, "y": 1, "z": 2}
 
 
+def test_a_chunks_last_consumer_ranks_as_soon_as_it_is_ready_not_after_the_first_tree():
+    """``max - min`` of 3 chunks: each chunk's ``min`` ranks right after its ``max`` (it lets
+    the chunk go), and the ``min`` tree's root as soon as its last ``min`` has ranked."""
+    deps: dict = {}
+    for i in range(3):
+        deps[("x", i)] = ()
+        deps[("max", i)] = (("x", i),)
+        deps[("min", i)] = (("x", i),)
+    deps["MAX"] = tuple(("max", i) for i in range(3))
+    deps["MIN"] = tuple(("min", i) for i in range(3))
+    deps["out"] = ("MAX", "MIN")
+    ranks = depth_first(deps, ["out"])
+    assert sorted(ranks, key=ranks.get) == [
+        *(k for i in range(3) for k in [("x", i), ("max", i), ("min", i)]),
+        "MIN",
+        "MAX",
+        "out",
+    ]
+
+
+def test_tasks_that_only_share_an_input_wait_for_the_walk():
+    """A matmul: ``c[i, j]`` sums the products ``p[i, j, k]`` of ``a[i, k]`` and ``b[k, j]``.
+    Once row ``a[1, 0]`` ranks, ``p[1, j, 0]`` is ready for every ``j``, but none but the
+    last is its input's last reader, so they wait for the walk to reach their sums: the
+    products of later sums are not launched (and held) early."""
+    n = 3
+    r = range(n)
+    deps: dict = {("a", i, k): () for i in r for k in r} | {("b", k, j): () for k in r for j in r}
+    for i in r:
+        for j in r:
+            for k in r:
+                deps[("p", i, j, k)] = (("a", i, k), ("b", k, j))
+            deps[("c", i, j)] = tuple(("p", i, j, k) for k in r)
+    ranks = depth_first(deps, [("c", i, j) for i in r for j in r])
+    order = sorted(ranks, key=ranks.get)
+    row = order[order.index(("a", 1, 0)) : order.index(("c", 1, 0)) + 1]
+    assert row == [*(x for k in r for x in [("a", 1, k), ("p", 1, 0, k)]), ("c", 1, 0)]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_every_key_ranks_once_after_its_inputs_on_random_graphs(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    deps = {
+        k: tuple(int(d) for d in rng.choice(k, size=min(k, int(rng.integers(0, 4))), replace=False))
+        for k in range(n)
+    }
+    outputs = [int(k) for k in rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)]
+    ranks = depth_first(deps, outputs)
+    assert sorted(ranks.values()) == list(range(n))
+    assert all(ranks[d] < ranks[k] for k, ds in deps.items() for d in ds)
+
+
 @pytest.mark.parametrize("launch_order", ["depth-first", "dask"])
 def test_the_launcher_finishes_an_output_before_it_starts_the_last_ones_leaves(
     launcher,  # noqa: F811
@@ -95,14 +148,16 @@ def test_the_launcher_finishes_an_output_before_it_starts_the_last_ones_leaves(
     assert [g.get().tolist() for g in got] == [[4.0 * o + 1] * 4 for o in range(n)]
 
 
-def test_the_default_order_keeps_a_chunks_two_reductions_together(launcher):  # noqa: F811
-    """``x.max() - x.min()``: each chunk feeds a max and a min. By default (``dask.order``)
-    both run soon after the chunk, so the launcher never holds half of x's 64 chunks; the
-    depth-first order would hold every chunk until the second reduction (77 here)."""
+@pytest.mark.parametrize("launch_order", ["depth-first", "dask"])
+def test_either_order_keeps_a_chunks_two_reductions_together(launcher, launch_order):  # noqa: F811
+    """``x.max() - x.min()``: each chunk feeds a max and a min. By either order both run
+    soon after the chunk, so the launcher never holds half of x's 64 chunks; a depth-first
+    walk without its early last consumers held every chunk until the second reduction (77
+    here)."""
     x = chunks(16, 16)  # 64 chunks of 32 x 32
     graph = x.max() - x.min()
     held = Held(list(flatten(graph.__dask_keys__())))
-    with launcher(streams=8), held:
+    with launcher(streams=8, **{"launch-order": launch_order}), held:
         got = graph.compute(scheduler="gpustreams")
     assert got.get() == (x.max() - x.min()).compute(scheduler="sync").get()
     assert held.most < x.npartitions // 2

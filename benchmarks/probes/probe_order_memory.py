@@ -1,7 +1,8 @@
 """What each launch order holds: ``dask.order`` against the depth-first order, on the sim.
 
 For graphs where one chunk feeds two reductions (``x.max() - x.min()``, ``x.mean()``
-with ``x.std()``) and for single trees (``x.sum()``), runs the launcher
+with ``x.std()``), for single trees (``x.sum()``) and for graphs where chunks are
+shared more widely (a matmul, a stencil, a cumsum), runs the launcher
 (``scheduler="gpustreams"``, 8 streams, small blocks off) with each
 ``gpustreams.launch-order`` and prints the device memory used at its peak (the
 simulated pool's ``used_bytes`` after each allocation, ``bench_workloads.PoolPeaks``) and
@@ -15,6 +16,7 @@ result is checked against Dask's synchronous scheduler::
 from __future__ import annotations
 
 import argparse
+import warnings
 
 import dask
 import dask.array as da
@@ -50,6 +52,9 @@ GRAPHS = {
     "x.min(), x.max()": lambda x: [x.min(), x.max()],
     "x.mean(), x.std()": lambda x: [x.mean(), x.std()],
     "x.sum()": lambda x: [x.sum()],
+    "(x @ x).sum()": lambda x: [(x @ x).sum()],
+    "map_overlap sum": lambda x: [x.map_overlap(lambda b: b * 2, depth=1, boundary="none").sum()],
+    "x.cumsum(0).sum()": lambda x: [x.cumsum(axis=0).sum()],
 }
 
 
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--cap-mib", type=int, default=32)
     args = p.parse_args(argv)
+    warnings.simplefilter("ignore", da.PerformanceWarning)  # the matmul's chunks, as meant
     size = (args.n * args.chunk) ** 2 * 4 / 2**20
     print(f"x: {size:.0f} MiB of float32 sim chunks; peak used, most intermediates held, status")
     for cap in (0, args.cap_mib << 20):
