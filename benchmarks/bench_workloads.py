@@ -74,8 +74,9 @@ from dask_gpustreams.backends import resolve_backend
 MODES = ("threads", "sync", "launcher", "enabled-threads")
 #: Modes for finding where the launcher loses (not in the default set): one stream, so the
 #: launcher's host path without concurrency on the device; the round-robin policy; less
-#: of the graph launched ahead of the device (its memory against its speed); and, for its
-#: memory, 2 streams, no large tasks (every task on any stream) and no small-block arenas.
+#: of the graph launched ahead of the device (its memory against its speed); for its
+#: memory, 2 streams, no large tasks (every task on any stream) and no small-block arenas;
+#: and each launch order, whichever is the default.
 DIAGNOSTIC_MODES = {
     "launcher-1": {"gpustreams.streams": 1},
     "launcher-rr": {"gpustreams.policy": "round-robin"},
@@ -85,6 +86,7 @@ DIAGNOSTIC_MODES = {
     "launcher-nolarge": {"gpustreams.large-tasks": 0},
     "launcher-nosmall": {"gpustreams.small-blocks": 0},
     "launcher-depth-first": {"gpustreams.launch-order": "depth-first"},
+    "launcher-dask-order": {"gpustreams.launch-order": "dask"},
 }
 BACKENDS = ("auto", "cupy", "sim", "numpy")
 F4 = np.float32

@@ -166,8 +166,8 @@ def test_small_blocks_and_large_tasks_are_a_size_or_zero():
 
 
 def test_launch_order_is_dask_or_depth_first_and_a_compute_names_a_bad_one(gpustreams):
-    assert StreamsConfig().launch_order == "dask"
-    assert StreamsConfig(launch_order="depth-first").launch_order == "depth-first"
+    assert StreamsConfig().launch_order == "depth-first"
+    assert StreamsConfig(launch_order="dask").launch_order == "dask"
     message = (
         "gpustreams.launch-order='breadth-first' is invalid: allowed values are dask | depth-first"
     )
