@@ -1,4 +1,4 @@
-"""The launcher's launch orders: ``dask.order`` (the default) and the depth-first order."""
+"""The launcher's launch orders: the depth-first order (the default) and ``dask.order``."""
 
 from __future__ import annotations
 
@@ -97,6 +97,14 @@ def test_tasks_that_only_share_an_input_wait_for_the_walk():
     order = sorted(ranks, key=ranks.get)
     row = order[order.index(("a", 1, 0)) : order.index(("c", 1, 0)) + 1]
     assert row == [*(x for k in r for x in [("a", 1, k), ("p", 1, 0, k)]), ("c", 1, 0)]
+
+
+def test_an_input_listed_twice_counts_once_for_the_last_reader_rule():
+    """``c`` is ``b``'s only reader, whether it lists ``b`` once or twice: it ranks as soon as
+    ``b`` has, before ``a``, which the walk reaches only after the outputs."""
+    for deps_of_c in [("b",), ("b", "b")]:
+        ranks = depth_first({"a": (), "b": (), "c": deps_of_c}, ["b"])
+        assert sorted(ranks, key=ranks.get) == ["b", "c", "a"]
 
 
 @pytest.mark.parametrize("seed", range(200))

@@ -1,4 +1,4 @@
-"""A launch order for ready tasks that costs a few us a key.
+"""A launch order for ready tasks that costs 1-4 us a key.
 
 The launcher ranks ready tasks only once more are ready than a round takes
 (:class:`~dask_gpustreams.runtime.launcher.ReadyTasks`). ``dask.order`` ranks the
@@ -14,7 +14,10 @@ would rank only after the whole first subtree, so every chunk would be held
 until then. So a task whose inputs are all ranked ranks at once, out of the
 walk's turn, when it is the last consumer of one of them: it lets that input go.
 Tasks that only share an input (a matmul's products of one row) still wait for
-the walk, so they are not launched, and held, ahead of their consumers.
+the walk, so they are not launched, and held, ahead of their consumers. The rule
+does not know sizes: a last reader whose output is larger than the input it lets
+go (an expansion), and whose consumer waits for another subtree, is held longer
+than the walk alone would hold its input (docs/launcher.md).
 """
 
 from __future__ import annotations
@@ -47,14 +50,14 @@ class _Walk:
         dependents: dict[Hashable, list[Hashable]] = {key: [] for key in dependencies}
         for key, deps in dependencies.items():
             found = [d for d in deps if d in position]
-            if len(found) > 1:
-                found.sort(key=position.__getitem__)
+            if len(found) > 1:  # each input once: the counts below are of tasks, not edges
+                found = sorted(set(found), key=position.__getitem__)
             inputs[key] = found
             for d in found:
                 dependents[d].append(key)
         self._inputs = inputs
         self._dependents = dependents
-        #: unranked inputs of each task, and unranked consumers of each
+        #: each task's inputs not ranked yet, and its readers not ranked yet
         self._missing = {key: len(found) for key, found in inputs.items()}
         self._readers = {key: len(found) for key, found in dependents.items()}
         self._entered: set[Hashable] = set()
