@@ -192,7 +192,7 @@ class StreamsConfig:
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
     launch_ahead: int | str = 256 << 20
     #: How the launcher ranks ready tasks: ``depth-first`` (:mod:`.runtime.ordering`: a
-    #: walk from the outputs, 1-4 us a key) or ``dask`` (``dask.order``, 6-22 us a key).
+    #: walk from the outputs, under 5 us a key) or ``dask`` (``dask.order``, 6-22 us a key).
     launch_order: str = "depth-first"
     #: Allocations below this many bytes, made by the launcher's tasks, come from arenas
     #: of their own (``Backend.launch_allocator``); 0: off.

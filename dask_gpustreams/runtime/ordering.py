@@ -1,4 +1,4 @@
-"""A launch order for ready tasks that costs 1-4 us a key.
+"""A launch order for ready tasks that costs under 5 us a key.
 
 The launcher ranks ready tasks only once more are ready than a round takes
 (:class:`~dask_gpustreams.runtime.launcher.ReadyTasks`). ``dask.order`` ranks the
