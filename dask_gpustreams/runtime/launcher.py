@@ -69,8 +69,9 @@ class ReadyTasks:
     task goes in the next round whatever its rank, in the order it became ready.
     Once ranked, rounds go by rank to the end. A graph that never has more ready
     tasks than the pool has streams (chains side by side) is so launched without
-    its order, which ``dask.order`` computes at 6-22 us a key, and the
-    launcher would compute before its first launch.
+    its order, which the launcher would compute before its first launch
+    (:func:`~.ordering.depth_first`, the default, at under 5 us a key;
+    ``dask.order`` at 6-22 us).
     """
 
     __slots__ = ("_priority", "_unranked", "_heap")
