@@ -5,8 +5,9 @@ graphs and not others; the H200 numbers of the graphs whose blocks did not chang
 hold. This probe builds the graphs of the workload suite (``bench_workloads``, at the
 H200's sizes, NumPy-backed: nothing is computed) and the wide shapes (width 8 and 32,
 depth 16), partitions each for one worker in blocks of 64 with this tree's ``partition``
-and with that of ``--against`` (``git show COMMIT:...``), and prints whether the groups
-are the same. The scheduler's own levels and priorities are close to these, not equal.
+(for a worker of ``--threads`` threads) and with that of ``--against`` (``git show
+COMMIT:...``), and prints whether the groups are the same. The scheduler's own levels and
+priorities are close to these, not equal.
 
 ``python -m benchmarks.probes.probe_block_plans --against e320eb2``
 """
@@ -63,8 +64,9 @@ def graphs() -> Iterator[tuple[str, dict, list]]:
             yield f"{name} x{width}", deps, [n.key for n in shape.nodes]
 
 
-def groups(partition: Callable, deps: dict, candidates: list) -> list:
-    """``partition``'s groups of ``candidates`` on one worker, blocks of 64, sorted."""
+def groups(partition: Callable, deps: dict, candidates: list, **threads: int) -> list:
+    """``partition``'s groups of ``candidates`` on one worker, blocks of 64, sorted
+    (``threads=N``: the worker's threads, where ``partition`` takes them)."""
     dependents: dict = {k: [] for k in deps}
     for k, ds in deps.items():
         for d in ds:
@@ -74,7 +76,14 @@ def groups(partition: Callable, deps: dict, candidates: list) -> list:
     for k in sorted(deps, key=priority.__getitem__):
         level[k] = 1 + max((level[d] for d in deps[k]), default=-1)
     found = partition(
-        candidates, deps.__getitem__, dependents.__getitem__, level, 1, 64, priority.__getitem__
+        candidates,
+        deps.__getitem__,
+        dependents.__getitem__,
+        level,
+        1,
+        64,
+        priority.__getitem__,
+        **threads,
     )
     return sorted(sorted(map(str, g)) for g in found)
 
@@ -82,11 +91,19 @@ def groups(partition: Callable, deps: dict, candidates: list) -> list:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--against", required=True, help="the commit to compare with")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="the worker's threads, for this tree's partition (1: dask-cuda's default)",
+    )
     args = p.parse_args(argv)
     theirs = partition_at(args.against)
+    print(f"threads: {args.threads} (this tree's partition)")
     print(f"{'graph':<14} {'tasks':>6} {'blocks':>7} {args.against:>9}  same")
     for name, deps, candidates in graphs():
-        ours, old = groups(blocks.partition, deps, candidates), groups(theirs, deps, candidates)
+        ours = groups(blocks.partition, deps, candidates, threads=args.threads)
+        old = groups(theirs, deps, candidates)
         print(f"{name:<14} {len(deps):>6} {len(ours):>7} {len(old):>9}  {ours == old}")
     return 0
 

@@ -372,6 +372,7 @@ def partition(
     max_tasks: int = 64,
     order: Callable[[Hashable], Any] | None = None,
     bands: list | None = None,
+    threads: int = 0,
 ) -> list[list[Hashable]]:
     """The groups of ``candidates`` worth a block each (two tasks or more); the estimate.
 
@@ -383,7 +384,13 @@ def partition(
 
     - every part (weakly connected component of the candidates) that is no
       larger than one worker's share (the grouped tasks over ``n_workers``) is
-      a block: on one worker, every part;
+      a block: on one worker, every part. With more such parts than the
+      cluster's ``threads`` (all workers'; 0: unbounded), they are packed into
+      as many groups, or more where that keeps each within ``max_tasks``
+      (:func:`_pack`): a block holds its thread until its device work is
+      done, so the parts beyond the threads would run one block after another,
+      where packed they run on the streams at once (8 chains on a worker of
+      one thread, dask-cuda's default, ran one at a time);
     - a larger part, on several workers, is cut into bands of levels whose
       independent pieces pack into ``n_workers`` groups of about equal size
       (:func:`_bands`): each group a block, one per worker, so the part still
@@ -437,9 +444,10 @@ def partition(
     grouped = [part for part in parts.values() if len(part) >= 2]
     share = sum(map(len, grouped)) / workers  # the tasks each worker should get
     groups: list[tuple[list[Hashable], Any]] = []  # (keys, (band, bin) or None)
+    whole: list[list[Hashable]] = []  # parts that are a block each, unless packed
     for part in grouped:
         if len(part) <= share and _convex(part, dependents, level):
-            groups.append((part, None))  # one worker's share at most: the whole part
+            whole.append(part)  # one worker's share at most: the whole part
             continue
         left: list[Hashable] = part
         if workers > 1 and len(part) > share:
@@ -447,16 +455,24 @@ def partition(
             banded, left = _bands(part, members, dependencies, level, workers, sort_key, first)
             groups.extend(banded)
         groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
-    pieces = [
-        (p, tag)
-        for g, tag in groups
-        for p in _cut_shortest(g, max_tasks, order, sort_key, dependencies, dependents, level)
-    ]
-    acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
+    bins = max(threads, -(-sum(map(len, whole)) // max_tasks))
+    packed = _pack(whole, bins, sort_key) if threads and len(whole) > bins else None
+    for unpacked in (packed, whole) if packed is not None else (whole,):
+        # Packed parts that a path between them outside the candidates would make a cycle
+        # of blocks are left unpacked.
+        cut = [(g, None) for g in unpacked] + groups
+        pieces = [
+            (p, tag)
+            for g, tag in cut
+            for p in _cut_shortest(g, max_tasks, order, sort_key, dependencies, dependents, level)
+        ]
+        acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
+        if acyclic:
+            break
     for fallback in (order, sort_key) if order is not None else ():
         if acyclic:
             break
-        pieces = [(p, tag) for g, tag in groups for p in _cut(g, max_tasks, fallback)]
+        pieces = [(p, tag) for g, tag in cut for p in _cut(g, max_tasks, fallback)]
         acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
     if not acyclic:
         chains = [
@@ -574,8 +590,7 @@ def _balanced(sizes: list[int], workers: int) -> bool:
 def _pack(pieces: list[list[Hashable]], workers: int, sort_key: Callable) -> list[list[Hashable]]:
     """``pieces`` in ``workers`` bins of about equal size, largest piece first."""
     bins: list[list[Hashable]] = [[] for _ in range(workers)]
-    pieces.sort(key=lambda p: (-len(p), min(map(sort_key, p))))
-    for piece in pieces:
+    for piece in sorted(pieces, key=lambda p: (-len(p), min(map(sort_key, p)))):
         min(bins, key=len).extend(piece)
     return [b for b in bins if b]
 

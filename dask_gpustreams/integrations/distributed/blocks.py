@@ -176,13 +176,22 @@ class StreamBlocks(SchedulerPlugin):
 
     # --- the regrouping: a plan (which changes nothing), then its application -------------
 
-    def _candidate(self, ts: Any, client: str) -> bool:
-        """Whether ``ts``, just submitted, may run inside a block."""
+    def _candidate(self, ts: Any, client: str, apart: dict[int, bool]) -> bool:
+        """Whether ``ts``, just submitted, may run inside a block.
+
+        ``apart`` caches, for one graph, whether a function's tasks run apart (by
+        ``id``: the graph's tasks hold their functions while it is planned); most
+        tasks of a graph share a few functions, and ``is_coro`` inspects each.
+        """
         spec = ts.run_spec
         if ts.state != "released" or ts.actor or ts.waiters:
             return False
         if isinstance(spec, Task):
-            if spec.is_coro or _module(spec.func).startswith(self._host_side):
+            func = spec.func
+            own = apart.get(id(func))
+            if own is None:
+                own = apart[id(func)] = spec.is_coro or _module(func).startswith(self._host_side)
+            if own:
                 return False  # coroutines, P2P shuffles, host-side tasks: a task of their own
         elif not isinstance(spec, Alias):
             return False  # data, or no run_spec yet
@@ -209,20 +218,23 @@ class StreamBlocks(SchedulerPlugin):
             touched = [ts for ts in touched if ts not in dead]
         plan = _Plan({ts.key: "forgotten" for ts in orphans}, [])
         new = {ts.key for ts in touched if ts.state == "released"}
-        candidates = [ts.key for ts in touched if self._candidate(ts, client)]
+        apart: dict[int, bool] = {}
+        candidates = [ts.key for ts in touched if self._candidate(ts, client, apart)]
         if len(candidates) < 2:
             return plan
         level = _levels(touched, new)
         bands: list = []
+        workers = self.scheduler.workers
         groups = partition(
             candidates,
             lambda k: [d.key for d in tasks[k].dependencies],
             lambda k: [d.key for d in tasks[k].dependents],
             level,
-            len(self.scheduler.workers),
+            len(workers),
             self.block_size(),
             lambda k: tasks[k].priority,
             bands,
+            sum(ws.nthreads for ws in workers.values()),
         )
         # Root-task queuing: a block holding a task that the scheduler would queue (a
         # root-ish task, is_rootish) is itself root-ish, as Task.fuse makes a fused task
