@@ -261,15 +261,28 @@ def test_more_parts_than_threads_are_packed_into_a_group_a_thread():
 
 
 def test_parts_that_a_path_outside_joins_are_not_packed():
-    """a0 -> a1 -> h -> b0 -> b1, h not a candidate (say, host-side): one block of a and b
-    would read h, which reads it. They stay apart (and so do the other chains' parts)."""
-    edges = [("a0", "a1"), ("a1", "h"), ("h", "b0"), ("b0", "b1"), ("c0", "c1")]
-    candidates = {"a0", "a1", "b0", "b1", "c0", "c1"}
+    """a0 -> a1 -> a2 -> h -> b0 -> b1 -> b2, h not a candidate (say, host-side): one block
+    of a and b would read h, which reads it. The parts stay a block each, also the diamond
+    c (no chain: blocks of chains only would leave it out)."""
+    chains = [(f"{c}{i}", f"{c}{i + 1}") for c in "ab" for i in range(2)]
+    diamond = [("c0", "c1"), ("c0", "c2"), ("c1", "c3"), ("c2", "c3")]
+    edges = [*chains, *diamond, ("a2", "h"), ("h", "b0")]
+    candidates = {f"{c}{i}" for c in "ab" for i in range(3)} | {f"c{i}" for i in range(4)}
     assert _partition(edges, 1, candidates=candidates, threads=1) == [
-        ["a0", "a1"],
-        ["b0", "b1"],
-        ["c0", "c1"],
+        ["a0", "a1", "a2"],
+        ["b0", "b1", "b2"],
+        ["c0", "c1", "c2", "c3"],
     ]
+    # Without h, the three pack into one group.
+    assert _partition([*chains, *diamond], 1, threads=1) == [sorted(candidates)]
+
+
+def test_parts_of_two_levels_are_not_packed():
+    """8 pairs (a task and its reader) on a worker of one thread stay a block each: packed,
+    each pair's output would need a getter task, and a pair holds its thread for two
+    kernels only (per-tile FFTs took 1.56x as long packed on the H200)."""
+    pairs = [(f"{c}0", f"{c}1") for c in "abcdefgh"]
+    assert _partition(pairs, 1, threads=1) == [[f"{c}0", f"{c}1"] for c in "abcdefgh"]
 
 
 def test_a_part_that_a_path_leaves_and_reenters_falls_back_to_its_chains():

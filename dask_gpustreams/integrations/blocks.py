@@ -384,13 +384,14 @@ def partition(
 
     - every part (weakly connected component of the candidates) that is no
       larger than one worker's share (the grouped tasks over ``n_workers``) is
-      a block: on one worker, every part. With more such parts than the
-      cluster's ``threads`` (all workers'; 0: unbounded), they are packed into
-      as many groups, or more where that keeps each within ``max_tasks``
-      (:func:`_pack`): a block holds its thread until its device work is
-      done, so the parts beyond the threads would run one block after another,
-      where packed they run on the streams at once (8 chains on a worker of
-      one thread, dask-cuda's default, ran one at a time);
+      a block: on one worker, every part. With more such parts of
+      :data:`PACK_DEPTH` levels or more than the cluster's ``threads`` (all
+      workers'; 0: unbounded), those are packed into as many groups, or more
+      where that keeps each within ``max_tasks`` (:func:`_pack`): a block
+      holds its thread until its device work is done, so the parts beyond the
+      threads would run one block after another, where packed they run on the
+      streams at once (8 chains on a worker of one thread, dask-cuda's
+      default, ran one at a time);
     - a larger part, on several workers, is cut into bands of levels whose
       independent pieces pack into ``n_workers`` groups of about equal size
       (:func:`_bands`): each group a block, one per worker, so the part still
@@ -455,12 +456,16 @@ def partition(
             banded, left = _bands(part, members, dependencies, level, workers, sort_key, first)
             groups.extend(banded)
         groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
-    bins = max(threads, -(-sum(map(len, whole)) // max_tasks))
-    packed = _pack(whole, bins, sort_key) if threads and len(whole) > bins else None
-    for unpacked in (packed, whole) if packed is not None else (whole,):
-        # Packed parts that a path between them outside the candidates would make a cycle
-        # of blocks are left unpacked.
-        cut = [(g, None) for g in unpacked] + groups
+    deep = [p for p in whole if _levels_spanned(p, level) >= PACK_DEPTH]
+    bins = max(threads, -(-sum(map(len, deep)) // max_tasks))
+    packed = None
+    if threads and len(deep) > bins:
+        shallow = [p for p in whole if _levels_spanned(p, level) < PACK_DEPTH]
+        packed = _pack(deep, bins, sort_key) + shallow
+    # Packed parts that a path between them outside the candidates would make a cycle of
+    # blocks are left a block each.
+    for blocks_of_parts in (whole,) if packed is None else (packed, whole):
+        cut = [(g, None) for g in blocks_of_parts] + groups
         pieces = [
             (p, tag)
             for g, tag in cut
@@ -575,6 +580,20 @@ def _bands(
             parent, size, band, roots = {}, {}, [], set()
     close()
     return groups, left
+
+
+#: The fewest levels a part spans to be packed with others into one block. Packed, each
+#: of its outputs needs a getter task, one more task of distributed's cost (about 0.4 ms
+#: each on the H200: 256 parts of 2 levels, per-tile FFTs whose kernels fill the device,
+#: took 271 ms packed against 174 ms a block each), where a part a block of its own needs
+#: none; a deeper part holds its thread for more dependent kernels.
+PACK_DEPTH = 3
+
+
+def _levels_spanned(part: list[Hashable], level: Mapping[Hashable, int]) -> int:
+    """How many levels ``part`` spans, first to last: its depth, for a connected part."""
+    levels = [level[k] for k in part]
+    return max(levels) - min(levels) + 1
 
 
 def _balanced(sizes: list[int], workers: int) -> bool:
