@@ -4,10 +4,10 @@ A change to ``dask_gpustreams.integrations.blocks.partition`` changes the blocks
 graphs and not others; the H200 numbers of the graphs whose blocks did not change still
 hold. This probe builds the graphs of the workload suite (``bench_workloads``, at the
 H200's sizes, NumPy-backed: nothing is computed) and the wide shapes (width 8 and 32,
-depth 16), partitions each for one worker in blocks of 64 with this tree's ``partition``
-(for a worker of ``--threads`` threads) and with that of ``--against`` (``git show
-COMMIT:...``), and prints whether the groups are the same. The scheduler's own levels and
-priorities are close to these, not equal.
+depth 16), partitions each for one worker of ``--threads`` threads in blocks of 64 with
+this tree's ``partition`` and with that of ``--against`` (``git show COMMIT:...``; told the
+threads where it takes them), and prints whether the groups are the same. The scheduler's
+own levels and priorities are close to these, not equal.
 
 ``python -m benchmarks.probes.probe_block_plans --against e320eb2``
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import subprocess
 import sys
 import tempfile
@@ -99,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     theirs = partition_at(args.against)
-    print(f"threads: {args.threads} (this tree's partition)")
+    takes = "threads" in inspect.signature(theirs).parameters
+    threads_of_theirs = {"threads": args.threads} if takes else {}
+    print(f"threads: {args.threads} (this tree's partition; {args.against}'s: {takes})")
     print(f"{'graph':<14} {'tasks':>6} {'blocks':>7} {args.against:>9}  same")
     for name, deps, candidates in graphs():
         ours = groups(blocks.partition, deps, candidates, threads=args.threads)
-        old = groups(theirs, deps, candidates)
+        old = groups(theirs, deps, candidates, **threads_of_theirs)
         print(f"{name:<14} {len(deps):>6} {len(ours):>7} {len(old):>9}  {ours == old}")
     return 0
 

@@ -384,14 +384,13 @@ def partition(
 
     - every part (weakly connected component of the candidates) that is no
       larger than one worker's share (the grouped tasks over ``n_workers``) is
-      a block: on one worker, every part. With more such parts of
-      :data:`PACK_DEPTH` levels or more than the cluster's ``threads`` (all
-      workers'; 0: unbounded), those are packed into as many groups, or more
-      where that keeps each within ``max_tasks`` (:func:`_pack`): a block
-      holds its thread until its device work is done, so the parts beyond the
-      threads would run one block after another, where packed they run on the
-      streams at once (8 chains on a worker of one thread, dask-cuda's
-      default, ran one at a time);
+      a block: on one worker, every part. Parts :data:`PACK_DEPTH` tasks deep
+      or more, where more of them than groups are needed arrive together, are
+      packed (:func:`_pack_parts`): a block holds its thread until its device
+      work is done, so the parts beyond the cluster's ``threads`` (all
+      workers'; 0: no packing) would run one block after another, where packed
+      they run on the streams at once (8 chains on a worker of one thread,
+      dask-cuda's default, ran one at a time);
     - a larger part, on several workers, is cut into bands of levels whose
       independent pieces pack into ``n_workers`` groups of about equal size
       (:func:`_bands`): each group a block, one per worker, so the part still
@@ -456,24 +455,14 @@ def partition(
             banded, left = _bands(part, members, dependencies, level, workers, sort_key, first)
             groups.extend(banded)
         groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
-    deep = [p for p in whole if _levels_spanned(p, level) >= PACK_DEPTH]
-    bins = max(threads, -(-sum(map(len, deep)) // max_tasks))
-    packed = None
-    if threads and len(deep) > bins:
-        shallow = [p for p in whole if _levels_spanned(p, level) < PACK_DEPTH]
-        packed = _pack(deep, bins, sort_key) + shallow
-    # Packed parts that a path between them outside the candidates would make a cycle of
-    # blocks are left a block each.
-    for blocks_of_parts in (whole,) if packed is None else (packed, whole):
-        cut = [(g, None) for g in blocks_of_parts] + groups
-        pieces = [
-            (p, tag)
-            for g, tag in cut
-            for p in _cut_shortest(g, max_tasks, order, sort_key, dependencies, dependents, level)
-        ]
-        acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
-        if acyclic:
-            break
+    packed = _pack_parts(whole, threads, max_tasks, dependencies, level, sort_key)
+    cut = [(g, None) for g in packed or whole] + groups
+    pieces = [
+        (p, tag)
+        for g, tag in cut
+        for p in _cut_shortest(g, max_tasks, order, sort_key, dependencies, dependents, level)
+    ]
+    acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
     for fallback in (order, sort_key) if order is not None else ():
         if acyclic:
             break
@@ -582,19 +571,101 @@ def _bands(
     return groups, left
 
 
-#: The fewest levels a part spans to be packed with others into one block. Packed, each
-#: of its outputs needs a getter task, where a part that is a block of its own needs none;
-#: a deeper part holds its thread for more dependent kernels. A heuristic: of three
-#: workloads of 2-level parts on the H200, per-tile FFTs took 271 ms packed against 174 ms
-#: a block each and the pipeline 1,419 against 1,179, while small-chunks gained (393
-#: against 488).
+#: The fewest tasks on a part's longest path for it to be packed with others into one
+#: block. Packed, each of its outputs needs a getter task, where a part that is a block of
+#: its own needs none; a deeper part holds its thread for more dependent kernels. A
+#: heuristic: of three workloads of 2-deep parts on the H200, per-tile FFTs took 271 ms
+#: packed against 174 ms a block each and the pipeline 1,419 against 1,179, while
+#: small-chunks gained (393 against 488).
 PACK_DEPTH = 3
 
 
-def _levels_spanned(part: list[Hashable], level: Mapping[Hashable, int]) -> int:
-    """How many levels ``part`` spans, first to last: its depth, for a connected part."""
-    levels = [level[k] for k in part]
-    return max(levels) - min(levels) + 1
+def _pack_parts(
+    whole: list[list[Hashable]],
+    threads: int,
+    max_tasks: int,
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    level: Mapping[Hashable, int],
+    sort_key: Callable,
+) -> list[list[Hashable]] | None:
+    """``whole`` (parts that are a block each) with the deep ones packed, or None if none is.
+
+    Parts of one *wave* (:func:`_waves`: no path leads from one to another, so
+    no packed group reads itself) and at least :data:`PACK_DEPTH` deep are
+    packed into ``max(threads, their tasks / max_tasks)`` groups, where there
+    are more of them, each within ``max_tasks`` (:func:`_pack`).
+    """
+    if not threads:
+        return None
+    deep = [p for p in whole if _depth(p, dependencies, level) >= PACK_DEPTH]
+    waves = _waves(deep, dependencies, level) if len(deep) > threads else None
+    if waves is None:
+        return None
+    by_wave: dict[int, list[list[Hashable]]] = {}
+    for part, wave in zip(deep, waves, strict=True):
+        by_wave.setdefault(wave, []).append(part)
+    packed: list[list[Hashable]] = []
+    for parts in by_wave.values():
+        bins = max(threads, -(-sum(map(len, parts)) // max_tasks))
+        packed.extend(_pack(parts, bins, sort_key, max_tasks) if len(parts) > bins else parts)
+    if len(packed) == len(deep):
+        return None
+    chosen = {id(p) for p in deep}
+    return packed + [p for p in whole if id(p) not in chosen]
+
+
+def _depth(
+    part: list[Hashable],
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    level: Mapping[Hashable, int],
+) -> int:
+    """The tasks on ``part``'s longest path, through its own tasks only."""
+    inside: dict[Hashable, int] = dict.fromkeys(part, 0)
+    for k in sorted(part, key=level.__getitem__):
+        inside[k] = 1 + max((inside[d] for d in dependencies(k) if d in inside), default=0)
+    return max(inside.values(), default=0)
+
+
+def _waves(
+    parts: list[list[Hashable]],
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    level: Mapping[Hashable, int],
+) -> list[int] | None:
+    """Each part's wave: the most of ``parts`` that a path from the graph's inputs passes
+    through before reaching it (through ``level``'s keys). A path from one part to another
+    raises the other's wave, so parts of one wave never reach each other. None if the parts,
+    each taken as one node, make a cycle (a part that a path leaves and re-enters)."""
+    node: dict[Hashable, Any] = {k: k for k in level}
+    for i, part in enumerate(parts):
+        for k in part:
+            node[k] = ("part", i)
+    into: dict[Any, set] = {}
+    indegree: dict[Any, int] = dict.fromkeys(node.values(), 0)
+    for k in level:
+        v = node[k]
+        for d in dependencies(k):
+            u = node.get(d)
+            if u is None or u == v:
+                continue
+            edges = into.setdefault(u, set())
+            if v not in edges:
+                edges.add(v)
+                indegree[v] += 1
+    wave = dict.fromkeys(indegree, 0)
+    ready = [u for u, n in indegree.items() if n == 0]
+    seen = 0
+    while ready:
+        u = ready.pop()
+        seen += 1
+        passed = wave[u] + (type(u) is tuple and len(u) == 2 and u[0] == "part")
+        for v in into.get(u, ()):
+            wave[v] = max(wave[v], passed)
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    if seen < len(indegree):
+        return None
+    return [wave[("part", i)] for i in range(len(parts))]
 
 
 def _balanced(sizes: list[int], workers: int) -> bool:
@@ -607,11 +678,18 @@ def _balanced(sizes: list[int], workers: int) -> bool:
     return 2 * min(loads) * workers >= sum(sizes)
 
 
-def _pack(pieces: list[list[Hashable]], workers: int, sort_key: Callable) -> list[list[Hashable]]:
-    """``pieces`` in ``workers`` bins of about equal size, largest piece first."""
+def _pack(
+    pieces: list[list[Hashable]], workers: int, sort_key: Callable, capacity: int = 0
+) -> list[list[Hashable]]:
+    """``pieces`` in ``workers`` bins of about equal size, largest piece first; with a
+    ``capacity``, a piece goes into the emptiest bin it fits in, else into a bin of its own."""
     bins: list[list[Hashable]] = [[] for _ in range(workers)]
     for piece in sorted(pieces, key=lambda p: (-len(p), min(map(sort_key, p)))):
-        min(bins, key=len).extend(piece)
+        room = [b for b in bins if len(b) + len(piece) <= capacity] if capacity else bins
+        if not room:
+            room = [[]]
+            bins.append(room[0])
+        min(room, key=len).extend(piece)
     return [b for b in bins if b]
 
 
