@@ -635,10 +635,12 @@ def _waves(
     through before reaching it (through ``level``'s keys). A path from one part to another
     raises the other's wave, so parts of one wave never reach each other. None if the parts,
     each taken as one node, make a cycle (a part that a path leaves and re-enters)."""
+    part_nodes = [object() for _ in parts]  # never equal to a key
     node: dict[Hashable, Any] = {k: k for k in level}
-    for i, part in enumerate(parts):
+    for part, part_node in zip(parts, part_nodes, strict=True):
         for k in part:
-            node[k] = ("part", i)
+            node[k] = part_node
+    is_part = {id(n) for n in part_nodes}
     into: dict[Any, set] = {}
     indegree: dict[Any, int] = dict.fromkeys(node.values(), 0)
     for k in level:
@@ -657,7 +659,7 @@ def _waves(
     while ready:
         u = ready.pop()
         seen += 1
-        passed = wave[u] + (type(u) is tuple and len(u) == 2 and u[0] == "part")
+        passed = wave[u] + (id(u) in is_part)
         for v in into.get(u, ()):
             wave[v] = max(wave[v], passed)
             indegree[v] -= 1
@@ -665,7 +667,7 @@ def _waves(
                 ready.append(v)
     if seen < len(indegree):
         return None
-    return [wave[("part", i)] for i in range(len(parts))]
+    return [wave[n] for n in part_nodes]
 
 
 def _balanced(sizes: list[int], workers: int) -> bool:
