@@ -561,6 +561,20 @@ def _without_spill_wait(dask_worker):
         lru.on_evict.remove(plugin.egress.before_spill)
 
 
+def test_plain_dask_sends_a_result_after_its_kernels():
+    """Without the plugin a result leaves its worker (peer fetch, gather) as distributed's CuPy
+    serializer copies it, on the serializing thread's stream: the default stream, where its
+    kernels are queued, so after them."""
+    with cluster(processes=True, n_workers=2, threads_per_worker=1, plugin=False) as client:
+        a, b = workers(client)
+        wait([client.submit(produce, 1, 0.0, 0.0, workers=[w], pure=False) for w in (a, b)])
+        x = client.submit(produce, 1000, 5.0, 0.3, workers=[a], pure=False)
+        y = client.submit(inc, x, workers=[b], pure=False)
+        assert (values(y.result()) == 6.0).all()  # fetched from a
+        z = client.submit(produce, 1000, 7.0, 0.3, workers=[a], pure=False)
+        assert (values(z.result()) == 7.0).all()  # gathered
+
+
 def test_peer_fetch_needs_the_egress_wait():
     with cluster() as client:
         client.run(_without_get_data_wait)

@@ -10,6 +10,9 @@ One module per part of the plugin, each the owner of its state:
 - :mod:`.failures`: the records of corrupt results, which their recomputation raises;
 - :mod:`.execution`: the run_spec of each task that starts executing (*Execution*);
 - :mod:`.egress`: the waits of ``get_data`` and spilling (*Egress*);
-- :mod:`.withheld`: what stays of a removed plugin while corrupt keys it found are held."""
+- :mod:`.withheld`: what stays of a removed plugin while corrupt keys it found are held;
+- :mod:`.serialize`: the simulated device's arrays over distributed's serializer, as
+  CuPy's (registered on import)."""
 
+from dask_gpustreams.integrations.distributed import serialize as serialize
 from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin as StreamsPlugin
