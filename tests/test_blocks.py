@@ -297,7 +297,7 @@ def test_parts_two_tasks_deep_are_not_packed():
     reader reads a task outside, deeper in the graph: the pair is still 2 deep."""
     pairs = [(f"{c}0", f"{c}1") for c in "abcdefgh"]
     assert _partition(pairs, 1, threads=1) == [[f"{c}0", f"{c}1"] for c in "abcdefgh"]
-    outside = [("x0", "x1"), ("x1", "x2"), *((("x2", f"{c}1")) for c in "abcdefgh")]
+    outside = [("x0", "x1"), ("x1", "x2"), *(("x2", f"{c}1") for c in "abcdefgh")]
     candidates = {k for e in pairs for k in e}
     groups = _partition(pairs + outside, 1, candidates=candidates, threads=1)
     assert groups == [[f"{c}0", f"{c}1"] for c in "abcdefgh"]

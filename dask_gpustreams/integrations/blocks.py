@@ -824,32 +824,7 @@ def _acyclic(
     dependencies: Callable[[Hashable], Iterable[Hashable]],
 ) -> bool:
     """Whether the graph of ``level``'s keys, each group one node, has no cycle."""
-    unit: dict[Hashable, Any] = {k: k for k in level}
-    for i, group in enumerate(groups):
-        for k in group:
-            unit[k] = ("group", i)
-    into: dict[Any, set] = {}
-    indegree: dict[Any, int] = dict.fromkeys(unit.values(), 0)
-    for k in level:
-        u = unit[k]
-        for d in dependencies(k):
-            v = unit.get(d)
-            if v is None or v == u:
-                continue
-            edges = into.setdefault(v, set())
-            if u not in edges:
-                edges.add(u)
-                indegree[u] += 1
-    ready = [u for u, n in indegree.items() if n == 0]
-    seen = 0
-    while ready:
-        v = ready.pop()
-        seen += 1
-        for u in into.get(v, ()):
-            indegree[u] -= 1
-            if indegree[u] == 0:
-                ready.append(u)
-    return seen == len(indegree)
+    return _waves(groups, dependencies, level) is not None
 
 
 def _convex(
