@@ -595,7 +595,7 @@ def _pack_parts(
     packed into ``max(threads, their tasks / max_tasks)`` groups, where there
     are more of them, each within ``max_tasks`` (:func:`_pack`).
     """
-    if not threads:
+    if not threads or len(whole) <= threads:  # no more blocks than threads: nothing to do
         return None
     deep = [p for p in whole if _depth(p, dependencies, level) >= PACK_DEPTH]
     waves = _waves(deep, dependencies, level) if len(deep) > threads else None
