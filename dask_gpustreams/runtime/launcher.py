@@ -451,9 +451,9 @@ class GraphLauncher:
             state["runtime"], state["stream"], state["holds"] = previous
             state["launching"] = nested
             registry.clear()
-            runtime.collect()
+            drained = not runtime.collect()  # then every event it recorded has completed
             if timeline is None:
-                runtime.events.release(launched)
+                runtime.events.release(launched, complete=drained)
 
     def _make_room(self, key: Hashable, limit: int, in_flight: int) -> int:
         """``key`` ran out of device memory: wait for every stream's work (its errors stay
