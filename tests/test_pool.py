@@ -75,7 +75,7 @@ def test_collect_after_the_last_event_completed_drops_all_with_one_query():
 
 def test_collect_finds_the_done_prefix_of_a_long_queue_in_log_queries():
     """Events of one stream complete in order: the 40 done of 64 go after 7 queries, not
-    41 (a query costs about 3 us on a busy H200), and none of the other 24 goes."""
+    41 (a query costs 0.3-3 us on a busy H200), and none of the other 24 goes."""
     events = [sim.Event() for _ in range(64)]
     finished = set(events[:40])
     queries = []

@@ -76,7 +76,7 @@ class EventPool:
         """A completed released event, or a new one.
 
         One known complete, with no query (an event query is the launcher's
-        dearest device call per task: about 3 us on a busy H200); else the
+        dearest device call per task: 0.3-3 us on a busy H200); else the
         oldest released, if a query says it is done.
         """
         complete = self._complete
