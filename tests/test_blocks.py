@@ -27,6 +27,7 @@ from dask._task_spec import Task, TaskRef
 from distributed import Client, LocalCluster, Reschedule, SchedulerPlugin, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, host_task, sim
+from dask_gpustreams.integrations import blocks as blocks_module
 from dask_gpustreams.integrations.blocks import (
     BlockSkipped,
     BlockSkippedError,
@@ -258,6 +259,25 @@ def test_more_parts_than_threads_are_packed_into_a_group_a_thread():
     assert all(sorted(g) == sorted(k for c in whole if c[0] in g for k in c) for g in two)
     # At most 8 tasks a group: 4 groups of 2 chains, though the worker has one thread.
     assert [len(g) for g in _partition(chains, 1, max_tasks=8, threads=1)] == [8] * 4
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+def test_parts_stay_grouped_when_the_first_cut_is_cyclic(monkeypatch, threads):
+    """Where the first cut's blocks would depend on each other in a cycle, the groups are cut
+    again in the scheduler's order: the whole parts (packed or not) and the bands stay
+    grouped, none is dropped."""
+    chains = [(f"{c}{i}", f"{c}{i + 1}") for c in "ab" for i in range(3)]
+    expected = _partition(chains, 1, threads=threads)
+    assert sum(map(len, expected)) == 8
+    real, calls = blocks_module._acyclic, []
+
+    def first_cut_cyclic(*args):
+        calls.append(args)
+        return len(calls) > 1 and real(*args)
+
+    monkeypatch.setattr(blocks_module, "_acyclic", first_cut_cyclic)
+    assert _partition(chains, 1, threads=threads) == expected
+    assert len(calls) == 2  # the first cut, then the cut in order
 
 
 def test_parts_that_a_path_outside_joins_are_packed_in_waves():
