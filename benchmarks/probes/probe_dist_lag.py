@@ -8,8 +8,11 @@ and blocks ``auto``) and marks, in ms from the call (medians of ``--reps`` after
 warm-up): when the scheduler's ``StreamBlocks.update_graph`` starts and ends, when the
 blocks and the other tasks (getters, tasks left out of blocks) start executing and reach
 memory on the worker, when the blocks' launchers start and end, and when ``client.get``
-returns. In-process, so every mark reads one clock; ``--backend cupy`` uses the GPU from
-the same process. ``--off`` runs the shapes with the plugin off (only the end is marked).
+has returned and the device is idle (in-process, a result arrives without a copy: with
+the plugin off, ``client.get`` returns while its kernels are still queued; the runs in
+``results/h200-lag-12492fd/`` marked the return itself). In-process, so every mark
+reads one clock; ``--backend cupy`` uses the GPU from the same process. ``--off`` runs
+the shapes with the plugin off (the tasks and the end are marked).
 
     python -m benchmarks.probes.probe_dist_lag --backend sim --kernel-ms 2
 """
@@ -26,7 +29,7 @@ from unittest import mock
 import distributed
 from distributed import WorkerPlugin
 
-from benchmarks import bench_shapes
+from benchmarks import bench_shapes, kernels
 from dask_gpustreams.integrations.blocks import StreamBlock
 from dask_gpustreams.integrations.distributed import StreamsPlugin
 from dask_gpustreams.integrations.distributed.blocks import StreamBlocks
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                     MARKS.clear()
                     t0 = time.perf_counter()
                     results = client.get(dsk, out_keys)
+                    # In-process, a result arrives without a copy: with the plugin off, its
+                    # kernels may still be queued on the legacy stream when get returns.
+                    kernels.device_synchronize(args.backend)
                     t1 = time.perf_counter()
                     problem = wl.check(list(results))
                     if problem:
