@@ -15,7 +15,8 @@ cost less than plain sync's). Two parts, on one GPU (``--backend cupy``):
    ``round-robin``, no allocator), modes in turn for ``--rounds`` rounds, with the tile
    kernel timed where it is called: per task, the host time until the last task is
    launched, the kernel calls' share of it, and the rest (the scheduler's or the
-   launcher's own). Every result is checked.
+   launcher's own); a new tile's call and an accumulation's apart (us a call); and how
+   much the device's memory pool grew during the run. Every result is checked.
 
     python -m benchmarks.probes.probe_tile_costs --backend cupy --rounds 7
 """
@@ -38,20 +39,37 @@ from dask_gpustreams.config import StreamsConfig
 
 
 class TimedKernel:
-    """The tile kernel, adding each call's host time to :attr:`seconds`."""
+    """The tile kernel, adding each call's host time to :attr:`seconds`: a new tile's
+    (``a @ b``) at index 0, an accumulation's (``c += a @ b``) at index 1."""
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self.seconds = 0.0
-        self.calls = 0
+        self.seconds = [0.0, 0.0]
+        self.calls = [0, 0]
+
+    def reset(self) -> None:
+        self.seconds = [0.0, 0.0]
+        self.calls = [0, 0]
 
     def __call__(self, *args: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return self.kernel(*args)
         finally:
-            self.seconds += time.perf_counter() - t0
-            self.calls += 1
+            kind = len(args) > 2
+            self.seconds[kind] += time.perf_counter() - t0
+            self.calls[kind] += 1
+
+
+def pool_bytes(backend: str) -> int:
+    """What the device's default memory pool holds (CuPy's or the sim's)."""
+    if backend == "cupy":
+        import cupy
+
+        return cupy.get_default_memory_pool().total_bytes()
+    from dask_gpustreams import sim
+
+    return sim.get_default_memory_pool().total_bytes()
 
 
 def per_call_us(call: Callable[[int], Any], calls: int, batch: int) -> float:
@@ -165,7 +183,7 @@ def task_costs(backend: str, shapes: str, streams: int, rounds: int) -> bool:
     )
     print(
         f"{'shape':<10} {'mode':<24} {'tasks':>6} {'wall ms':>8} {'host us/task':>13} "
-        f"{'kernel us':>10} {'rest us':>8}"
+        f"{'kernel us':>10} {'rest us':>8} {'new us':>7} {'acc us':>7} {'grown MiB':>10}"
     )
     ok = True
     for name in shapes.split(","):
@@ -173,16 +191,18 @@ def task_costs(backend: str, shapes: str, streams: int, rounds: int) -> bool:
         wl = gemm_workload(shape, backend, shape_args.matrix, gemm_ms)
         timed = TimedKernel(wl.kernel)
         wl = dataclasses.replace(wl, kernel=timed)
-        got: dict[str, list[tuple[float, float, float]]] = {label: [] for label in modes}
+        got: dict[str, list[tuple[float, ...]]] = {label: [] for label in modes}
         for k in range(rounds + 1):  # round 0 warms up
             for label, (cfg, get) in modes.items():
                 kernels.device_synchronize(backend)
                 marks.last = None
-                timed.seconds = 0.0
+                timed.reset()
+                held = pool_bytes(backend)
                 t0 = time.perf_counter()
                 results = _run_graph(wl, cfg, get)
                 kernels.device_synchronize(backend)
                 t1 = time.perf_counter()
+                grown = (pool_bytes(backend) - held) / 2**20
                 problem = wl.check(results)
                 if problem is not None:
                     print(f"{name} {label}: FAILED: {problem}")
@@ -190,13 +210,18 @@ def task_costs(backend: str, shapes: str, streams: int, rounds: int) -> bool:
                 if k and marks.last is not None:
                     n = shape.n_tasks
                     host = (marks.last - t0) / n * 1e6
-                    kernel = timed.seconds / n * 1e6
-                    got[label].append(((t1 - t0) * 1e3, host, kernel))
+                    kernel = sum(timed.seconds) / n * 1e6
+                    new, acc = (
+                        t / max(c, 1) * 1e6 for t, c in zip(timed.seconds, timed.calls, strict=True)
+                    )
+                    got[label].append(((t1 - t0) * 1e3, host, kernel, new, acc, grown))
         for label, samples in got.items():
-            wall, host, kernel = (statistics.median(s[i] for s in samples) for i in range(3))
+            wall, host, kernel, new, acc, grown = (
+                statistics.median(s[i] for s in samples) for i in range(6)
+            )
             print(
                 f"{name:<10} {label:<24} {shape.n_tasks:>6} {wall:8.2f} {host:13.1f} "
-                f"{kernel:10.1f} {host - kernel:8.1f}",
+                f"{kernel:10.1f} {host - kernel:8.1f} {new:7.1f} {acc:7.1f} {grown:10.1f}",
                 flush=True,
             )
     return ok
