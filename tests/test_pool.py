@@ -124,15 +124,15 @@ def test_back_pressure_waits_for_the_device_without_the_slot_lock():
     pool.synchronize()
 
 
-def test_event_pool_hands_out_events_known_complete_without_a_query():
+def test_event_pool_hands_out_events_known_done_without_a_query():
     backend = HeldBackend()
     events = EventPool(backend)
-    unknown, complete = sim.Event(), sim.Event()
+    unknown, known = sim.Event(), sim.Event()
     events.release([unknown])
     assert events.acquire() is not unknown  # asked, and not done: a new event instead
     assert backend.queries == 1
-    events.release([complete], complete=True)
-    assert events.acquire() is complete
+    events.release([known], done=True)
+    assert events.acquire() is known
     assert backend.queries == 1
     backend.finished.add(unknown)
     assert events.acquire() is unknown

@@ -35,7 +35,9 @@ class InflightQueue(deque):
         Events of one stream complete in order, so the done ones are a prefix,
         found by bisection: all of them after one query when the last one is (after
         a graph's final sync, the common case), else in about log2(len) queries,
-        not one per pair.
+        not one per pair. An event reused from :class:`EventPool` is re-recorded
+        only once its earlier recording has completed, so a done answer still
+        means that every pair before it is done.
         """
         if not self:
             return
@@ -59,9 +61,9 @@ class EventPool:
     Callers give events back with :meth:`release` only when nothing else will
     wait on or query them (their task records are gone). An event is handed
     out again only once it has completed, so re-recording it can never move a
-    wait that is still to be enqueued: those released as complete (the caller
-    saw their streams drain) without asking the device, the others once a query
-    says so. At most :attr:`capacity` are kept.
+    wait that is still to be enqueued: those released as done (the caller saw
+    their streams drain) without asking the device, the others once a query says
+    so. At most :attr:`capacity` are kept.
     """
 
     capacity = 8192
@@ -69,20 +71,20 @@ class EventPool:
     def __init__(self, backend: Backend):
         self._backend = backend
         self._free: deque[Any] = deque()  # in the order recorded: the oldest is asked first
-        self._complete: deque[Any] = deque()  # known complete: handed out with no query
+        self._done: deque[Any] = deque()  # known done: handed out with no query
         self._lock = threading.Lock()
 
     def acquire(self) -> Any:
         """A completed released event, or a new one.
 
-        One known complete, with no query (an event query is the launcher's
+        One known done, with no query (an event query is the launcher's
         dearest device call per task: 0.3-3 us on a busy H200); else the
         oldest released, if a query says it is done.
         """
-        complete = self._complete
-        if complete:
+        known = self._done
+        if known:
             try:
-                return complete.pop()
+                return known.pop()
             except IndexError:  # another thread took the last one
                 pass
         free = self._free
@@ -92,23 +94,23 @@ class EventPool:
                     return free.popleft()
         return self._backend.create_event()
 
-    def release(self, events: Iterable[Any], complete: bool = False) -> None:
-        """Give back ``events`` (in the order they were recorded) for reuse.
+    def release(self, events: Iterable[Any], done: bool = False) -> None:
+        """Give back ``events`` (about in the order they were recorded) for reuse.
 
-        ``complete``: every one of them is known to have completed (the streams
-        they were recorded on have drained since), so none needs a query.
+        ``done``: every one of them is known to have completed (the streams they
+        were recorded on have drained since), so none needs a query.
         """
-        kept = self._complete if complete else self._free
+        kept = self._done if done else self._free
         with self._lock:
             kept.extend(events)
-            while len(self._complete) + len(self._free) > self.capacity:
-                (self._free or self._complete).popleft()
+            while len(self._done) + len(self._free) > self.capacity:
+                (self._free or self._done).popleft()
 
     def clear(self) -> None:
         """Drop every released event."""
         with self._lock:
             self._free.clear()
-            self._complete.clear()
+            self._done.clear()
 
     def __len__(self) -> int:
-        return len(self._free) + len(self._complete)
+        return len(self._free) + len(self._done)

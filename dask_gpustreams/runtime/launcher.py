@@ -453,7 +453,7 @@ class GraphLauncher:
             registry.clear()
             drained = not runtime.collect()  # then every event it recorded has completed
             if timeline is None:
-                runtime.events.release(launched, complete=drained)
+                runtime.events.release(launched, done=drained)
 
     def _make_room(self, key: Hashable, limit: int, in_flight: int) -> int:
         """``key`` ran out of device memory: wait for every stream's work (its errors stay

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from typing import NamedTuple
 
 from dask_gpustreams.config import Registry
 from dask_gpustreams.runtime.pool import PoolView, StreamSlot
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
 
 
-class TaskInfo(NamedTuple):
+class TaskInfo:
     """What a policy may know about a task when it picks its stream.
 
     ``producers`` are the records of the task's inputs produced by this
@@ -19,14 +18,30 @@ class TaskInfo(NamedTuple):
     for tasks on a longest path of their graph, where the integration knows it.
     ``large`` is True for a task of a group whose earlier task allocated a block
     of at least ``gpustreams.large-tasks`` bytes, where the launcher knows it.
-    A named tuple: one is made per task, at a third of a frozen dataclass's cost.
+    Made once per task, so a plain class: policies read it and change nothing.
     """
 
-    key: Hashable
-    producers: Sequence[TaskRecord]
-    registry: EventRegistry
-    critical: bool | None = None
-    large: bool = False
+    __slots__ = ("key", "producers", "registry", "critical", "large")
+
+    def __init__(
+        self,
+        key: Hashable,
+        producers: Sequence[TaskRecord],
+        registry: EventRegistry,
+        critical: bool | None = None,
+        large: bool = False,
+    ) -> None:
+        self.key = key
+        self.producers = producers
+        self.registry = registry
+        self.critical = critical
+        self.large = large
+
+    def __repr__(self) -> str:
+        return (
+            f"TaskInfo(key={self.key!r}, producers={len(self.producers)}, "
+            f"critical={self.critical}, large={self.large})"
+        )
 
 
 class StreamPolicy(ABC):
