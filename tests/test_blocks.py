@@ -264,8 +264,8 @@ def test_more_parts_than_threads_are_packed_into_a_group_a_thread():
 @pytest.mark.parametrize("threads", [0, 1])
 def test_parts_stay_grouped_when_the_first_cut_is_cyclic(monkeypatch, threads):
     """Where the first cut's blocks would depend on each other in a cycle, the groups are cut
-    again in the scheduler's order: the whole parts (packed or not) and the bands stay
-    grouped, none is dropped."""
+    again in the scheduler's order: the whole parts, packed or not, stay grouped (none is
+    dropped)."""
     chains = [(f"{c}{i}", f"{c}{i + 1}") for c in "ab" for i in range(3)]
     expected = _partition(chains, 1, threads=threads)
     assert sum(map(len, expected)) == 8
