@@ -98,7 +98,8 @@ class Growth:
             warm = sum(e[3] for e in events if e[0] == 0) / MIB
             later = sum(e[3] for e in events if e[0] > 0) / MIB
             free = max((e[4] for e in events), default=0) / MIB
-            print(f"{wl:12} {mode:18} {' '.join(cells)} {warm:9.0f} {later:7.0f} {free:9.0f}")
+            name, mode = wl or "(first)", mode or "(set-up)"
+            print(f"{name:12} {mode:18} {' '.join(cells)} {warm:9.0f} {later:7.0f} {free:9.0f}")
         print("(alloc: allocations of that class over the mode's runs; grown: MiB the pool grew")
         print(" for them; warm: grown in each round's first run (cold pool), later: after it;")
         print(" free@grow: the most the pool had free at a growth)")
@@ -131,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         growth.classes_on = row["mode"] == "launcher-classes"
         try:
             measure(self, row, wl, *more)
-        finally:
+        finally:  # what follows (the next workload's inputs and reference) is apart
             growth.classes_on = False
+            growth.where = (row["workload"], "(after the modes)")
 
     bw.PoolPeaks.track, bw.PoolPeaks.reset = traced_track, counted_reset
     bw.Runner.measure = routed_measure
