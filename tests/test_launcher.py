@@ -547,14 +547,14 @@ def test_small_blocks_leave_another_allocator_alone(on_the_launcher, launcher, r
 def test_closing_the_runtime_frees_its_small_and_large_blocks_arenas(
     on_the_launcher, launcher, rng
 ):
-    """The arenas that held the pool streams' small blocks, and their large ones (chunks of
-    256 KiB, at ``large-tasks: 128 KiB``), go with those streams: once the runtime is
+    """The arenas that held the pool streams' small blocks, and their mid-sized ones (chunks
+    of 256 KiB, at ``large-tasks: 1 MiB``), go with those streams: once the runtime is
     closed, the pool holds no free block (no free_all_blocks needed after the compute; the
     one before drops what making the inputs left free on the default stream)."""
     pool = sim.get_default_memory_pool()
     y, expected = row_sums(rng)
     pool.free_all_blocks()
-    with launcher(streams=8, **{"small-blocks": SMALL_BLOCKS, "large-tasks": "128 KiB"}):
+    with launcher(streams=8, **{"small-blocks": SMALL_BLOCKS, "large-tasks": "1 MiB"}):
         runtime = get_runtime()
         got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
         runtime.close(timeout=30)
@@ -562,7 +562,7 @@ def test_closing_the_runtime_frees_its_small_and_large_blocks_arenas(
     assert pool.total_bytes() == pool.used_bytes()
 
 
-# --- large blocks apart ---------------------------------------------------------------------
+# --- mid-sized blocks apart -----------------------------------------------------------------
 
 LARGE = 16 * CHUNK  # float64 elements: 4 MiB, above LARGE_TASKS; a chunk is below it
 LARGE_TASKS = "1 MiB"
@@ -603,17 +603,19 @@ def held_by_workspace_then_large(launcher, large_tasks) -> tuple[int, np.ndarray
 
 
 def test_a_chunk_is_not_carved_out_of_a_large_free_block(on_the_launcher, launcher):
-    """Blocks of at least ``large-tasks`` come from an arena apart: the chunk allocated after
-    the workspace was freed takes a block of its own, and the 4 MiB result takes the
-    workspace's block again (the pool holds 4 MiB and 2 chunks, not 8 MiB and a chunk)."""
+    """Blocks between ``small-blocks`` and ``large-tasks`` come from an arena apart: the
+    chunk allocated after the workspace was freed takes a block of its own, and the 4 MiB
+    result takes the workspace's block again (the pool holds 4 MiB and 2 chunks, not 8 MiB
+    and a chunk)."""
     held, got = held_by_workspace_then_large(launcher, LARGE_TASKS)
     assert got.tolist() == [6.0] * LARGE
     assert held <= 8 * LARGE * 6 // 5, f"{held / 2**20:.2f} MiB held"
 
 
 def test_without_large_blocks_apart_a_chunk_splits_the_free_large_block(on_the_launcher, launcher):
-    """The control of the test above: ``large-tasks: 0``, the chunk is carved out of the
-    workspace's free block, and the 4 MiB result needs a block of its own."""
+    """The control of the test above: ``large-tasks: 0`` (no mid-sized blocks apart), the
+    chunk is carved out of the workspace's free block, and the 4 MiB result needs a block
+    of its own."""
     held, got = held_by_workspace_then_large(launcher, 0)
     assert got.tolist() == [6.0] * LARGE
     assert held >= 8 * (2 * LARGE + CHUNK), f"{held / 2**20:.2f} MiB held"
@@ -679,8 +681,8 @@ def allocator_seen_on_a_host_thread():
 
 @pytest.mark.parametrize(("small_blocks", "large_tasks"), [("64 KiB", 0), (0, "128 KiB"), (0, 0)])
 def test_the_launchers_allocator_is_off_only_with_both_keys_0(launcher, small_blocks, large_tasks):
-    """Tasks on the launching thread allocate through the launcher's allocator while either
-    key is set, host tasks while ``small-blocks`` is (they are not metered); with both 0
+    """Tasks on the launching thread and host tasks allocate through the launcher's
+    allocator while either key is set (host tasks' allocations are not metered); with both 0
     none is installed (so a task may call ``cupy.cuda.set_allocator``, which CuPy refuses
     inside another)."""
     config = {"small-blocks": small_blocks, "large-tasks": large_tasks}
@@ -691,7 +693,7 @@ def test_the_launchers_allocator_is_off_only_with_both_keys_0(launcher, small_bl
             scheduler="gpustreams",
         )
     assert own_on_launcher is not bool(small_blocks or large_tasks)
-    assert own_on_host is not bool(small_blocks)
+    assert own_on_host is not bool(small_blocks or large_tasks)
     assert allocator_seen()
 
 

@@ -58,9 +58,9 @@ class CupyBackend:
         self._torch_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._fft_warned = False
         # Pool stream (by handle) -> the stream whose arena holds its small blocks, and its
-        # large ones.
+        # mid-sized ones.
         self._small_streams = StandingStreams()
-        self._large_streams = StandingStreams()
+        self._mid_streams = StandingStreams()
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -113,12 +113,12 @@ class CupyBackend:
         made again, as by a plugin registered twice, grew the pool each time).
         Its blocks still in use (results alive at the close) go back to that arena
         when freed, and stay there. So does the arena of the stream that stood for
-        its small blocks and of the one that stood for its large blocks
+        its small blocks and of the one that stood for its mid-sized blocks
         (:meth:`launch_allocator`). Each block freed is a ``cudaFree``, which waits for
         the device. Never raises: after a sticky CUDA error the pool's close still ends
         its other streams.
         """
-        standing = (self._small_streams.pop(stream.ptr), self._large_streams.pop(stream.ptr))
+        standing = (self._small_streams.pop(stream.ptr), self._mid_streams.pop(stream.ptr))
         with contextlib.suppress(Exception), cupy.cuda.Device(self.device_id):
             pool = cupy.get_default_memory_pool()
             pool.free_all_blocks(stream=stream)
@@ -216,8 +216,8 @@ class CupyBackend:
     ) -> Iterator[AllocationMeter | None]:
         """A small request is allocated while a stream of its own, standing for the
         current pool stream, is current (CuPy's pool keys its arenas by the stream
-        current then), and a request of at least ``large_tasks`` while another is;
-        the others are metered.
+        current then), and a mid-sized one (below ``large_tasks``) while another is;
+        all but the small ones are metered.
 
         A thread-local allocator (``cupy.cuda.using_allocator``), installed only where
         the current one is the default pool's ``malloc`` (or wraps it,
@@ -240,10 +240,9 @@ class CupyBackend:
         if small_blocks:
             self._small_streams.ensure(ptrs, self._standing_stream)
         if large_tasks:
-            self._large_streams.ensure(ptrs, self._standing_stream)
-        small_for, large_for = self._small_streams.get, self._large_streams.get
+            self._mid_streams.ensure(ptrs, self._standing_stream)
+        small_for, mid_for = self._small_streams.get, self._mid_streams.get
         current = cupy.cuda.get_current_stream
-        large_blocks = large_tasks or sys.maxsize
         meter = AllocationMeter()
 
         def malloc(size: int) -> cupy.cuda.MemoryPointer:
@@ -252,7 +251,7 @@ class CupyBackend:
             else:
                 if size > meter.largest:
                     meter.largest = size
-                standing = large_for(current().ptr) if size >= large_blocks else None
+                standing = mid_for(current().ptr) if size < large_tasks else None
             if standing is None:
                 return allocator(size)
             with standing:

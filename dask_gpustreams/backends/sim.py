@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -26,10 +25,10 @@ class SimBackend:
     def __init__(self) -> None:
         self.device = sim.get_device()
         self.device_id = self.device.id
-        # Pool stream (by id) -> the stream whose arena holds its small blocks, and its large
-        # ones.
+        # Pool stream (by id) -> the stream whose arena holds its small blocks, and its
+        # mid-sized ones.
         self._small_streams = StandingStreams()
-        self._large_streams = StandingStreams()
+        self._mid_streams = StandingStreams()
 
     def create_stream(self, priority: int = 0) -> sim.Stream:
         return self.device.create_stream(priority)
@@ -62,7 +61,7 @@ class SimBackend:
         stream.synchronize()
 
     def destroy_stream(self, stream: sim.Stream, timeout: float | None = None) -> None:
-        for standing in (self._small_streams.pop(stream.id), self._large_streams.pop(stream.id)):
+        for standing in (self._small_streams.pop(stream.id), self._mid_streams.pop(stream.id)):
             if standing is not None:
                 standing.close()  # its arena goes with it
         stream.close(timeout)
@@ -97,7 +96,7 @@ class SimBackend:
         self, streams: Sequence[sim.Stream], small_blocks: int, large_tasks: int
     ) -> Iterator[AllocationMeter | None]:
         """A small request on a pool stream from the arena of a stream standing for it,
-        a request of at least ``large_tasks`` from another's, through a thread-local
+        a mid-sized one (below ``large_tasks``) from another's, through a thread-local
         allocator (``sim.using_allocator``), the others metered, as the CuPy backend
         does, where the current one is the default pool's ``malloc`` (or wraps it) and
         ``small_blocks`` or ``large_tasks`` is set.
@@ -115,9 +114,8 @@ class SimBackend:
         if small_blocks:
             self._small_streams.ensure(ids, self.device.create_stream)
         if large_tasks:
-            self._large_streams.ensure(ids, self.device.create_stream)
-        small_for, large_for = self._small_streams.get, self._large_streams.get
-        large_blocks = large_tasks or sys.maxsize
+            self._mid_streams.ensure(ids, self.device.create_stream)
+        small_for, mid_for = self._small_streams.get, self._mid_streams.get
         meter = AllocationMeter()
 
         def malloc(nbytes: int, stream_id: int) -> tuple[Any, bool]:
@@ -126,7 +124,7 @@ class SimBackend:
             else:
                 if nbytes > meter.largest:
                     meter.largest = nbytes
-                standing = large_for(stream_id) if nbytes >= large_blocks else None
+                standing = mid_for(stream_id) if nbytes < large_tasks else None
             return allocator(nbytes, stream_id if standing is None else standing.id)
 
         with sim.using_allocator(malloc):
