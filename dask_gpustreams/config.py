@@ -198,9 +198,7 @@ class StreamsConfig:
     #: of their own (``Backend.launch_allocator``); 0: off.
     small_blocks: int | str = 1 << 20
     #: The launcher's tasks of a group (key prefix) that has allocated a block of this many
-    #: bytes are large (``TaskInfo.large``): ``auto`` runs them on 2 streams; smaller blocks
-    #: (above ``small_blocks``) come from an arena apart per stream
-    #: (``Backend.launch_allocator``); 0: off.
+    #: bytes are large (``TaskInfo.large``): ``auto`` runs them on 2 streams; 0: off.
     large_tasks: int | str = 16 << 20
     #: One NVTX range per task (Nsight Systems); see :mod:`dask_gpustreams.diagnostics.nvtx`.
     nvtx: bool = False

@@ -544,81 +544,17 @@ def test_small_blocks_leave_another_allocator_alone(on_the_launcher, launcher, r
     assert sim.get_allocator() == pool.malloc
 
 
-def test_closing_the_runtime_frees_its_small_and_large_blocks_arenas(
-    on_the_launcher, launcher, rng
-):
-    """The arenas that held the pool streams' small blocks, and their mid-sized ones (chunks
-    of 256 KiB, at ``large-tasks: 1 MiB``), go with those streams: once the runtime is
-    closed, the pool holds no free block (no free_all_blocks needed after the compute; the
-    one before drops what making the inputs left free on the default stream)."""
+def test_closing_the_runtime_frees_its_small_blocks_arenas(on_the_launcher, launcher, rng):
+    """The arenas that held the pool streams' small blocks go with those streams: once the
+    runtime is closed, the pool holds no free block (no free_all_blocks needed)."""
     pool = sim.get_default_memory_pool()
     y, expected = row_sums(rng)
-    pool.free_all_blocks()
-    with launcher(streams=8, **{"small-blocks": SMALL_BLOCKS, "large-tasks": "1 MiB"}):
+    with launcher(streams=8, **{"small-blocks": SMALL_BLOCKS}):
         runtime = get_runtime()
         got = y.map_blocks(download, meta=META).compute(scheduler="gpustreams")
         runtime.close(timeout=30)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     assert pool.total_bytes() == pool.used_bytes()
-
-
-# --- mid-sized blocks apart -----------------------------------------------------------------
-
-LARGE = 16 * CHUNK  # float64 elements: 4 MiB, above LARGE_TASKS; a chunk is below it
-LARGE_TASKS = "1 MiB"
-
-
-def chunk_after_a_workspace(value):
-    """A chunk of ``value``; meanwhile a 4 MiB workspace, taken and let go on the host at
-    once (as a solver's), so that its block is free when the next task allocates."""
-    out = leaf(value, CHUNK, 0.001)
-    sim.empty(LARGE)
-    return out
-
-
-def spread(out, x, delay):
-    time.sleep(delay)
-    out.reshape(-1, x.size)[...] = x
-
-
-def large_of(x):
-    """``x`` 16 times over: a 4 MiB result."""
-    out = sim.empty(LARGE)
-    sim.launch(spread, out, x, 0.001)
-    return out
-
-
-def held_by_workspace_then_large(launcher, large_tasks) -> tuple[int, np.ndarray]:
-    """Bytes the pool holds after a chunk-sized result was allocated after a 4 MiB workspace
-    was freed on its stream, then a 4 MiB result; and that result, on the host."""
-    pool = sim.get_default_memory_pool()
-    a = delayed(chunk_after_a_workspace)(3.0)
-    b = delayed(combine)(a, a, 0.001)
-    c = delayed(large_of)(b)
-    pool.free_all_blocks()
-    config = {"small-blocks": SMALL_BLOCKS, "large-tasks": large_tasks}
-    with launcher(streams=1, **config):
-        got = delayed(download)(c).compute(scheduler="gpustreams")
-    return pool.total_bytes(), got
-
-
-def test_a_chunk_is_not_carved_out_of_a_large_free_block(on_the_launcher, launcher):
-    """Blocks between ``small-blocks`` and ``large-tasks`` come from an arena apart: the
-    chunk allocated after the workspace was freed takes a block of its own, and the 4 MiB
-    result takes the workspace's block again (the pool holds 4 MiB and 2 chunks, not 8 MiB
-    and a chunk)."""
-    held, got = held_by_workspace_then_large(launcher, LARGE_TASKS)
-    assert got.tolist() == [6.0] * LARGE
-    assert held <= 8 * LARGE * 6 // 5, f"{held / 2**20:.2f} MiB held"
-
-
-def test_without_large_blocks_apart_a_chunk_splits_the_free_large_block(on_the_launcher, launcher):
-    """The control of the test above: ``large-tasks: 0`` (no mid-sized blocks apart), the
-    chunk is carved out of the workspace's free block, and the 4 MiB result needs a block
-    of its own."""
-    held, got = held_by_workspace_then_large(launcher, 0)
-    assert got.tolist() == [6.0] * LARGE
-    assert held >= 8 * (2 * LARGE + CHUNK), f"{held / 2**20:.2f} MiB held"
 
 
 # --- large tasks -----------------------------------------------------------------------------
@@ -681,8 +617,8 @@ def allocator_seen_on_a_host_thread():
 
 @pytest.mark.parametrize(("small_blocks", "large_tasks"), [("64 KiB", 0), (0, "128 KiB"), (0, 0)])
 def test_the_launchers_allocator_is_off_only_with_both_keys_0(launcher, small_blocks, large_tasks):
-    """Tasks on the launching thread and host tasks allocate through the launcher's
-    allocator while either key is set (host tasks' allocations are not metered); with both 0
+    """Tasks on the launching thread allocate through the launcher's allocator while either
+    key is set, host tasks while ``small-blocks`` is (they are not metered); with both 0
     none is installed (so a task may call ``cupy.cuda.set_allocator``, which CuPy refuses
     inside another)."""
     config = {"small-blocks": small_blocks, "large-tasks": large_tasks}
@@ -693,7 +629,7 @@ def test_the_launchers_allocator_is_off_only_with_both_keys_0(launcher, small_bl
             scheduler="gpustreams",
         )
     assert own_on_launcher is not bool(small_blocks or large_tasks)
-    assert own_on_host is not bool(small_blocks or large_tasks)
+    assert own_on_host is not bool(small_blocks)
     assert allocator_seen()
 
 

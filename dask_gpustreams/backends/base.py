@@ -25,8 +25,7 @@ class AllocationMeter:
 
 class StandingStreams:
     """For each pool stream (by a key: a handle or an id), the stream that stands for it
-    while its small (or mid-sized) blocks are allocated (``Backend.launch_allocator``);
-    thread-safe."""
+    while its small blocks are allocated (``Backend.launch_allocator``); thread-safe."""
 
     def __init__(self) -> None:
         self._streams: dict[Hashable, Any] = {}
@@ -145,12 +144,8 @@ class Backend(Protocol):
         pool's) is current come from an arena of that stream's apart, reused on that
         stream only, as the pool's own arenas are: a small result is then never
         carved out of a large cached block, which the pool cannot free while the
-        small part lives (each stream holding one would pin a whole block). Those
-        between the two sizes come from a second arena apart, so that no mid-sized
-        block (a solver's workspace, a partial sum) is carved out of a large one
-        either, and a large request finds the large blocks freed before. The meter
-        records the largest of the allocations that are not small (for
-        ``large_tasks``).
+        small part lives (each stream holding one would pin a whole block). The
+        meter records the largest of the other allocations (for ``large_tasks``).
         Only while the allocator is the default pool's and either size is set;
         otherwise (RMM, ``cudaMallocAsync``; both 0) nothing changes and the meter
         is None.

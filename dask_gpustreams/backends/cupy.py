@@ -57,10 +57,8 @@ class CupyBackend:
         # Each stream's torch.cuda.ExternalStream, dropped with the stream.
         self._torch_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._fft_warned = False
-        # Pool stream (by handle) -> the stream whose arena holds its small blocks, and its
-        # mid-sized ones.
+        # Pool stream (by handle) -> the stream whose arena holds its small blocks.
         self._small_streams = StandingStreams()
-        self._mid_streams = StandingStreams()
 
     def create_stream(self, priority: int = 0) -> cupy.cuda.Stream:
         with cupy.cuda.Device(self.device_id):
@@ -113,18 +111,16 @@ class CupyBackend:
         made again, as by a plugin registered twice, grew the pool each time).
         Its blocks still in use (results alive at the close) go back to that arena
         when freed, and stay there. So does the arena of the stream that stood for
-        its small blocks and of the one that stood for its mid-sized blocks
-        (:meth:`launch_allocator`). Each block freed is a ``cudaFree``, which waits for
-        the device. Never raises: after a sticky CUDA error the pool's close still ends
-        its other streams.
+        its small blocks (:meth:`launch_allocator`). Each block freed is a
+        ``cudaFree``, which waits for the device. Never raises: after a sticky CUDA
+        error the pool's close still ends its other streams.
         """
-        standing = (self._small_streams.pop(stream.ptr), self._mid_streams.pop(stream.ptr))
+        small = self._small_streams.pop(stream.ptr)
         with contextlib.suppress(Exception), cupy.cuda.Device(self.device_id):
             pool = cupy.get_default_memory_pool()
             pool.free_all_blocks(stream=stream)
-            for other in standing:
-                if other is not None:
-                    pool.free_all_blocks(stream=other)
+            if small is not None:
+                pool.free_all_blocks(stream=small)
 
     def elapsed_ms(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
         return cupy.cuda.get_elapsed_time(start, end)
@@ -216,46 +212,39 @@ class CupyBackend:
     ) -> Iterator[AllocationMeter | None]:
         """A small request is allocated while a stream of its own, standing for the
         current pool stream, is current (CuPy's pool keys its arenas by the stream
-        current then), and a mid-sized one (below ``large_tasks``) while another is;
-        all but the small ones are metered.
+        current then); the others are metered.
 
         A thread-local allocator (``cupy.cuda.using_allocator``), installed only where
         the current one is the default pool's ``malloc`` (or wraps it,
         ``functools.wraps``) and ``small_blocks`` or ``large_tasks`` is set; inside, a
         task's ``cupy.cuda.set_allocator`` raises (CuPy refuses it there), and one made
-        by another thread is not seen. A standing stream never runs work: a block in
-        its arena is reused only by later allocations on the pool stream it stands
-        for, so CuPy's stream-order reuse, and the inputs held for other streams, stay
-        as they are. It lives as long as that stream (:meth:`destroy_stream`).
-        Allocations on other streams (the default, other devices', a task's own) are
-        left as they are; so are those of a nested compute, whose allocator is this
-        one already.
+        by another thread is not seen. The
+        standing stream never runs work: a block in its arena is reused only by later
+        allocations on the pool stream it stands for, so CuPy's stream-order reuse,
+        and the inputs held for other streams, stay as they are. It lives as long as
+        that stream (:meth:`destroy_stream`). Allocations on other streams (the
+        default, other devices', a task's own) are left as they are; so are those
+        of a nested compute, whose allocator is this one already.
         """
         allocator = cupy.cuda.get_allocator()
         pool = cupy.get_default_memory_pool()
         if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
             yield None
             return
-        ptrs = [s.ptr for s in streams]
         if small_blocks:
-            self._small_streams.ensure(ptrs, self._standing_stream)
-        if large_tasks:
-            self._mid_streams.ensure(ptrs, self._standing_stream)
-        small_for, mid_for = self._small_streams.get, self._mid_streams.get
-        current = cupy.cuda.get_current_stream
+            self._small_streams.ensure([s.ptr for s in streams], self._standing_stream)
+        standing_for, current = self._small_streams.get, cupy.cuda.get_current_stream
         meter = AllocationMeter()
 
         def malloc(size: int) -> cupy.cuda.MemoryPointer:
             if size < small_blocks:
-                standing = small_for(current().ptr)
-            else:
-                if size > meter.largest:
-                    meter.largest = size
-                standing = mid_for(current().ptr) if size < large_tasks else None
-            if standing is None:
-                return allocator(size)
-            with standing:
-                return allocator(size)
+                small = standing_for(current().ptr)
+                if small is not None:
+                    with small:
+                        return allocator(size)
+            elif size > meter.largest:
+                meter.largest = size
+            return allocator(size)
 
         with cupy.cuda.using_allocator(malloc):
             yield meter

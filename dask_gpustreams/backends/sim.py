@@ -25,10 +25,8 @@ class SimBackend:
     def __init__(self) -> None:
         self.device = sim.get_device()
         self.device_id = self.device.id
-        # Pool stream (by id) -> the stream whose arena holds its small blocks, and its
-        # mid-sized ones.
+        # Pool stream (by id) -> the stream whose arena holds its small blocks.
         self._small_streams = StandingStreams()
-        self._mid_streams = StandingStreams()
 
     def create_stream(self, priority: int = 0) -> sim.Stream:
         return self.device.create_stream(priority)
@@ -61,9 +59,9 @@ class SimBackend:
         stream.synchronize()
 
     def destroy_stream(self, stream: sim.Stream, timeout: float | None = None) -> None:
-        for standing in (self._small_streams.pop(stream.id), self._mid_streams.pop(stream.id)):
-            if standing is not None:
-                standing.close()  # its arena goes with it
+        small = self._small_streams.pop(stream.id)
+        if small is not None:
+            small.close()  # its arena goes with it
         stream.close(timeout)
 
     def elapsed_ms(self, start: sim.Event, end: sim.Event) -> float:
@@ -96,12 +94,11 @@ class SimBackend:
         self, streams: Sequence[sim.Stream], small_blocks: int, large_tasks: int
     ) -> Iterator[AllocationMeter | None]:
         """A small request on a pool stream from the arena of a stream standing for it,
-        a mid-sized one (below ``large_tasks``) from another's, through a thread-local
-        allocator (``sim.using_allocator``), the others metered, as the CuPy backend
-        does, where the current one is the default pool's ``malloc`` (or wraps it) and
-        ``small_blocks`` or ``large_tasks`` is set.
+        through a thread-local allocator (``sim.using_allocator``), the others metered,
+        as the CuPy backend does, where the current one is the default pool's
+        ``malloc`` (or wraps it) and ``small_blocks`` or ``large_tasks`` is set.
 
-        The sim's pool keys its arenas by the stream identifier it is given; a
+        The sim's pool keys its arenas by the stream identifier it is given; the
         standing stream never runs work (nor starts a thread), and a reused block is
         still poisoned on the stream current at allocation.
         """
@@ -110,22 +107,19 @@ class SimBackend:
         if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
             yield None
             return
-        ids = [s.id for s in streams]
         if small_blocks:
-            self._small_streams.ensure(ids, self.device.create_stream)
-        if large_tasks:
-            self._mid_streams.ensure(ids, self.device.create_stream)
-        small_for, mid_for = self._small_streams.get, self._mid_streams.get
+            self._small_streams.ensure([s.id for s in streams], self.device.create_stream)
+        standing_for = self._small_streams.get
         meter = AllocationMeter()
 
         def malloc(nbytes: int, stream_id: int) -> tuple[Any, bool]:
             if nbytes < small_blocks:
-                standing = small_for(stream_id)
-            else:
-                if nbytes > meter.largest:
-                    meter.largest = nbytes
-                standing = mid_for(stream_id) if nbytes < large_tasks else None
-            return allocator(nbytes, stream_id if standing is None else standing.id)
+                small = standing_for(stream_id)
+                if small is not None:
+                    return allocator(nbytes, small.id)
+            elif nbytes > meter.largest:
+                meter.largest = nbytes
+            return allocator(nbytes, stream_id)
 
         with sim.using_allocator(malloc):
             yield meter

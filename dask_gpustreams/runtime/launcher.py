@@ -526,13 +526,9 @@ class GraphLauncher:
             backend = runtime.backend
             for r in producers:
                 backend.synchronize_event(r.event)
-            # Small and mid-sized blocks apart here too (the meter, the launching thread's
-            # business, is not read).
+            # Small blocks apart here too (the meter is the launching thread's business).
             config = runtime.config
-            allocator = backend.launch_allocator(
-                self._streams, config.small_blocks, config.large_tasks
-            )
-            with allocator:
+            with backend.launch_allocator(self._streams, config.small_blocks, 0):
                 t0 = perf_counter()
                 result = runtime.run(key, self.tasks[key], values, registry)
                 seconds = perf_counter() - t0
