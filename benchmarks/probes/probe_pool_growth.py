@@ -100,6 +100,13 @@ class Growth:
             free = max((e[4] for e in events), default=0) / MIB
             name, mode = wl or "(first)", mode or "(set-up)"
             print(f"{name:12} {mode:18} {' '.join(cells)} {warm:9.0f} {later:7.0f} {free:9.0f}")
+        print("\n== MiB the pool grew in each run of a round (the first: after its cold start) ==")
+        for (wl, mode), events in sorted(self.events.items()):
+            runs = collections.Counter()
+            for e in events:
+                runs[e[0]] += e[3]
+            grown = " ".join(f"{runs[i] / MIB:.0f}" for i in range(max(runs, default=-1) + 1))
+            print(f"{wl or '(first)':12} {mode or '(set-up)':18} {grown}")
         print("(alloc: allocations of that class over the mode's runs; grown: MiB the pool grew")
         print(" for them; warm: grown in each round's first run (cold pool), later: after it;")
         print(" free@grow: the most the pool had free at a growth)")
