@@ -688,10 +688,10 @@ def _pack(
     bins: list[list[Hashable]] = [[] for _ in range(workers)]
     for piece in sorted(pieces, key=lambda p: (-len(p), min(map(sort_key, p)))):
         room = [b for b in bins if len(b) + len(piece) <= capacity] if capacity else bins
-        if not room:
-            room = [[]]
-            bins.append(room[0])
-        min(room, key=len).extend(piece)
+        if room:
+            min(room, key=len).extend(piece)
+        else:
+            bins.append(list(piece))
     return [b for b in bins if b]
 
 
