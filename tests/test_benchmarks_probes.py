@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from benchmarks import probe_distributed
 from benchmarks.kernels import Spin
-from benchmarks.probes import probe_host
+from benchmarks.probes import probe_host, probe_pool_growth
 from dask_gpustreams.integrations.distributed.execution import Execution
 from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin
 from dask_gpustreams.integrations.local import LocalSchedulerHook
@@ -72,3 +75,114 @@ def test_probe_threaded_route_times_both_routes_and_checks_results(capsys, monke
     monkeypatch.setattr(probe, "inc", lambda x: x + 2)  # a wrong answer is not timed
     with pytest.raises(AssertionError, match="wrong result"):
         probe.main(["--backend", "sim", "--quick", "--reps", "1"])
+
+
+# --- probe_pool_growth's log, on a pool that stands for CuPy's -------------------------------
+
+
+class GrowingPool:
+    """Serves a request from what was freed, else grows by it (taking 1 ms, as cudaMalloc
+    does, so that threads' growths overlap)."""
+
+    def __init__(self) -> None:
+        self.total = self.free = 0
+
+    def total_bytes(self) -> int:
+        return self.total
+
+    def free_bytes(self) -> int:
+        return self.free
+
+    def malloc(self, size: int) -> int:
+        if self.free >= size:
+            self.free -= size
+        else:
+            self.total += size
+            time.sleep(0.001)
+        return size
+
+
+class StandingStream:
+    """Records the allocations made while it is current."""
+
+    entered = 0
+
+    def __enter__(self):
+        StandingStream.entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+MIB = probe_pool_growth.MIB
+
+
+def test_pool_growth_is_logged_by_workload_mode_and_run(capsys):
+    growth = probe_pool_growth.Growth([MIB, 16 * MIB], lambda: 7, StandingStream)
+    pool = GrowingPool()
+    malloc = growth.wrap(pool, pool.malloc, routable=True)
+    growth.start("qr", probe_pool_growth.SETUP)
+    malloc(4 * MIB)
+    growth.start("qr", "launcher")
+    for cold, size in ((True, 32 * MIB), (False, 32 * MIB), (False, 0)):
+        growth.next_run(cold)
+        if size:
+            malloc(size)
+    growth.next_run(cold=True)  # a second round, in which nothing grows
+    growth.report()
+    out = capsys.readouterr().out
+    assert [(e[0], e[1], e[4]) for e in growth.events[("qr", "launcher")]] == [
+        (0, 0, 32 * MIB),
+        (0, 1, 32 * MIB),
+    ]
+    assert growth.runs[("qr", "launcher")] == [3, 1]
+    assert "round 1: 32 32 0" in out and "round 2: 0" in out
+    assert [e[4] for e in growth.events[("qr", probe_pool_growth.SETUP)]] == [4 * MIB]
+
+
+def test_pool_growth_of_threads_allocating_at_once_is_counted_once():
+    growth = probe_pool_growth.Growth([MIB], lambda: 0, StandingStream)
+    pool = GrowingPool()
+    malloc = growth.wrap(pool, pool.malloc, routable=True)
+    growth.start("matmul", "launcher")
+    growth.next_run(cold=True)
+
+    def allocate() -> None:
+        for _ in range(5):
+            malloc(2 * MIB)
+
+    threads = [threading.Thread(target=allocate) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(e[4] for e in growth.events[("matmul", "launcher")]) == pool.total == 80 * MIB
+
+
+def test_launcher_classes_routes_only_mid_sized_requests_off_the_default_stream():
+    stream = [7]
+    growth = probe_pool_growth.Growth([MIB, 16 * MIB], lambda: stream[0], StandingStream)
+    pool = GrowingPool()
+    malloc = growth.wrap(pool, pool.malloc, routable=True)
+    growth.start("qr", "launcher-classes")
+    growth.classes_on = True
+    StandingStream.entered = 0
+    for size in (MIB // 2, 4 * MIB, 32 * MIB):
+        malloc(size)
+    stream[0] = 0  # the legacy default stream
+    malloc(4 * MIB)
+    assert StandingStream.entered == 1
+    async_pool = growth.wrap(pool, pool.malloc, routable=False)
+    stream[0] = 7
+    with pytest.raises(ValueError, match="launcher-classes needs CuPy's default pool"):
+        async_pool(4 * MIB)
+
+
+@pytest.mark.parametrize(
+    ("classes", "message"),
+    [("inf", "positive MiB numbers"), ("0,16", "positive MiB numbers"), ("1,1", "must differ")],
+)
+def test_pool_growth_classes_name_the_bad_value(classes, message):
+    with pytest.raises(ValueError, match=f"--classes '{classes}' is invalid: .*{message}"):
+        probe_pool_growth.parse_bounds(classes)

@@ -33,6 +33,7 @@ from dask_gpustreams.integrations.blocks import (
     BlockSkippedError,
     StreamBlock,
     _Failed,
+    _pack,
     block_output,
     partition,
 )
@@ -308,6 +309,17 @@ def test_packed_groups_stay_within_the_block_size():
     groups = _partition(edges, 1, threads=3)
     assert max(map(len, groups)) <= 64 and sum(map(len, groups)) == 190
     assert all(len({k[:2] for k in g}) * 10 == len(g) for g in groups)
+
+
+def test_a_piece_that_fits_no_group_starts_a_group_of_its_own():
+    """Packing into 2 groups of at most 3 tasks: the third piece fits neither, so it opens a
+    third group, after the others; the groups are new lists (the parts stay as they were:
+    the fallback cut reuses them)."""
+    pieces = [[1, 2, 3], [4, 5, 6], [7]]
+    groups = _pack(pieces, 2, lambda k: k, 3)
+    assert groups == [[1, 2, 3], [4, 5, 6], [7]]
+    assert pieces == [[1, 2, 3], [4, 5, 6], [7]]
+    assert not any(g is p for g in groups for p in pieces)
 
 
 def test_parts_two_tasks_deep_are_not_packed():
