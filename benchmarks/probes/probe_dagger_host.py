@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = ideal_plan(wl, n, "layers")
         runs = {
             **{
-                label: (lambda cfg=cfg, get=get, wl=wl: _run_graph(wl, cfg, get))
+                label: (lambda cfg=cfg, get=get, wl=wl: run_graph(wl, cfg, get))
                 for label, (cfg, get) in modes.items()
             },
             "ideal:layers": lambda wl=wl, plan=plan: ideal.run(wl, plan),
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(3):
-            _run_graph(wl, cfg, get)
+            run_graph(wl, cfg, get)
         prof.disable()
         kernels.device_synchronize(backend)
         print(f"\ncProfile, {label} on linear ({shape.n_tasks} tasks) x 3:")
@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _run_graph(wl, config: dict, get):
+def run_graph(wl, config: dict, get):
+    """``wl``'s graph, with a fresh token, through ``get`` under ``config`` (also used by
+    ``probe_tile_costs``)."""
     dsk, keys = wl.graph(next(bench_shapes._tokens))
     with dask.config.set(config):
         return get(dsk, keys)

@@ -32,7 +32,7 @@ from typing import Any
 
 import dask_gpustreams
 from benchmarks import bench_shapes, kernels
-from benchmarks.probes.probe_dagger_host import OFF, HostMarks, _run_graph, launcher_config
+from benchmarks.probes.probe_dagger_host import OFF, HostMarks, launcher_config, run_graph
 from benchmarks.workloads import IdealLauncher, gemm_workload
 from dask_gpustreams.backends import create_backend, resolve_backend
 from dask_gpustreams.config import StreamsConfig
@@ -199,7 +199,7 @@ def task_costs(backend: str, shapes: str, streams: int, rounds: int) -> bool:
                 timed.reset()
                 held = pool_bytes(backend)
                 t0 = time.perf_counter()
-                results = _run_graph(wl, cfg, get)
+                results = run_graph(wl, cfg, get)
                 kernels.device_synchronize(backend)
                 t1 = time.perf_counter()
                 grown = (pool_bytes(backend) - held) / 2**20
