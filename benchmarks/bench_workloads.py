@@ -75,8 +75,9 @@ MODES = ("threads", "sync", "launcher", "enabled-threads")
 #: Modes for finding where the launcher loses (not in the default set): one stream, so the
 #: launcher's host path without concurrency on the device; the round-robin policy; less
 #: of the graph launched ahead of the device (its memory against its speed); for its
-#: memory, 2 streams, no large tasks (every task on any stream) and no small-block arenas;
-#: and each launch order, whichever is the default.
+#: memory, 2 streams, no large tasks (every task on any stream), no small-block arenas and
+#: no shared large blocks (an arena per stream); and each launch order, whichever is the
+#: default.
 DIAGNOSTIC_MODES = {
     "launcher-1": {"gpustreams.streams": 1},
     "launcher-rr": {"gpustreams.policy": "round-robin"},
@@ -85,6 +86,7 @@ DIAGNOSTIC_MODES = {
     "launcher-2": {"gpustreams.streams": 2},
     "launcher-nolarge": {"gpustreams.large-tasks": 0},
     "launcher-nosmall": {"gpustreams.small-blocks": 0},
+    "launcher-noshared": {"gpustreams.shared-blocks": 0},
     "launcher-depth-first": {"gpustreams.launch-order": "depth-first"},
     "launcher-dask-order": {"gpustreams.launch-order": "dask"},
 }

@@ -200,6 +200,9 @@ class StreamsConfig:
     #: The launcher's tasks of a group (key prefix) that has allocated a block of this many
     #: bytes are large (``TaskInfo.large``): ``auto`` runs them on 2 streams; 0: off.
     large_tasks: int | str = 16 << 20
+    #: Allocations of at least this many bytes, made by the launcher's tasks, come from
+    #: one arena of all the pool's streams, reused in stream order (``SharedBlocks``); 0: off.
+    shared_blocks: int | str = 16 << 20
     #: One NVTX range per task (Nsight Systems); see :mod:`dask_gpustreams.diagnostics.nvtx`.
     nvtx: bool = False
     #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``
@@ -230,6 +233,7 @@ class StreamsConfig:
             "launch_ahead": _parse_size("launch-ahead", self.launch_ahead, _AHEAD),
             "small_blocks": _parse_size("small-blocks", self.small_blocks, _SIZE_OR_OFF, 0),
             "large_tasks": _parse_size("large-tasks", self.large_tasks, _SIZE_OR_OFF, 0),
+            "shared_blocks": _parse_size("shared-blocks", self.shared_blocks, _SIZE_OR_OFF, 0),
         }
         for name in _BOOL_FIELDS:
             normalized[name] = parse_bool(name.replace("_", "-"), getattr(self, name))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import dask_gpustreams  # noqa: F401  (registers the gpustreams.* defaults and t
 from dask_gpustreams import KernelError, sim
 from dask_gpustreams.integrations.local import hook
 from dask_gpustreams.runtime import runtimes
+from dask_gpustreams.runtime.hosttasks import HostTasks
 from dask_gpustreams.runtime.policies import StreamPolicy, base
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +61,19 @@ def gpustreams():
         return dask.config.set(values)
 
     return configure
+
+
+@pytest.fixture
+def launcher(gpustreams):
+    """``launcher(streams, policy, **more)``: settings of the sim runtime, plugin switch off."""
+    return functools.partial(gpustreams, enabled=False)
+
+
+@pytest.fixture
+def on_the_launcher(monkeypatch):
+    """No task group is learned to block the host: on a loaded CPU the sim's slow tasks
+    would move to host threads, several at once, each with its own temporaries."""
+    monkeypatch.setattr(HostTasks, "threshold_s", float("inf"))
 
 
 class ByKey(StreamPolicy):

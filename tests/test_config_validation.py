@@ -154,15 +154,23 @@ def test_launch_ahead_strings_are_parsed():
     assert StreamsConfig(launch_ahead="1 MiB") == StreamsConfig(launch_ahead=1 << 20)
 
 
-def test_small_blocks_and_large_tasks_are_a_size_or_zero():
-    assert (StreamsConfig().small_blocks, StreamsConfig().large_tasks) == (1 << 20, 16 << 20)
+def test_small_blocks_large_tasks_and_shared_blocks_are_a_size_or_zero():
+    default = StreamsConfig()
+    assert (default.small_blocks, default.large_tasks, default.shared_blocks) == (
+        1 << 20,
+        16 << 20,
+        16 << 20,
+    )
     assert StreamsConfig(small_blocks="64 KiB").small_blocks == 64 << 10
     assert StreamsConfig(large_tasks="1 GiB").large_tasks == 1 << 30
-    assert StreamsConfig(small_blocks=0, large_tasks=0) == StreamsConfig(
-        small_blocks="0 B", large_tasks="0 B"
+    assert StreamsConfig(shared_blocks="4 MiB").shared_blocks == 4 << 20
+    assert StreamsConfig(small_blocks=0, large_tasks=0, shared_blocks=0) == StreamsConfig(
+        small_blocks="0 B", large_tasks="0 B", shared_blocks="0 B"
     )
     with pytest.raises(ValueError, match=r"gpustreams\.large-tasks='big' is invalid"):
         StreamsConfig(large_tasks="big")
+    with pytest.raises(ValueError, match=r"gpustreams\.shared-blocks=-1 is invalid: allowed"):
+        StreamsConfig(shared_blocks=-1)
 
 
 def test_launch_order_is_dask_or_depth_first_and_a_compute_names_a_bad_one(gpustreams):

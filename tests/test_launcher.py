@@ -32,7 +32,6 @@ from dask_gpustreams import KernelError, host_task, sim
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime import StreamPool, get_runtime
-from dask_gpustreams.runtime.hosttasks import HostTasks
 from dask_gpustreams.runtime.launcher import GraphLauncher
 from dask_gpustreams.transfers import to_device
 from tests.test_local_scheduler import (
@@ -49,12 +48,6 @@ from tests.test_local_scheduler import (
 )
 
 CHUNK = 1 << 15  # float64 elements: 256 KiB
-
-
-@pytest.fixture
-def launcher(gpustreams):
-    """``launcher(streams, policy, **more)``: settings of the sim runtime, plugin switch off."""
-    return functools.partial(gpustreams, enabled=False)
 
 
 def exact_runs(rng, runs: int) -> bool:
@@ -456,13 +449,6 @@ def test_without_the_retry_running_ahead_fails_where_plain_dask_fits(launcher, m
 SMALL_BLOCKS = "64 KiB"  # below CHUNK's 256 KiB, above the row sums' 1 KiB
 
 
-@pytest.fixture
-def on_the_launcher(monkeypatch):
-    """No task group is learned to block the host: on a loaded CPU the sim's slow tasks
-    would move to host threads, several at once, each with its own temporaries."""
-    monkeypatch.setattr(HostTasks, "threshold_s", float("inf"))
-
-
 def row_sums(rng):
     """``(sin(x)**2 + x*0.5).sum(axis=1)`` over 64 sim chunks of 256 KiB: three temporaries of
     a chunk's size per task and a small result, as the workloads' elementwise; and NumPy's."""
@@ -615,21 +601,30 @@ def allocator_seen_on_a_host_thread():
     return allocator_seen()
 
 
-@pytest.mark.parametrize(("small_blocks", "large_tasks"), [("64 KiB", 0), (0, "128 KiB"), (0, 0)])
-def test_the_launchers_allocator_is_off_only_with_both_keys_0(launcher, small_blocks, large_tasks):
-    """Tasks on the launching thread allocate through the launcher's allocator while either
-    key is set, host tasks while ``small-blocks`` is (they are not metered); with both 0
-    none is installed (so a task may call ``cupy.cuda.set_allocator``, which CuPy refuses
-    inside another)."""
-    config = {"small-blocks": small_blocks, "large-tasks": large_tasks}
+@pytest.mark.parametrize(
+    ("small_blocks", "large_tasks", "shared_blocks"),
+    [("64 KiB", 0, 0), (0, "128 KiB", 0), (0, 0, "128 KiB"), (0, 0, 0)],
+)
+def test_the_launchers_allocator_is_off_only_with_its_keys_0(
+    launcher, small_blocks, large_tasks, shared_blocks
+):
+    """Tasks on the launching thread allocate through the launcher's allocator while any
+    of its keys is set, host tasks while ``small-blocks`` or ``shared-blocks`` is (they
+    are not metered); with all 0 none is installed (so a task may call
+    ``cupy.cuda.set_allocator``, which CuPy refuses inside another)."""
+    config = {
+        "small-blocks": small_blocks,
+        "large-tasks": large_tasks,
+        "shared-blocks": shared_blocks,
+    }
     with launcher(streams=4, **config):
         own_on_launcher, own_on_host = dask.compute(
             delayed(allocator_seen)(),
             delayed(allocator_seen_on_a_host_thread)(),
             scheduler="gpustreams",
         )
-    assert own_on_launcher is not bool(small_blocks or large_tasks)
-    assert own_on_host is not bool(small_blocks)
+    assert own_on_launcher is not bool(small_blocks or large_tasks or shared_blocks)
+    assert own_on_host is not bool(small_blocks or shared_blocks)
     assert allocator_seen()
 
 

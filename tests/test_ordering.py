@@ -10,7 +10,6 @@ from dask.core import flatten
 from benchmarks.probes.probe_order_memory import Held, chunks
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.runtime.ordering import depth_first
-from tests.test_launcher import launcher  # noqa: F401  (a fixture)
 from tests.test_local_scheduler import combine, leaf
 
 

@@ -47,6 +47,39 @@ class StandingStreams:
             return self._streams.pop(key, None)
 
 
+class BlockSource(Protocol):
+    """Blocks of a backend's default pool, allocated while a stream of their own, which
+    never runs work, is current (``Backend.shared_block_source``)."""
+
+    def stream_key(self, stream: Any) -> Hashable:
+        """The key the launch allocator passes for ``stream`` (a handle or an id)."""
+
+    def take(self, nbytes: int, allocate: Callable) -> tuple[Any, bool]:
+        """A block of ``nbytes`` from that stream's arena through ``allocate`` (the default
+        pool's allocator, or one that wraps it), and whether it was used before."""
+
+    def lend(self, base: Any, nbytes: int, owner: Any, reused: bool) -> Any:
+        """What the allocator returns for ``base``: memory that keeps ``owner`` alive."""
+
+    def give_back(self, base: Any) -> None:
+        """Return ``base`` to the arena (no work may still use it)."""
+
+    def close(self) -> None:
+        """Free the arena's cached blocks (none is in use any more)."""
+
+
+class SharedAllocator(Protocol):
+    """Large allocations of the launcher shared by the pool's streams
+    (:class:`~dask_gpustreams.runtime.sharedblocks.SharedBlocks`)."""
+
+    #: The smallest allocation it takes.
+    size: int
+
+    def malloc(self, nbytes: int, stream_key: Hashable, allocate: Callable) -> Any | None:
+        """The allocator's return for ``nbytes`` on that stream, new blocks taken through
+        ``allocate`` (:meth:`BlockSource.take`); None: not a pool stream."""
+
+
 class Backend(Protocol):
     """Streams, events and device arrays of one device."""
 
@@ -136,7 +169,11 @@ class Backend(Protocol):
         """
 
     def launch_allocator(
-        self, streams: Sequence[Any], small_blocks: int, large_tasks: int
+        self,
+        streams: Sequence[Any],
+        small_blocks: int,
+        large_tasks: int,
+        shared: SharedAllocator | None = None,
     ) -> AbstractContextManager[AllocationMeter | None]:
         """This thread's allocator while the stream launcher runs; yields its meter.
 
@@ -144,12 +181,18 @@ class Backend(Protocol):
         pool's) is current come from an arena of that stream's apart, reused on that
         stream only, as the pool's own arenas are: a small result is then never
         carved out of a large cached block, which the pool cannot free while the
-        small part lives (each stream holding one would pin a whole block). The
-        meter records the largest of the other allocations (for ``large_tasks``).
-        Only while the allocator is the default pool's and either size is set;
-        otherwise (RMM, ``cudaMallocAsync``; both 0) nothing changes and the meter
-        is None.
+        small part lives (each stream holding one would pin a whole block). Those
+        of at least ``shared.size`` bytes go to ``shared.malloc`` (with the current
+        stream's :meth:`BlockSource.stream_key` and the allocator), unless it
+        returns None. The meter records the largest of the others but small ones
+        (for ``large_tasks``). Only while the
+        allocator is the default pool's and a size is set; otherwise (RMM,
+        ``cudaMallocAsync``; all 0) nothing changes and the meter is None.
         """
+
+    def shared_block_source(self) -> BlockSource:
+        """Blocks of the default pool's arena of a new stream that never runs work, for
+        :class:`~dask_gpustreams.runtime.sharedblocks.SharedBlocks`."""
 
     def hardware_queues(self) -> int | None:
         """How many streams the device runs without false serialization, if bounded."""

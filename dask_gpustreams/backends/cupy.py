@@ -28,7 +28,7 @@ import cupyx
 import numpy as np
 
 from dask_gpustreams.backends import cufft_plans
-from dask_gpustreams.backends.base import AllocationMeter, StandingStreams
+from dask_gpustreams.backends.base import AllocationMeter, SharedAllocator, StandingStreams
 from dask_gpustreams.backends.nvidia import cuda_connections
 
 logger = logging.getLogger("dask_gpustreams")
@@ -208,7 +208,11 @@ class CupyBackend:
 
     @contextlib.contextmanager
     def launch_allocator(
-        self, streams: Sequence[cupy.cuda.Stream], small_blocks: int, large_tasks: int
+        self,
+        streams: Sequence[cupy.cuda.Stream],
+        small_blocks: int,
+        large_tasks: int,
+        shared: SharedAllocator | None = None,
     ) -> Iterator[AllocationMeter | None]:
         """A small request is allocated while a stream of its own, standing for the
         current pool stream, is current (CuPy's pool keys its arenas by the stream
@@ -222,13 +226,18 @@ class CupyBackend:
         standing stream never runs work: a block in its arena is reused only by later
         allocations on the pool stream it stands for, so CuPy's stream-order reuse,
         and the inputs held for other streams, stay as they are. It lives as long as
-        that stream (:meth:`destroy_stream`). Allocations on other streams (the
-        default, other devices', a task's own) are left as they are; so are those
-        of a nested compute, whose allocator is this one already.
+        that stream (:meth:`destroy_stream`). Allocations of at least ``shared.size``
+        on a pool stream come from ``shared`` (keyed by the stream's handle). Allocations
+        on other streams (the default, other devices', a task's own) are left as they
+        are; so are those of a nested compute, whose allocator is this one already.
         """
         allocator = cupy.cuda.get_allocator()
         pool = cupy.get_default_memory_pool()
-        if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
+        shared_size = shared.size if shared is not None else 0
+        if (
+            not (small_blocks or large_tasks or shared_size)
+            or inspect.unwrap(allocator) != pool.malloc
+        ):
             yield None
             return
         if small_blocks:
@@ -244,10 +253,17 @@ class CupyBackend:
                         return allocator(size)
             elif size > meter.largest:
                 meter.largest = size
+            if shared_size and size >= shared_size:
+                memory = shared.malloc(size, current().ptr, allocator)
+                if memory is not None:
+                    return memory
             return allocator(size)
 
         with cupy.cuda.using_allocator(malloc):
             yield meter
+
+    def shared_block_source(self) -> _SharedArena:
+        return _SharedArena(self._standing_stream(), self.device_id)
 
     def _standing_stream(self) -> cupy.cuda.Stream:
         """A stream of this device that never runs work (see :meth:`launch_allocator`)."""
@@ -276,6 +292,36 @@ class CupyBackend:
 
     def copy_to_host(self, dst: np.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
         src.get(stream=stream, out=dst, blocking=False)
+
+
+class _SharedArena:
+    """The blocks of CuPy's pool allocated while ``stream``, which never runs work, is
+    current: one arena for all the pool's streams (``Backend.shared_block_source``)."""
+
+    def __init__(self, stream: cupy.cuda.Stream, device_id: int):
+        self._stream = stream
+        self._device_id = device_id
+
+    def stream_key(self, stream: cupy.cuda.Stream) -> int:
+        return stream.ptr
+
+    def take(self, nbytes: int, allocate: Callable) -> tuple[cupy.cuda.MemoryPointer, bool]:
+        with self._stream:
+            return allocate(nbytes), False
+
+    def lend(
+        self, base: cupy.cuda.MemoryPointer, nbytes: int, owner: Any, reused: bool
+    ) -> cupy.cuda.MemoryPointer:
+        memory = cupy.cuda.UnownedMemory(base.ptr, nbytes, owner, self._device_id)
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+    def give_back(self, base: cupy.cuda.MemoryPointer) -> None:
+        """Nothing to do: the caller drops ``base``, and CuPy's pool files it in the arena
+        of the stream current when it was allocated, this one's."""
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception), cupy.cuda.Device(self._device_id):
+            cupy.get_default_memory_pool().free_all_blocks(stream=self._stream)
 
 
 class _TorchAndCupyStream:

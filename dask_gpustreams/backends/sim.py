@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from dask_gpustreams import sim
-from dask_gpustreams.backends.base import AllocationMeter, StandingStreams
+from dask_gpustreams.backends.base import AllocationMeter, SharedAllocator, StandingStreams
 
 
 class SimBackend:
@@ -91,7 +91,11 @@ class SimBackend:
 
     @contextmanager
     def launch_allocator(
-        self, streams: Sequence[sim.Stream], small_blocks: int, large_tasks: int
+        self,
+        streams: Sequence[sim.Stream],
+        small_blocks: int,
+        large_tasks: int,
+        shared: SharedAllocator | None = None,
     ) -> Iterator[AllocationMeter | None]:
         """A small request on a pool stream from the arena of a stream standing for it,
         through a thread-local allocator (``sim.using_allocator``), the others metered,
@@ -100,11 +104,16 @@ class SimBackend:
 
         The sim's pool keys its arenas by the stream identifier it is given; the
         standing stream never runs work (nor starts a thread), and a reused block is
-        still poisoned on the stream current at allocation.
+        still poisoned on the stream current at allocation. Allocations of at least
+        ``shared.size`` on a pool stream come from ``shared`` (keyed by stream id).
         """
         allocator = sim.get_allocator()
         pool = sim.get_default_memory_pool()
-        if not (small_blocks or large_tasks) or inspect.unwrap(allocator) != pool.malloc:
+        shared_size = shared.size if shared is not None else 0
+        if (
+            not (small_blocks or large_tasks or shared_size)
+            or inspect.unwrap(allocator) != pool.malloc
+        ):
             yield None
             return
         if small_blocks:
@@ -119,10 +128,17 @@ class SimBackend:
                     return allocator(nbytes, small.id)
             elif nbytes > meter.largest:
                 meter.largest = nbytes
+            if shared_size and nbytes >= shared_size:
+                got = shared.malloc(nbytes, stream_id, allocator)
+                if got is not None:
+                    return got
             return allocator(nbytes, stream_id)
 
         with sim.using_allocator(malloc):
             yield meter
+
+    def shared_block_source(self) -> _SharedArena:
+        return _SharedArena(self.device.create_stream())
 
     def hardware_queues(self) -> int | None:
         return None
@@ -151,3 +167,26 @@ class SimBackend:
 
 def _nothing() -> None:
     """What :meth:`SimBackend.isolate_thread` has to put back: nothing."""
+
+
+class _SharedArena:
+    """The blocks of the sim's pool allocated for ``stream``, which never runs work: one
+    arena for all the pool's streams (``Backend.shared_block_source``)."""
+
+    def __init__(self, stream: sim.Stream):
+        self._stream = stream
+
+    def stream_key(self, stream: sim.Stream) -> int:
+        return stream.id
+
+    def take(self, nbytes: int, allocate: Callable) -> tuple[Any, bool]:
+        return allocate(nbytes, self._stream.id)
+
+    def lend(self, base: Any, nbytes: int, owner: Any, reused: bool) -> tuple[Any, bool]:
+        return sim.UnownedBlock(base, owner), reused
+
+    def give_back(self, base: Any) -> None:
+        sim.get_default_memory_pool().free(base)
+
+    def close(self) -> None:
+        self._stream.close()

@@ -252,18 +252,28 @@ class GraphLauncher:
         Meanwhile this thread allocates through ``Backend.launch_allocator``:
         allocations below ``config.small_blocks`` bytes come from arenas of their
         own (running ``streams`` paths at once, each stream would otherwise pin a
-        large cached block under its small results), and the largest block each
+        large cached block under its small results), those of at least
+        ``config.shared_blocks`` from one arena of all the streams
+        (:class:`~dask_gpustreams.runtime.sharedblocks.SharedBlocks`), and the largest block each
         task allocates goes to the runtime's ``large_tasks``, which makes the
         later tasks of its group large (:attr:`TaskInfo.large`).
         """
         runtime = self.runtime
         self._streams = streams = [slot.stream for slot in runtime.pool.slots]
         config = runtime.config
+        shared = runtime.shared_blocks
         allocator = runtime.backend.launch_allocator(
-            streams, config.small_blocks, config.large_tasks
+            streams, config.small_blocks, config.large_tasks, shared
         )
-        with allocator as meter:
-            return self._launch_all(meter)
+        if shared is None:
+            with allocator as meter:
+                return self._launch_all(meter)
+        shared.begin()
+        try:
+            with allocator as meter:
+                return self._launch_all(meter)
+        finally:
+            shared.end()  # after the launch's own end: its streams may be drained
 
     def _launch_all(self, meter: AllocationMeter | None) -> dict[Hashable, Any]:
         """:meth:`run`, inside its allocator, whose ``meter`` tells large tasks."""
@@ -464,6 +474,8 @@ class GraphLauncher:
         runtime = self.runtime
         runtime.pool.wait_all()
         runtime.pool.collect_all()
+        if runtime.shared_blocks is not None:  # the inputs released just now, too
+            runtime.shared_blocks.release()
         runtime.backend.free_cached_memory()
         ahead = max(min(limit // 2, in_flight or limit), MIN_SIZE)
         logger.warning(
@@ -526,9 +538,11 @@ class GraphLauncher:
             backend = runtime.backend
             for r in producers:
                 backend.synchronize_event(r.event)
-            # Small blocks apart here too (the meter is the launching thread's business).
+            # Small blocks apart and large ones shared here too (the meter is the launching
+            # thread's business).
             config = runtime.config
-            with backend.launch_allocator(self._streams, config.small_blocks, 0):
+            shared = runtime.shared_blocks
+            with backend.launch_allocator(self._streams, config.small_blocks, 0, shared):
                 t0 = perf_counter()
                 result = runtime.run(key, self.tasks[key], values, registry)
                 seconds = perf_counter() - t0

@@ -263,6 +263,35 @@ class StreamPool:
             last = slot.inflight[-1][0] if slot.inflight else None
         return last is None or self.backend.done(last)
 
+    def next_seq(self, slot: StreamSlot) -> int:
+        """The number of the next event recorded on ``slot``; takes no lock (safe in a finalizer).
+
+        :meth:`record` counts an event before it enqueues it, so the event numbered
+        this, and every later one, is enqueued after anything enqueued on ``slot``
+        before this call: once it completes, so has all that.
+        """
+        return slot.seq + 1
+
+    def reached(self, slot: StreamSlot, seq: int, query: bool) -> bool:
+        """Whether ``slot``'s work up to its event number ``seq`` is known complete.
+
+        Known from the events already seen complete (no query); with ``query``, also
+        when the stream is idle: nothing assigned and its last event complete (one
+        query), whether or not event ``seq`` was recorded. Never blocks: False while
+        another caller holds the slot's lock (a finalizer may run under it).
+        """
+        if not slot.lock.acquire(blocking=False):
+            return False
+        try:
+            if slot.seq - len(slot.inflight) >= seq:  # the events popped, all complete
+                return True
+            if not query or slot._assigned:
+                return False
+            last = slot.inflight[-1][0] if slot.inflight else None
+        finally:
+            slot.lock.release()
+        return last is None or self.backend.done(last)
+
     def collect_all(self) -> int:
         """:meth:`collect` every stream; return the work still in flight."""
         left = 0
@@ -284,8 +313,13 @@ class StreamPool:
             with slot.lock:
                 inflight.pop_done(self.backend.done)
                 if len(inflight) < self.max_inflight:
-                    self.backend.record(event, slot.stream)
+                    # Counted before it is enqueued (see next_seq), uncounted if it fails.
                     slot.seq += 1
+                    try:
+                        self.backend.record(event, slot.stream)
+                    except BaseException:
+                        slot.seq -= 1
+                        raise
                     inflight.append((event, refs))
                     if assigned:
                         slot._assigned.pop()

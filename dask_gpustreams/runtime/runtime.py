@@ -31,6 +31,7 @@ from dask_gpustreams.runtime.pinned import PinnedStats
 from dask_gpustreams.runtime.policies import TaskInfo, make_policy
 from dask_gpustreams.runtime.pool import StreamPool, StreamSlot, StreamStats
 from dask_gpustreams.runtime.registry import EventRegistry, TaskRecord
+from dask_gpustreams.runtime.sharedblocks import SharedBlocks
 from dask_gpustreams.runtime.transfers import Transfers
 
 logger = logging.getLogger("dask_gpustreams")
@@ -81,6 +82,12 @@ class StreamRuntime:
         self.host_tasks = HostTasks()
         #: Which task groups allocate large blocks (learned by the launcher).
         self.large_tasks = LargeTasks(config.large_tasks)
+        #: The launcher's large allocations, shared by the pool's streams (None: off).
+        self.shared_blocks = (
+            SharedBlocks(config.shared_blocks, self.pool, backend.shared_block_source)
+            if config.shared_blocks
+            else None
+        )
         # The thread-local flag of threads whose library state is isolated for this device.
         self._isolation = ("isolated", backend.name, backend.device_id)
         self._host_executor: HostThreads | None = None
@@ -489,6 +496,8 @@ class StreamRuntime:
                 wait=not threading.current_thread().name.startswith("gpustreams-host")
             )
         self.pool.close()
+        if self.shared_blocks is not None:
+            self.shared_blocks.close()  # after the pool's: its streams are synchronized
         self.transfers.close()
         self.events.clear()
         if self.timeline is not None:

@@ -30,7 +30,7 @@ from dask_gpustreams.sim._array import (
     using_allocator,
 )
 from dask_gpustreams.sim._device import Device, Event, Stream
-from dask_gpustreams.sim._memory import POISON_BYTE, MemoryPool, OutOfMemoryError
+from dask_gpustreams.sim._memory import POISON_BYTE, MemoryPool, OutOfMemoryError, UnownedBlock
 
 __all__ = [
     "POISON_BYTE",
@@ -40,6 +40,7 @@ __all__ = [
     "OutOfMemoryError",
     "SimArray",
     "Stream",
+    "UnownedBlock",
     "asarray",
     "asnumpy",
     "empty",

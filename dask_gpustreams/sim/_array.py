@@ -15,7 +15,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from dask_gpustreams.sim import _functions, _ops, _routines
 from dask_gpustreams.sim._device import Device
-from dask_gpustreams.sim._memory import MemoryPool, poison
+from dask_gpustreams.sim._memory import Chunk, MemoryPool, poison
 
 _device: Device | None = None
 _device_lock = threading.Lock()
@@ -128,7 +128,7 @@ class SimArray(NDArrayOperatorsMixin):
 
     def __del__(self) -> None:
         block = getattr(self, "_block", None)
-        if block is not None:
+        if block.__class__ is Chunk:  # an UnownedBlock goes with its owner
             _pool.free(block)
 
     @property

@@ -84,6 +84,25 @@ class Chunk:
         return self.prev is None and self.next is None
 
 
+class UnownedBlock:
+    """Device memory that the pool does not own, as CuPy's ``UnownedMemory``: the bytes of
+    ``chunk``, which ``owner`` (kept alive as long as this) gives back when it goes.
+
+    An allocator (:func:`~dask_gpustreams.sim.using_allocator`) may return one instead of
+    a :class:`Chunk`; the array frees nothing itself.
+    """
+
+    __slots__ = ("chunk", "_owner")
+
+    def __init__(self, chunk: Chunk, owner: object):
+        self.chunk = chunk
+        self._owner = owner
+
+    @property
+    def buffer(self) -> np.ndarray:
+        return self.chunk.buffer
+
+
 class _Arena:
     """One stream's free chunks by size, and the sizes in order (best fit by bisection).
 

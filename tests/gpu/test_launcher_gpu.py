@@ -1,5 +1,6 @@
 """The stream launcher (``scheduler="gpustreams"``) on a real GPU: exact under random timing."""
 
+import gc
 import threading
 import time
 
@@ -12,6 +13,7 @@ from dask import delayed
 cupy = pytest.importorskip("cupy")
 
 from dask_gpustreams import get_runtime  # noqa: E402
+from dask_gpustreams.runtime import StreamPool  # noqa: E402
 
 from .kernels import spin_fill, spin_scale  # noqa: E402
 
@@ -104,10 +106,12 @@ def min_max(a):
     return float(a.min()), float(a.max())
 
 
-def test_a_task_out_of_device_memory_runs_again(caplog):
+@pytest.mark.parametrize("shared", ["16 MiB", "4 MiB"])
+def test_a_task_out_of_device_memory_runs_again(caplog, shared):
     """The device full but for 12 chunks of 8 MiB, and chains of 1 ms kernels that the
     launcher runs ahead of by more (``launch-ahead`` 1 GiB): a task that finds the device
-    full runs again once the launched work is done, and every chain is exact."""
+    full runs again once the launched work is done, and every chain is exact; its chunks
+    from each stream's arena, or shared by the streams (``shared-blocks`` 4 MiB)."""
     chunk = 1 << 20  # float64 elements: 8 MiB
     pool = cupy.get_default_memory_pool()
     cupy.cuda.Device().synchronize()
@@ -121,7 +125,7 @@ def test_a_task_out_of_device_memory_runs_again(caplog):
             for _ in range(30):
                 x = delayed(spin_scale)(x, 2.0, 1.0)
             chains.append(delayed(min_max)(x))
-        config = {**CONFIG, "gpustreams.launch-ahead": "1 GiB"}
+        config = {**CONFIG, "gpustreams.launch-ahead": "1 GiB", "gpustreams.shared-blocks": shared}
         with dask.config.set(config), caplog.at_level("WARNING", logger="dask_gpustreams"):
             got = dask.compute(*chains, scheduler="gpustreams")
     finally:
@@ -215,3 +219,85 @@ def test_cached_plans_race_across_streams_control():
     if not wrong:
         pytest.skip("no race in 5 rounds of 32 same-shape FFTs on 8 streams")
     assert wrong > 0
+
+
+# --- shared blocks (gpustreams.shared-blocks) --------------------------------------------------
+
+SHARED = {
+    "gpustreams.shared-blocks": "1 MiB",
+    "gpustreams.small-blocks": 0,
+    "gpustreams.large-tasks": 0,
+    "gpustreams.policy": "test-placement",
+}
+
+
+def through_temporary(x, ms):
+    """``2 * x`` through a temporary written at once and read after ``ms`` of spinning: the
+    temporary goes back to the allocator as the task returns, while still to be read."""
+    return spin_scale(spin_scale(x, 1.0, 0.0), 2.0, ms)
+
+
+def freed_block_race(by_key) -> list[bool]:
+    """Three times: a task on stream 0 frees a temporary its 50 ms kernel has yet to read,
+    and a task launched next on stream 1 fills a new block of that size at once. Whether
+    each slow result was exact."""
+    n = 1 << 18  # float64: 2 MiB
+    by_key.update({"slow": 0, "fast": 1})
+    x = spin_fill(n, 1.0, 0.0)
+    exact = []
+    with dask.config.set({**CONFIG, **SHARED}):
+        for _ in range(3):
+            slow = delayed(through_temporary)(x, 50, dask_key_name="slow")
+            fast = delayed(spin_fill)(n, 7.0, 0.0, dask_key_name="fast")
+            got_slow, got_fast = dask.compute(
+                delayed(cupy.asnumpy)(slow, dask_key_name="get-slow"),
+                delayed(cupy.asnumpy)(fast, dask_key_name="get-fast"),
+                scheduler="gpustreams",
+            )
+            assert (got_fast == 7.0).all()
+            exact.append(bool((got_slow == 2.0).all()))
+    return exact
+
+
+def test_a_block_freed_on_a_busy_stream_is_not_handed_to_another(by_key):
+    """Handed the temporary's block, stream 1's fill would be what stream 0's kernel reads."""
+    assert freed_block_race(by_key) == [True] * 3
+
+
+def test_a_block_freed_on_a_busy_stream_race_control(by_key, monkeypatch):
+    """The control: every freed block taken as done with at once, the race shows."""
+    monkeypatch.setattr(StreamPool, "reached", lambda self, slot, seq, query: True)
+    if all(freed_block_race(by_key)):
+        pytest.skip("no run handed the freed block to stream 1 while it was still to be read")
+
+
+@pytest.mark.parametrize("shared", ["16 MiB", 0])
+def test_a_compute_on_other_streams_reuses_the_blocks_of_the_one_before(by_key, shared):
+    """Four chains of 16 MiB blocks on streams 0-3, then four on streams 4-7: with the
+    blocks shared the pool does not grow at the second compute; with an arena per stream
+    it grows as much again. Exact."""
+    n = 1 << 21  # float64: 16 MiB
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    grown = []
+    config = {**CONFIG, **SHARED, "gpustreams.shared-blocks": shared}
+    with dask.config.set(config):
+        for run, streams in enumerate(((0, 1, 2, 3), (4, 5, 6, 7))):
+            outs = []
+            for i, stream in enumerate(streams):
+                names = [f"{part}-{run}-{i}" for part in ("fill", "double", "get")]
+                x = delayed(spin_fill)(n, float(i), 0.2, dask_key_name=names[0])
+                y = delayed(through_temporary)(x, 0.2, dask_key_name=names[1])
+                outs.append(delayed(min_max)(y, dask_key_name=names[2]))
+                by_key.update(dict.fromkeys(names, stream))
+            before = pool.total_bytes()
+            got = dask.compute(*outs, scheduler="gpustreams")
+            gc.collect()
+            grown.append(pool.total_bytes() - before)
+            assert list(got) == [(2.0 * i, 2.0 * i) for i in range(4)]
+    assert grown[0] >= 4 * n * 8, grown
+    if shared:
+        assert grown[1] == 0, grown
+    else:
+        assert grown[1] >= grown[0] // 2, grown

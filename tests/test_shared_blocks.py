@@ -1,0 +1,206 @@
+"""The launcher's large blocks shared by the pool's streams (``gpustreams.shared-blocks``).
+
+On the simulated device, whose pool keeps one arena per stream as CuPy's does and
+poisons a block handed out again on the stream that takes it.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import dask
+import numpy as np
+import pytest
+from dask import delayed
+
+from dask_gpustreams import sim
+from dask_gpustreams.runtime import get_runtime
+from tests.test_launcher import CHUNK, device_limit
+from tests.test_local_scheduler import download, leaf, slow_scale
+
+SHARED = "128 KiB"  # below CHUNK's 256 KiB
+#: No small blocks apart and no large tasks: placement and arenas are the test's alone.
+ONLY_SHARED = {"small-blocks": 0, "large-tasks": 0}
+
+
+def through_temporary(x, first_delay, second_delay):
+    """``2 * x`` through a temporary that goes back to the pool as the task returns, while
+    the kernel reading it may still wait to run."""
+    tmp = sim.empty(x.shape)
+    sim.launch(slow_scale, tmp, x, 1.0, first_delay)
+    out = sim.empty(x.shape)
+    sim.launch(slow_scale, out, tmp, 2.0, second_delay)
+    return out
+
+
+def grown_by(compute) -> int:
+    """Bytes the pool grew by while ``compute()`` ran (its garbage collected)."""
+    pool = sim.get_default_memory_pool()
+    before = pool.total_bytes()
+    compute()
+    gc.collect()
+    return pool.total_bytes() - before
+
+
+@pytest.mark.parametrize("shared", [SHARED, 0])
+def test_a_compute_on_other_streams_reuses_the_blocks_of_the_one_before(
+    on_the_launcher,
+    by_key,
+    launcher,
+    shared,
+):
+    """Four chains on streams 0-3, then four more on streams 4-7: with the blocks shared,
+    the second compute takes the first one's blocks and the pool does not grow; with an
+    arena per stream (the control) it grows as much again. Exact."""
+    pool = sim.get_default_memory_pool()
+    pool.free_all_blocks()
+    grown = []
+    with launcher(streams=8, policy="test-placement", **{"shared-blocks": shared}, **ONLY_SHARED):
+        for run, streams in enumerate(((0, 1, 2, 3), (4, 5, 6, 7))):
+            outs = []
+            for i, stream in enumerate(streams):
+                names = [f"{part}-{run}-{i}" for part in ("leaf", "double", "get")]
+                x = delayed(leaf)(float(i), CHUNK, 0.001, dask_key_name=names[0])
+                y = delayed(through_temporary)(x, 0.001, 0.002, dask_key_name=names[1])
+                outs.append(delayed(download)(y, dask_key_name=names[2]))
+                by_key.update(dict.fromkeys(names, stream))
+            got: list = []
+            grown.append(
+                grown_by(
+                    lambda outs=outs, got=got: got.extend(
+                        dask.compute(*outs, scheduler="gpustreams")
+                    )
+                )
+            )
+            assert [g.tolist() for g in got] == [[2.0 * i] * CHUNK for i in range(4)]
+    assert grown[0] >= 4 * CHUNK * 8, grown
+    if shared:
+        assert grown[1] == 0, grown
+    else:
+        assert grown[1] >= grown[0] // 2, grown
+
+
+def test_a_block_freed_on_a_busy_stream_is_not_handed_to_another(
+    on_the_launcher,
+    by_key,
+    launcher,
+):
+    """A task on stream 0 frees a temporary that its slow kernel has yet to read; a task
+    launched next on stream 1 allocates a block of that size. It must get another block:
+    handed that one, its poison would be read by stream 0's kernel. Exact, 3 times."""
+    by_key.update({"slow": 0, "fast": 1})
+    source = delayed(np.arange)(CHUNK, dtype="float64", dask_key_name="source")
+    with launcher(streams=2, policy="test-placement", **{"shared-blocks": SHARED}, **ONLY_SHARED):
+        x = dask.persist(delayed(sim.asarray)(source), scheduler="sync")[0]
+        sim.get_device().synchronize()
+        for _ in range(3):
+            slow = delayed(through_temporary)(x, 0.0, 0.05, dask_key_name="slow")
+            fast = delayed(leaf)(7.0, CHUNK, 0.0, dask_key_name="fast")
+            got_slow, got_fast = dask.compute(
+                delayed(download)(slow, dask_key_name="get-slow"),
+                delayed(download)(fast, dask_key_name="get-fast"),
+                scheduler="gpustreams",
+            )
+            np.testing.assert_array_equal(got_slow, 2.0 * np.arange(CHUNK))
+            np.testing.assert_array_equal(got_fast, np.full(CHUNK, 7.0))
+
+
+def chain_held(length: int) -> tuple[int, np.ndarray]:
+    """Bytes the pool grew by over a chain of ``length`` tasks with a temporary each, on
+    one stream, and its result."""
+    x = delayed(leaf)(1.0, CHUNK, 0.0)
+    for _ in range(length):
+        x = delayed(through_temporary)(x, 0.001, 0.0)
+    got: list = []
+    grown = grown_by(lambda: got.append(delayed(download)(x).compute(scheduler="gpustreams")))
+    return grown, got[0]
+
+
+def test_a_stream_reuses_its_own_freed_blocks_at_once(on_the_launcher, launcher):
+    """On one stream, blocks freed go to the next allocations of their size in stream order,
+    as CuPy's own arena would, not after the stream's work is seen complete: the chain
+    of 30 tasks, run ahead of its slow kernels, grows the pool by no more than with an
+    arena per stream."""
+    sim.get_default_memory_pool().free_all_blocks()
+    held = {}
+    for shared in (SHARED, 0):
+        with launcher(streams=1, **{"shared-blocks": shared}, **ONLY_SHARED):
+            held[shared], got = chain_held(30)
+            get_runtime().close(timeout=30)
+        np.testing.assert_array_equal(got, np.full(CHUNK, 2.0**30))
+    assert held[SHARED] <= held[0] + CHUNK * 8, held
+
+
+def test_blocks_go_back_to_the_pool_at_a_computes_end_and_when_freed_after(
+    on_the_launcher,
+    launcher,
+):
+    """The temporaries of a compute go back to the pool at its end, and persisted results
+    freed later, their streams idle, at once: ``free_all_blocks`` then leaves only the
+    arrays alive."""
+    pool = sim.get_default_memory_pool()
+    leaves = [delayed(leaf)(float(i), CHUNK, 0.001) for i in range(8)]
+    doubled = [delayed(through_temporary)(x, 0.001, 0.001) for x in leaves]
+    alive = pool.used_bytes()
+    with launcher(streams=4, **{"shared-blocks": SHARED}, **ONLY_SHARED):
+        kept = dask.compute(*dask.persist(*doubled, scheduler="gpustreams"), scheduler="sync")
+        assert [k.get().tolist() for k in kept] == [[2.0 * i] * CHUNK for i in range(8)]
+        gc.collect()
+        pool.free_all_blocks()
+        assert pool.total_bytes() == pool.used_bytes() == alive + 8 * CHUNK * 8
+        del kept
+        gc.collect()
+        pool.free_all_blocks()
+        assert pool.total_bytes() == pool.used_bytes() == alive
+
+
+def test_closing_the_runtime_gives_every_shared_block_back(
+    on_the_launcher,
+    by_key,
+    launcher,
+):
+    """Blocks freed on a stream that is still busy at a compute's end are cached; the
+    runtime's close gives them back, and the pool then holds no free block."""
+    pool = sim.get_default_memory_pool()
+    x = delayed(leaf)(1.0, CHUNK, 0.0)
+    with launcher(streams=2, **{"shared-blocks": SHARED}, **ONLY_SHARED):
+        runtime = get_runtime()
+        got = delayed(download)(delayed(through_temporary)(x, 0.0, 0.0)).compute(
+            scheduler="gpustreams"
+        )
+        runtime.close(timeout=30)
+    np.testing.assert_array_equal(got, np.full(CHUNK, 2.0))
+    assert pool.total_bytes() == pool.used_bytes()
+
+
+@pytest.mark.parametrize("shared", [SHARED, 0])
+def test_a_full_device_with_shared_blocks_still_runs_the_chain(on_the_launcher, launcher, shared):
+    """With room for 12 chunks, a chain run ahead of its slow kernels fits, blocks shared
+    or not: a full device first gets the blocks of idle streams back."""
+    x = delayed(leaf)(1.0, CHUNK, 0.0)
+    for _ in range(40):
+        x = delayed(through_temporary)(x, 0.0005, 0.0)
+    with (
+        device_limit(12),
+        launcher(streams=4, policy="round-robin", **{"shared-blocks": shared}, **ONLY_SHARED),
+    ):
+        got = delayed(download)(x).compute(scheduler="gpustreams")
+    np.testing.assert_array_equal(got, np.full(CHUNK, 2.0**40))
+
+
+def test_whether_a_stream_reached_an_event_is_never_waited_for_under_its_lock(launcher):
+    """A block may be freed by a finalizer while its stream's lock is held (the pool
+    releases inputs under it): asking then answers False at once, and True once the
+    stream is idle."""
+    with launcher(streams=1):
+        pool = get_runtime().pool
+        slot = pool.slots[0]
+        mark = pool.next_seq(slot)
+        answers = []
+        with slot.lock:
+            thread = threading.Thread(target=lambda: answers.append(pool.reached(slot, mark, True)))
+            thread.start()
+            thread.join()
+        answers.append(pool.reached(slot, mark, True))
+    assert answers == [False, True]
