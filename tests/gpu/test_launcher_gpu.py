@@ -240,7 +240,7 @@ def through_temporary(x, ms):
 def freed_block_race(by_key) -> list[bool]:
     """Three times: a task on stream 0 frees a temporary its 50 ms kernel has yet to read,
     and a task launched next on stream 1 fills a new block of that size at once. Whether
-    each slow result was exact."""
+    both results were exact each time (sharing a block, either may be overwritten)."""
     n = 1 << 18  # float64: 2 MiB
     by_key.update({"slow": 0, "fast": 1})
     x = spin_fill(n, 1.0, 0.0)
@@ -254,8 +254,7 @@ def freed_block_race(by_key) -> list[bool]:
                 delayed(cupy.asnumpy)(fast, dask_key_name="get-fast"),
                 scheduler="gpustreams",
             )
-            assert (got_fast == 7.0).all()
-            exact.append(bool((got_slow == 2.0).all()))
+            exact.append(bool((got_slow == 2.0).all() and (got_fast == 7.0).all()))
     return exact
 
 
@@ -274,8 +273,9 @@ def test_a_block_freed_on_a_busy_stream_race_control(by_key, monkeypatch):
 @pytest.mark.parametrize("shared", ["16 MiB", 0])
 def test_a_compute_on_other_streams_reuses_the_blocks_of_the_one_before(by_key, shared):
     """Four chains of 16 MiB blocks on streams 0-3, then four on streams 4-7: with the
-    blocks shared the pool does not grow at the second compute; with an arena per stream
-    it grows as much again. Exact."""
+    blocks shared the pool grows by less than one block at the second compute (the small
+    results, in arenas of the new streams); with an arena per stream it grows as much
+    again. Exact."""
     n = 1 << 21  # float64: 16 MiB
     pool = cupy.get_default_memory_pool()
     cupy.cuda.Device().synchronize()
@@ -298,6 +298,6 @@ def test_a_compute_on_other_streams_reuses_the_blocks_of_the_one_before(by_key, 
             assert list(got) == [(2.0 * i, 2.0 * i) for i in range(4)]
     assert grown[0] >= 4 * n * 8, grown
     if shared:
-        assert grown[1] == 0, grown
+        assert grown[1] < n * 8, grown
     else:
         assert grown[1] >= grown[0] // 2, grown
