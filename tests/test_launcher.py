@@ -866,6 +866,39 @@ def test_nested_compute_inside_a_task(launcher):
     assert [g.tolist() for g in got] == [[i + 1.0] * 4 for i in range(3)]
 
 
+def add_a_nested_result(x):
+    """``x`` plus a value computed by a nested compute (key ``inner``), read by a slow
+    kernel on this task's stream after the task has returned."""
+    (y,) = dask.compute(
+        delayed(leaf)(1.0, x.size, 0.0, dask_key_name="inner"), scheduler="gpustreams"
+    )
+    out = sim.empty(x.shape)
+    sim.launch(slow_add, out, x, y, 0.05)
+    return out
+
+
+def test_a_nested_computes_result_is_held_until_the_task_reading_it_is_done(
+    on_the_launcher, launcher, by_key
+):
+    """The nested result comes from stream 1 and its last reference goes when the outer
+    task (stream 0) returns, before its kernel reads it; a task launched next on stream 1
+    allocates a block of its size. Held as the task's inputs are, the nested result is
+    not handed out meanwhile (its poison would be read). Exact, 3 times."""
+    by_key.update({"outer": 0, "inner": 1, "fast": 1})
+    x = sim.asarray(np.full(CHUNK, 2.0))  # data: the outer and the fast task launch together
+    with launcher(streams=2, policy="test-placement", **{"shared-blocks": 0}):
+        for _ in range(3):
+            outer = delayed(add_a_nested_result)(x, dask_key_name="outer")
+            fast = delayed(leaf)(7.0, CHUNK, 0.0, dask_key_name="fast")
+            got_outer, got_fast = dask.compute(
+                delayed(download)(outer, dask_key_name="get-outer"),
+                delayed(download)(fast, dask_key_name="get-fast"),
+                scheduler="gpustreams",
+            )
+            np.testing.assert_array_equal(got_outer, np.full(CHUNK, 3.0))
+            np.testing.assert_array_equal(got_fast, np.full(CHUNK, 7.0))
+
+
 class Seen(Callback):
     def __init__(self):
         super().__init__()

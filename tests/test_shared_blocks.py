@@ -16,6 +16,7 @@ from dask import delayed
 
 from dask_gpustreams import sim
 from dask_gpustreams.runtime import get_runtime
+from dask_gpustreams.runtime.registry import EventRegistry
 from tests.test_launcher import CHUNK, device_limit
 from tests.test_local_scheduler import download, leaf, slow_scale
 
@@ -31,6 +32,18 @@ def through_temporary(x, first_delay, second_delay):
     sim.launch(slow_scale, tmp, x, 1.0, first_delay)
     out = sim.empty(x.shape)
     sim.launch(slow_scale, out, tmp, 2.0, second_delay)
+    return out
+
+
+def twice_into(out, x):
+    out[: x.size] = x
+    out[x.size :] = x
+
+
+def concatenated(x):
+    """``x`` twice, in a new block of twice its size."""
+    out = sim.empty(2 * x.size)
+    sim.launch(twice_into, out, x)
     return out
 
 
@@ -120,8 +133,8 @@ def chain_held(length: int) -> tuple[int, np.ndarray]:
 def test_a_stream_reuses_its_own_freed_blocks_at_once(on_the_launcher, launcher):
     """On one stream, blocks freed go to the next allocations of their size in stream order,
     as CuPy's own arena would, not after the stream's work is seen complete: the chain
-    of 30 tasks, run ahead of its slow kernels, grows the pool by no more than with an
-    arena per stream."""
+    of 30 tasks, run ahead of its slow kernels, grows the pool by about as much as with an
+    arena per stream (28-29 chunks; about 55 if each waited to be seen complete)."""
     sim.get_default_memory_pool().free_all_blocks()
     held = {}
     for shared in (SHARED, 0):
@@ -129,7 +142,7 @@ def test_a_stream_reuses_its_own_freed_blocks_at_once(on_the_launcher, launcher)
             held[shared], got = chain_held(30)
             get_runtime().close(timeout=30)
         np.testing.assert_array_equal(got, np.full(CHUNK, 2.0**30))
-    assert held[SHARED] <= held[0] + CHUNK * 8, held
+    assert held[SHARED] <= 1.25 * held[0], held
 
 
 def test_blocks_go_back_to_the_pool_at_a_computes_end_and_when_freed_after(
@@ -155,23 +168,48 @@ def test_blocks_go_back_to_the_pool_at_a_computes_end_and_when_freed_after(
         assert pool.total_bytes() == pool.used_bytes() == alive
 
 
-def test_closing_the_runtime_gives_every_shared_block_back(
-    on_the_launcher,
-    by_key,
-    launcher,
+def busy(inputs):
+    """A small result written after 0.2 s: work that keeps its stream busy."""
+    out = sim.empty(4)
+    sim.launch(slow_scale, out, np.zeros(4), 1.0, 0.2)
+    return out
+
+
+def test_a_block_freed_while_its_stream_runs_other_work_goes_back_at_the_close(
+    on_the_launcher, launcher
 ):
-    """Blocks freed on a stream that is still busy at a compute's end are cached; the
-    runtime's close gives them back, and the pool then holds no free block."""
+    """A result freed after its compute, while its stream runs a task of another route
+    (as a distributed worker's outside stream blocks), stays cached for that stream; the
+    runtime's close gives it back to the pool, as it does every block."""
     pool = sim.get_default_memory_pool()
-    x = delayed(leaf)(1.0, CHUNK, 0.0)
-    with launcher(streams=2, **{"shared-blocks": SHARED}, **ONLY_SHARED):
+    with launcher(streams=1, **{"shared-blocks": SHARED}, **ONLY_SHARED):
         runtime = get_runtime()
-        got = delayed(download)(delayed(through_temporary)(x, 0.0, 0.0)).compute(
-            scheduler="gpustreams"
-        )
+        alive = pool.used_bytes()
+        (x,) = dask.compute(delayed(leaf)(1.0, CHUNK, 0.0), scheduler="gpustreams")
+        assert x.get().tolist() == [1.0] * CHUNK
+        runtime.run("busy", busy, {}, EventRegistry())
+        del x
+        gc.collect()
+        assert pool.used_bytes() >= alive + CHUNK * 8  # cached: its stream is busy
         runtime.close(timeout=30)
-    np.testing.assert_array_equal(got, np.full(CHUNK, 2.0))
-    assert pool.total_bytes() == pool.used_bytes()
+    gc.collect()
+    assert pool.used_bytes() <= alive + 4 * 8
+
+
+@pytest.mark.parametrize("shared", [SHARED, 0])
+def test_a_retry_out_of_memory_gets_back_the_blocks_of_its_own_stream(
+    on_the_launcher, launcher, shared
+):
+    """On one stream, room for 3 chunks: a task that needs 2 fails while the block of the
+    slow task before it is cached, its stream's last event not yet seen complete; the
+    retry, after a wait for every stream, gets it back and runs. Exact."""
+    a = delayed(leaf)(1.0, CHUNK, 0.0)
+    b = delayed(through_temporary)(a, 0.0, 0.3)
+    c = delayed(concatenated)(b)
+    config = {"shared-blocks": shared, **ONLY_SHARED}
+    with device_limit(3), launcher(streams=1, **config):
+        got = delayed(download)(c).compute(scheduler="gpustreams")
+    np.testing.assert_array_equal(got, np.full(2 * CHUNK, 2.0))
 
 
 @pytest.mark.parametrize("shared", [SHARED, 0])

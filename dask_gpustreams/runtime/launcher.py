@@ -273,7 +273,10 @@ class GraphLauncher:
             with allocator as meter:
                 return self._launch_all(meter)
         finally:
-            shared.end()  # after the launch's own end: its streams may be drained
+            # After the launch's own end (its streams may be drained); a device error here
+            # (a sticky CUDA error's query) must not hide the graph's own.
+            with contextlib.suppress(Exception):
+                shared.end()
 
     def _launch_all(self, meter: AllocationMeter | None) -> dict[Hashable, Any]:
         """:meth:`run`, inside its allocator, whose ``meter`` tells large tasks."""
@@ -444,6 +447,11 @@ class GraphLauncher:
             runtime.synchronize(wanted, registry)
             if self.check:
                 self._check_events()
+            outer_holds = previous[2]
+            if outer_holds is not None:
+                # A nested compute: the calling task's kernels, on its own stream, may read
+                # these after it returns; held as its inputs are, until its event completes.
+                outer_holds.extend(results[k] for k in wanted if k in results)
             return results
         except BaseException:
             # The exception raised wins; this graph's work drains first, so that a kernel

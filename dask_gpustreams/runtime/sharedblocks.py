@@ -20,9 +20,11 @@ Readers on other streams need no event: the runtime holds a task's inputs until
 its event completes, so a block's last reference never goes while another
 stream may still read it; only its own stream's work, up to the free, can. A
 block freed while no graph launches is given back at once if its stream is
-idle, else at the next graph's first large allocation or end. A task that runs
-out of device memory runs again once the launcher has waited for all its work
-and given every block back (:meth:`release`).
+idle; else (its stream still runs other work, as a distributed worker's tasks
+outside stream blocks, or its lock is taken) it stays cached until the next
+graph on the runtime ends, or the runtime closes: ``free_all_blocks`` cannot
+free it meanwhile. A task that runs out of device memory runs again once the
+launcher has waited for every stream and given every block back (:meth:`release`).
 """
 
 from __future__ import annotations
@@ -127,7 +129,9 @@ class SharedBlocks:
             self._source.give_back(base)
             return
         self._freed.append((slot, self._pool.next_seq(slot), size, base))
-        if not self._graphs and self._lock.acquire(blocking=False):
+        if self._closed:  # closed since the check above: close() may have missed it
+            self._drain_closed()
+        elif not self._graphs and self._lock.acquire(blocking=False):
             try:
                 self._file()
                 self._give_back(query=True)
@@ -178,11 +182,17 @@ class SharedBlocks:
             self._give_back(query=True)
 
     def release(self) -> None:
-        """Give back every block whose stream is idle (a graph ran out of device memory and
-        its streams have been waited for)."""
+        """Give back every cached block, after waiting for the work enqueued so far on every
+        stream (a graph ran out of device memory). Blocks whose stream has no later event
+        to be seen complete (a stream whose task failed, one that went idle) need the wait."""
         with self._lock:
             self._file()
-            self._give_back(query=True)
+            bases = [e[2] for q in self._in_order.values() for e in q if e[2] is not None]
+            self._in_order.clear()
+            self._by_size.clear()
+        self._pool.wait_all()  # after every free taken above: their work is done
+        for base in bases:
+            self._source.give_back(base)
 
     def close(self) -> None:
         """Give every cached block back and free the shared arena (after the pool's close:
@@ -198,4 +208,15 @@ class SharedBlocks:
                         self._source.give_back(entry[2])
             self._in_order.clear()
             self._by_size.clear()
+            self._drain_closed()
             self._source.close()
+
+    def _drain_closed(self) -> None:
+        """Give back what leases freed once closed (any thread; no lock)."""
+        freed = self._freed
+        while True:
+            try:
+                base = freed.popleft()[3]
+            except IndexError:
+                return
+            self._source.give_back(base)
