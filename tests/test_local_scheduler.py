@@ -309,6 +309,41 @@ def test_reuse_scenario_reads_poison_without_holding(gpustreams, by_key, rng, mo
     assert reuse_scenario(gpustreams, by_key, rng, runs=10) >= 1
 
 
+def add_a_nested_result(x, scheduler):
+    """``x`` plus a value computed by a nested compute (key ``inner``) on ``scheduler``,
+    read by a slow kernel on this task's stream after the task has returned."""
+    (y,) = dask.compute(delayed(leaf)(1.0, x.size, 0.0, dask_key_name="inner"), scheduler=scheduler)
+    out = sim.empty(x.shape)
+    sim.launch(slow_add, out, x, y, 0.05)
+    return out
+
+
+def download_after(block, _):
+    """``block`` on the host, once the task passed second has run."""
+    return block.get()
+
+
+@pytest.mark.parametrize("outer", ["threads", "sync", "gpustreams"])
+@pytest.mark.parametrize("inner", ["threads", "sync", "gpustreams"])
+def test_a_nested_computes_result_is_held_until_the_task_reading_it_is_done(
+    gpustreams, by_key, outer, inner
+):
+    """The nested result comes from stream 1 and its last reference goes when the outer
+    task (stream 0) returns, before its kernel reads it; the task run next, on stream 1,
+    allocates a block of its size. Held as the task's inputs are, the nested result is
+    not handed out meanwhile (its poison would be read). Exact, 3 times."""
+    by_key.update({"outer": 0, "inner": 1, "fast": 1})
+    x = sim.asarray(np.full(4096, 2.0))
+    with gpustreams(streams=2, policy="test-placement", **{"shared-blocks": 0}):
+        for _ in range(3):
+            task = delayed(add_a_nested_result)(x, inner, dask_key_name="outer")
+            fast = delayed(leaf)(7.0, x.size, 0.0, dask_key_name="fast")
+            got = delayed(download_after)(task, fast, dask_key_name="get").compute(
+                scheduler=outer, num_workers=1
+            )
+            np.testing.assert_array_equal(got, np.full(x.size, 3.0))
+
+
 def test_inputs_are_released_after_the_compute(gpustreams):
     with gpustreams(streams=2, policy="round-robin"):
         x = delayed(leaf)(1.0, 10, 0.0).persist()

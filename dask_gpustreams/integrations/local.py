@@ -69,6 +69,7 @@ from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.integrations.patching import Patch
 from dask_gpustreams.integrations.tasks import transfer_rewrites, wrap_task
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, acquire_runtime
+from dask_gpustreams.runtime.context import active_task
 from dask_gpustreams.runtime.policies import critical_keys
 
 logger = logging.getLogger("dask_gpustreams")
@@ -128,7 +129,13 @@ class LocalSchedulerHook:
                 # kernel failure it left behind is reported here, not by the next compute.
                 runtime.drain(registry)
             else:
-                runtime.synchronize(state.get("cache", ()), registry)
+                results = state.get("cache", {})
+                runtime.synchronize(results, registry)
+                holds = active_task()[2]
+                if holds is not None:
+                    # A nested compute: the calling task's kernels, on its own stream, may
+                    # read these after it returns; held as its inputs are, until its event.
+                    holds.extend(results.values())
             runtime.collect()
             runtime.release_events(registry)
         finally:
