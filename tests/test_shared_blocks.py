@@ -17,6 +17,7 @@ from dask import delayed
 from dask_gpustreams import sim
 from dask_gpustreams.runtime import get_runtime
 from dask_gpustreams.runtime.registry import EventRegistry
+from dask_gpustreams.runtime.sharedblocks import SharedBlocks
 from tests.test_launcher import CHUNK, device_limit
 from tests.test_local_scheduler import download, leaf, slow_scale
 
@@ -242,3 +243,93 @@ def test_whether_a_stream_reached_an_event_is_never_waited_for_under_its_lock(la
             thread.join()
         answers.append(pool.reached(slot, mark, True))
     assert answers == [False, True]
+
+
+class Slot:
+    def __init__(self, stream):
+        self.stream = stream
+
+
+class CountingPool:
+    """Two streams whose work completes when the test says: ``done[slot]`` events."""
+
+    def __init__(self):
+        self.slots = [Slot("a"), Slot("b")]
+        self.recorded = {s: 0 for s in self.slots}
+        self.done = {s: 0 for s in self.slots}
+
+    def next_seq(self, slot):
+        return self.recorded[slot] + 1
+
+    def reached(self, slot, seq, query):
+        return self.done[slot] >= seq
+
+    def wait_all(self):
+        self.done.update(self.recorded)
+
+
+class LoggedSource:
+    """Blocks numbered in order; fails on a block given back twice or while lent."""
+
+    def __init__(self):
+        self.free: dict[int, list[int]] = {}  # size -> blocks given back
+        self.lent: set[int] = set()
+        self.made = 0
+
+    def stream_key(self, stream):
+        return stream
+
+    def take(self, nbytes, allocate):
+        free = self.free.get(nbytes)
+        if free:
+            return free.pop(), True
+        self.made += 1
+        return self.made, False
+
+    def lend(self, base, nbytes, owner, reused):
+        assert base not in self.lent
+        self.lent.add(base)
+        return [base, owner]
+
+    def give_back(self, base):
+        assert all(base not in blocks for blocks in self.free.values())
+        self.free.setdefault(self.size_of[base], []).append(base)
+
+    def close(self):
+        pass
+
+
+def test_blocks_are_never_lost_or_given_back_twice_on_streams_that_never_idle(rng):
+    """Random allocations, frees and completions on two streams whose last work is never
+    seen complete: after every step each block is lent or cached, once, and what is cached
+    by size is exactly the blocks freed and neither reused nor given back (none kept stale
+    on a stream that never drains, as a long-lived worker's)."""
+    pool, source = CountingPool(), LoggedSource()
+    source.size_of = {}
+    shared = SharedBlocks(512, pool, lambda: source)
+    held: list[list] = []
+    for step in range(3000):
+        slot = pool.slots[rng.integers(2)]
+        action = rng.integers(4)
+        if action == 0 or not held:
+            size = 512 * int(rng.integers(1, 4))
+            held.append(shared.malloc(size, slot.stream, None))
+            source.size_of[held[-1][0]] = size
+        elif action == 1:
+            base = held.pop(rng.integers(len(held)))[0]
+            source.lent.discard(base)
+        elif action == 2:
+            pool.recorded[slot] += 1
+            pool.done[slot] = pool.recorded[slot] - 1  # the last one always still runs
+        elif step % 10 == 0:
+            shared.begin()
+            shared.end()
+        # Private state, read as the invariant it keeps: cached blocks, in free order and
+        # by size.
+        cached = [e[2] for q in shared._in_order.values() for e in q if e[2] is not None]
+        by_size = [e[2] for sizes in shared._by_size.values() for q in sizes.values() for e in q]
+        assert sorted(cached) == sorted(by_size)
+        given_back = [b for blocks in source.free.values() for b in blocks]
+        lent = [memory[0] for memory in held]
+        assert sorted([*cached, *given_back, *lent]) == list(range(1, source.made + 1))
+    assert source.made < 100 and sum(map(len, source.free.values())) > 0  # reused, given back

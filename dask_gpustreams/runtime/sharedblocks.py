@@ -75,9 +75,10 @@ class SharedBlocks:
         # allocation): (slot, mark, size, base), filed by the lock's holders.
         self._freed: deque[tuple[StreamSlot, int, int, Any]] = deque()
         # Per pool stream: its freed blocks in free order ([mark, size, base] lists, the
-        # base set to None once handed out again), and its blocks by size (last freed last).
+        # base set to None once handed out again), and those still cached by size, in the
+        # same order: a block is reused from the newest end, given back from the oldest.
         self._in_order: dict[StreamSlot, deque[list]] = {}
-        self._by_size: dict[StreamSlot, dict[int, list[list]]] = {}
+        self._by_size: dict[StreamSlot, dict[int, deque[list]]] = {}
         self._graphs = 0  # graphs launching now (their frees are filed at allocations)
         self._closed = False
 
@@ -117,11 +118,7 @@ class SharedBlocks:
         """The last block of ``size`` freed on ``slot`` and not yet reused (locked)."""
         sizes = self._by_size.get(slot)
         blocks = sizes.get(size) if sizes else None
-        while blocks:
-            entry = blocks.pop()
-            if entry[2] is not None:
-                return entry
-        return None
+        return blocks.pop() if blocks else None
 
     def _freed_on(self, slot: StreamSlot, size: int, base: Any) -> None:
         """A lease's block is free on ``slot`` (from its finalizer, in any thread)."""
@@ -149,7 +146,7 @@ class SharedBlocks:
                 in_order = self._in_order[slot] = deque()
                 self._by_size[slot] = {}
             in_order.append(entry)
-            self._by_size[slot].setdefault(size, []).append(entry)
+            self._by_size[slot].setdefault(size, deque()).append(entry)
 
     def _give_back(self, query: bool) -> None:
         """Return to the shared arena each block whose stream's work up to its free is
@@ -158,6 +155,7 @@ class SharedBlocks:
             return
         give_back, reached = self._source.give_back, self._pool.reached
         for slot, in_order in self._in_order.items():
+            sizes = self._by_size[slot]
             while in_order:
                 entry = in_order[0]
                 if entry[2] is not None:
@@ -165,9 +163,11 @@ class SharedBlocks:
                         break
                     give_back(entry[2])
                     entry[2] = None
+                    blocks = sizes[entry[1]]
+                    blocks.popleft()  # the oldest cached of its size: this entry
+                    if not blocks:
+                        del sizes[entry[1]]
                 in_order.popleft()
-            if not in_order:
-                self._by_size[slot].clear()
 
     def begin(self) -> None:
         """A graph starts launching: frees are filed at its allocations and its end."""
