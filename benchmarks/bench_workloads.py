@@ -63,6 +63,7 @@ from typing import Any
 import dask
 import dask.array as da
 import dask.base
+import dask.threaded
 import numpy as np
 from dask._task_spec import Task
 
@@ -570,8 +571,8 @@ def mode_settings(mode: str) -> tuple[dict, dict]:
         return OFF, {"scheduler": "gpustreams"}
     if mode in DIAGNOSTIC_MODES:
         return dict(OFF, **DIAGNOSTIC_MODES[mode]), {"scheduler": "gpustreams"}
-    if mode == "enabled-threads":  # named: enabled alone runs the launcher
-        return {"gpustreams.enabled": True}, {"scheduler": "threads"}
+    if mode == "enabled-threads":  # Dask's threads as such: by name, enabled runs the launcher
+        return {"gpustreams.enabled": True}, {"scheduler": dask.threaded.get}
     return OFF, {}
 
 

@@ -1,10 +1,11 @@
 """Run Dask task graphs on pools of GPU streams, ordered by device-side events.
 
 Switch on with ``dask.config.set({"gpustreams.enabled": True})``: local computes
-that name no scheduler then run on the stream launcher (one thread enqueues the
-whole graph; also ``scheduler="gpustreams"``), a named ``scheduler="threads"``
-runs each task through the runtime in Dask's threads, and distributed workers
-take the plugin.
+on Dask's threaded scheduler, by default or by name, then run on the stream
+launcher (one thread enqueues the whole graph; also ``scheduler="gpustreams"``),
+a thread pool of the user's (Dask's ``pool`` config, or ``dask.threaded.get``
+passed as the scheduler) runs each task through the runtime in Dask's threads,
+and distributed workers take the plugin.
 """
 
 import dask.base

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import dask
+import dask.threaded
 import numpy as np
 import pytest
 from dask import delayed
@@ -37,7 +38,7 @@ def _double(x: sim.SimArray) -> sim.SimArray:
     return x * 2.0
 
 
-@pytest.mark.parametrize("scheduler", ["gpustreams", "threads"])
+@pytest.mark.parametrize("scheduler", ["gpustreams", pytest.param(dask.threaded.get, id="threads")])
 def test_an_input_written_late_on_the_caller_s_stream_is_read_after(gpustreams, scheduler):
     with gpustreams(streams=4):
         for value in (1.0, 2.0, 3.0):

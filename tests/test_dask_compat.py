@@ -18,6 +18,7 @@ import traceback
 
 import dask
 import dask.array as da
+import dask.threaded
 import distributed.core
 import numpy as np
 import pytest
@@ -150,7 +151,7 @@ def test_overlapping_computes_from_two_threads_and_later_ones_run_through_the_ru
             t.join(TIMEOUT)
         assert not any(t.is_alive() for t in threads)
         assert results == {"a": True, "b": True}
-        for scheduler in ("threads", "sync"):
+        for scheduler in (dask.threaded.get, "sync"):
             assert delayed(on_pool_stream, pure=False)().compute(scheduler=scheduler)
     assert Callback.active == set()
 
@@ -163,8 +164,8 @@ def nested_compute(scheduler):
     return on_outer, on_inner, values.tolist()
 
 
-@pytest.mark.parametrize("outer", ["threads", "sync"])
-@pytest.mark.parametrize("inner", ["threads", "sync"])
+@pytest.mark.parametrize("outer", [pytest.param(dask.threaded.get, id="threads"), "sync"])
+@pytest.mark.parametrize("inner", [pytest.param(dask.threaded.get, id="threads"), "sync"])
 def test_nested_compute_in_a_task_runs_through_the_runtime(gpustreams, outer, inner):
     with gpustreams(streams=3):
         got = delayed(nested_compute)(inner).compute(scheduler=outer)
@@ -289,7 +290,9 @@ def assert_frames_as_plain(fn, gpustreams):
     assert [name for _, name in frames][-3:] == ["f3", "f2", "f1"]
 
 
-@pytest.mark.parametrize("scheduler", ["threads", "sync", "gpustreams"])
+@pytest.mark.parametrize(
+    "scheduler", [pytest.param(dask.threaded.get, id="threads"), "sync", "gpustreams"]
+)
 @pytest.mark.parametrize("method", ["compute", "persist"])
 def test_task_error_traceback_has_no_plugin_frames(gpustreams, scheduler, method):
     def run():
@@ -302,7 +305,7 @@ def f3_block(block):
     return block + f3()
 
 
-@pytest.mark.parametrize("scheduler", ["threads", "gpustreams"])
+@pytest.mark.parametrize("scheduler", [pytest.param(dask.threaded.get, id="threads"), "gpustreams"])
 def test_fused_task_error_traceback_has_no_plugin_frames(gpustreams, scheduler):
     """A task fused by dask.array's optimization runs through :mod:`.subgraphs`: its frames
     are shortened as the plugin's others."""

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import dask
+import dask.threaded
 import numpy as np
 import pytest
 from dask import delayed
@@ -234,7 +235,7 @@ def test_the_plugin_gives_its_failure_limits_to_each_workers_records(monkeypatch
 # --- (c) one host sync at the end, none per task ---------------------------------------------
 
 
-@pytest.mark.parametrize("scheduler", ["gpustreams", "threads"])
+@pytest.mark.parametrize("scheduler", ["gpustreams", pytest.param(dask.threaded.get, id="threads")])
 def test_a_local_compute_syncs_the_host_once_at_the_end(gpustreams, monkeypatch, rng, scheduler):
     with gpustreams(streams=4, policy="round-robin"):
         runtime = get_runtime()  # the one the compute uses: same settings

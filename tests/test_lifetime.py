@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import dask
+import dask.threaded
 import distributed
 import numpy as np
 import pytest
@@ -141,7 +142,7 @@ def test_a_closed_sim_stream_runs_its_queued_work_then_its_thread_ends():
         stream.record()
 
 
-@pytest.mark.parametrize("scheduler", ["gpustreams", "threads"])
+@pytest.mark.parametrize("scheduler", ["gpustreams", pytest.param(dask.threaded.get, id="threads")])
 def test_close_while_a_compute_runs_waits_for_it_and_results_stay_exact(
     gpustreams, scheduler, monkeypatch
 ):
@@ -186,7 +187,7 @@ def test_close_while_a_compute_runs_waits_for_it_and_results_stay_exact(
 # --- the shared runtimes: bounded -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheduler", ["gpustreams", "threads"])
+@pytest.mark.parametrize("scheduler", ["gpustreams", pytest.param(dask.threaded.get, id="threads")])
 def test_a_computes_threads_end_when_idle_though_its_runtime_stays_open(gpustreams, scheduler):
     before = ours()
     with gpustreams(streams=3, policy="least-loaded"):
@@ -206,7 +207,7 @@ def test_many_distinct_settings_keep_runtimes_and_threads_bounded(gpustreams):
     before = set(threading.enumerate())
     made = []
     for i in range(24):
-        scheduler = "gpustreams" if i % 2 else "threads"
+        scheduler = "gpustreams" if i % 2 else dask.threaded.get
         with gpustreams(streams=1 + i % 6, policy=["round-robin", "least-loaded"][i // 12]):
             assert chain_graph(2).compute(scheduler=scheduler) == 3000.0
             made.append(get_runtime())

@@ -20,6 +20,7 @@ import weakref
 
 import dask
 import dask.array as da
+import dask.threaded
 import numpy as np
 import pytest
 from dask import delayed
@@ -41,7 +42,7 @@ device = sim.get_device()
 @pytest.fixture(autouse=True)
 def _threaded_scheduler():
     """The threaded route: Dask's threaded scheduler, named (see the module's docstring)."""
-    with dask.config.set(scheduler="threads"):
+    with dask.config.set(scheduler=dask.threaded.get):
         yield
 
 
@@ -323,8 +324,12 @@ def download_after(block, _):
     return block.get()
 
 
-@pytest.mark.parametrize("outer", ["threads", "sync", "gpustreams"])
-@pytest.mark.parametrize("inner", ["threads", "sync", "gpustreams"])
+@pytest.mark.parametrize(
+    "outer", [pytest.param(dask.threaded.get, id="threads"), "sync", "gpustreams"]
+)
+@pytest.mark.parametrize(
+    "inner", [pytest.param(dask.threaded.get, id="threads"), "sync", "gpustreams"]
+)
 def test_a_nested_computes_result_is_held_until_the_task_reading_it_is_done(
     gpustreams, by_key, outer, inner
 ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import dask
+import dask.threaded
 import pytest
 from dask import delayed
 from dask.callbacks import Callback
@@ -266,7 +267,7 @@ def test_critical_path_creates_high_priority_streams(streams, high):
     assert [slot.stream.priority for slot in rt.pool.slots] == priorities
 
 
-@pytest.mark.parametrize("scheduler", ["gpustreams", "threads"])
+@pytest.mark.parametrize("scheduler", ["gpustreams", pytest.param(dask.threaded.get, id="threads")])
 def test_critical_path_places_critical_tasks_on_high_priority_streams(gpustreams, scheduler):
     """On the launcher and on the threaded route. (The launcher once told the policy no
     task's place on the critical path, and side tasks took the high-priority streams.)"""

@@ -17,6 +17,7 @@ import time
 
 import dask
 import dask.array as da
+import dask.threaded
 import numpy as np
 import pytest
 from dask.array.utils import meta_from_array
@@ -522,7 +523,7 @@ def routes():
     return [
         pytest.param("sync", False, id="sync"),
         pytest.param("threads", False, id="threads"),
-        pytest.param("threads", True, id="plugin-threads"),
+        pytest.param(dask.threaded.get, True, id="plugin-threads"),
         pytest.param("sync", True, id="plugin-sync"),
         pytest.param(
             "gpustreams",

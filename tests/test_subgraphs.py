@@ -7,6 +7,7 @@ import contextlib
 import dask
 import dask._task_spec
 import dask.array as da
+import dask.threaded
 import numpy as np
 import pytest
 from dask._task_spec import Alias, DataNode, Task, TaskRef, _execute_subgraph
@@ -153,7 +154,7 @@ def test_fused_tasks_run_without_ordering_them_on_every_route(gpustreams, monkey
             stack.enter_context(cluster(n_workers=1))
         elif route == "tasks-on-workers":
             stack.enter_context(cluster(n_workers=1, config={"gpustreams.blocks": "off"}))
-        scheduler = {"launcher": "gpustreams", "threads": "threads"}.get(route)
+        scheduler = {"launcher": "gpustreams", "threads": dask.threaded.get}.get(route)
         np.testing.assert_allclose(y.compute(scheduler=scheduler), expected)
     assert (fused_by_dask > 16, len(calls)) == (True, 0)
 

@@ -11,6 +11,7 @@ length on both libraries' side.
 import time
 
 import dask
+import dask.threaded
 import numpy as np
 import pytest
 from dask import delayed
@@ -29,7 +30,7 @@ BASE = {
 }
 ROUTES = {
     "launcher": (BASE, "gpustreams"),
-    "threaded": ({**BASE, "gpustreams.enabled": True, "num_workers": STREAMS}, "threads"),
+    "threaded": ({**BASE, "gpustreams.enabled": True, "num_workers": STREAMS}, dask.threaded.get),
 }
 N = 1 << 14
 

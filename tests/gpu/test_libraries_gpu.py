@@ -10,6 +10,7 @@ the safe path avoids is real; they skip, saying so, where it did not show.
 import threading
 
 import dask
+import dask.threaded
 import numpy as np
 import pytest
 from dask import delayed
@@ -35,7 +36,7 @@ BASE = {
 }
 ROUTES = {
     "launcher": (BASE, "gpustreams"),
-    "threaded": ({**BASE, "gpustreams.enabled": True, "num_workers": STREAMS}, "threads"),
+    "threaded": ({**BASE, "gpustreams.enabled": True, "num_workers": STREAMS}, dask.threaded.get),
 }
 
 

@@ -96,7 +96,7 @@ print("exact")
 
 
 WRITTEN_LATE = """
-import cupy, dask, numpy as np
+import cupy, dask, dask.threaded, numpy as np
 from dask import delayed
 import dask_gpustreams  # scheduler="gpustreams"
 from tests.gpu.kernels import spin_fill
@@ -104,7 +104,7 @@ from tests.gpu.kernels import spin_fill
 assert cupy.cuda.get_current_stream().ptr == 2, "the per-thread default stream is off"
 n = 1 << 20
 cfg = {"gpustreams.backend": "cupy", "gpustreams.streams": 8}
-for scheduler, enabled in (("gpustreams", False), ("threads", True)):
+for scheduler, enabled in (("gpustreams", False), (dask.threaded.get, True)):
     with dask.config.set({**cfg, "gpustreams.enabled": enabled}):
         for value in (3.0, 5.0, 7.0):
             x = spin_fill(n, value, 200)  # written 200 ms from now, on this thread's stream
