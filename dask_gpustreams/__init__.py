@@ -17,6 +17,7 @@ from dask_gpustreams.diagnostics import timeline as timeline
 from dask_gpustreams.diagnostics.status import status as status
 from dask_gpustreams.errors import KernelError as KernelError
 from dask_gpustreams.integrations.distributed import StreamsPlugin as StreamsPlugin
+from dask_gpustreams.integrations.distributed.gathered import install as _install_gathered
 from dask_gpustreams.integrations.distributed.tracebacks import install as _install_tracebacks
 from dask_gpustreams.integrations.launcher import SCHEDULER_NAME as _SCHEDULER_NAME
 from dask_gpustreams.integrations.launcher import get as get
@@ -29,6 +30,7 @@ from dask_gpustreams.transfers import to_host as to_host
 
 _install_local_route()
 _install_tracebacks()
+_install_gathered()
 dask.base.named_schedulers[_SCHEDULER_NAME] = get
 
 __version__ = "0.1.0"

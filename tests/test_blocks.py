@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from dask import delayed
 from dask._task_spec import Task, TaskRef
-from distributed import Client, LocalCluster, Reschedule, SchedulerPlugin, wait
+from distributed import Client, LocalCluster, Reschedule, SchedulerPlugin, get_worker, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, host_task, sim
 from dask_gpustreams.integrations import blocks as blocks_module
@@ -1397,3 +1397,24 @@ def test_a_blocks_tasks_are_in_dependency_order_whatever_their_priorities():
     d = ts("d", (-20, 0, 3), b, c)
     assert [t.key for t in dependency_order([d, c, b, a])] == ["a", "b", "c", "d"]
     assert [t.key for t in dependency_order([c, a])] == ["a", "c"]
+
+
+@host_task
+def on_its_worker(a):
+    """``a`` on the host, once this task found its worker (``get_worker``, as
+    ``get_client`` and ``worker.log_event`` do)."""
+    get_worker()
+    return sim.asnumpy(a)
+
+
+def test_a_host_task_in_a_block_finds_its_worker():
+    """The block's launcher runs a host task on its host threads, in a copy of the worker
+    thread's context variables: ``get_worker`` finds the worker there, as without blocks.
+    Before, ``ValueError: No worker found``."""
+    with cluster(n_workers=1, threads_per_worker=1) as client:
+        for i in range(3):
+            a = delayed(mix)(1, delayed(source)(i, 0.01))
+            got = delayed(on_its_worker)(delayed(mix)(2, a)).compute()
+            expected = host_mix(2, host_mix(1, np.arange(N) + i))
+            np.testing.assert_array_equal(got, expected)
+        assert formed(client)[0] >= 1

@@ -7,12 +7,12 @@ with a wrapper that calls the function it replaced (:attr:`Patch.original`).
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 
 class Patch:
-    """``module.name`` replaced by ``replacement`` between :meth:`install` and :meth:`uninstall`.
+    """``module.name`` (an attribute of a module or a class) replaced by ``replacement``
+    between :meth:`install` and :meth:`uninstall`.
 
     Idempotent both ways. :attr:`original` is what ``replacement`` wraps: the
     function found at :meth:`install` (Dask's own, or another wrapper of it),
@@ -21,7 +21,7 @@ class Patch:
 
     __slots__ = ("module", "name", "replacement", "original")
 
-    def __init__(self, module: ModuleType, name: str, replacement: Any):
+    def __init__(self, module: Any, name: str, replacement: Any):
         self.module = module
         self.name = name
         self.replacement = replacement

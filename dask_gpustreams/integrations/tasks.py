@@ -36,7 +36,7 @@ from dask_gpustreams.transfers import to_device, to_host
 #: is the last frame, which Dask always keeps.
 TRACEBACK_SHORTEN = (
     r"dask_gpustreams[\\/]integrations[\\/](tasks|local|launcher|blocks|subgraphs)\.py",
-    r"dask_gpustreams[\\/]integrations[\\/]distributed[\\/]execution\.py",
+    r"dask_gpustreams[\\/]integrations[\\/]distributed[\\/](execution|gathered)\.py",
     r"dask_gpustreams[\\/]runtime[\\/](runtime|launcher)\.py",
 )
 

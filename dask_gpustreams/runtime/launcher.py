@@ -27,6 +27,7 @@ live values fit.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import heapq
 import logging
 import threading
@@ -523,14 +524,17 @@ class GraphLauncher:
     # --- host tasks ---------------------------------------------------------------------------
 
     def _submit_host(self, key: Hashable, values: dict) -> None:
-        """Run ``key`` on a host thread; inline if this thread is one (a nested compute in a
-        host task), since all host threads may be taken by tasks that wait for this one."""
+        """Run ``key`` on a host thread, in a copy of this thread's context variables (a
+        distributed worker's, which ``get_worker`` reads); inline if this thread is one (a
+        nested compute in a host task), since all host threads may be taken by tasks that
+        wait for this one."""
         producers = self.registry.records(self.dependencies[key])
         if task_state.__dict__.get("host_thread"):
             self._outcomes.running += 1
             self._run_host(key, values, producers)
         else:
-            self.runtime.host_executor().submit(self._run_host, key, values, producers)
+            run = contextvars.copy_context().run
+            self.runtime.host_executor().submit(run, self._run_host, key, values, producers)
             self._outcomes.running += 1  # not before: a refused submit must not be waited for
 
     def _run_host(self, key: Hashable, values: dict, producers: list[TaskRecord]) -> None:

@@ -12,7 +12,9 @@ One module per part of the plugin, each the owner of its state:
 - :mod:`.egress`: the waits of ``get_data`` and spilling (*Egress*);
 - :mod:`.withheld`: what stays of a removed plugin while corrupt keys it found are held;
 - :mod:`.serialize`: the simulated device's arrays over distributed's serializer, as
-  CuPy's (registered on import)."""
+  CuPy's (registered on import);
+- :mod:`.gathered`: values a task gets from a client inside its worker, ordered and held
+  (installed on import)."""
 
 from dask_gpustreams.integrations.distributed import serialize as serialize
 from dask_gpustreams.integrations.distributed.plugin import StreamsPlugin as StreamsPlugin

@@ -119,10 +119,12 @@ Known limits
       on the first worker and fails a run of the same key there within
       :attr:`StreamsPlugin.failure_ttl` seconds.
     - Data read without ``get_data``: a client running inside a worker
-      (``get_client()`` in a task) reads that worker's own ``data`` directly;
-      unwrapped coroutine or process-pool tasks read their inputs without
-      waiting; the JIT-unspill ``ProxifyHostFile`` of dask-cuda before 26.10
-      spills without the per-key wait. With CuPy these paths stay ordered only
+      (``get_client()`` in a task) reads that worker's own ``data`` directly
+      (ordered and held for the task by :mod:`.gathered`, but a failed kernel
+      of such a key is not raised there); unwrapped coroutine or process-pool
+      tasks read their inputs without waiting; the JIT-unspill
+      ``ProxifyHostFile`` of dask-cuda before 26.10 spills without the
+      per-key wait. With CuPy these paths stay ordered only
       through the legacy default stream (blocking pool streams, no per-thread
       default stream).
     - Data coming back to the device over TCP (unspilling, fetches from
