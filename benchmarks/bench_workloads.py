@@ -15,8 +15,9 @@ plain sync's std took 260 to 438 ms within 5 samples at 71dc3df):
 - ``sync``: plain Dask, ``scheduler="sync"``;
 - ``launcher``: the stream launcher, ``scheduler="gpustreams"`` (SKIPPED where this
   ``dask_gpustreams`` does not register it);
-- ``enabled-threads``: the plugin by config, ``gpustreams.enabled: True``, with
-  ``scheduler="threads"`` named (without it, ``gpustreams.enabled`` runs the launcher).
+- ``enabled-threads``: the plugin by config, ``gpustreams.enabled: True``, on Dask's
+  threads asked for as such, ``scheduler=dask.threaded.get`` (with no scheduler named, or
+  ``"threads"`` by name, ``gpustreams.enabled`` runs the launcher).
 
 Backends: ``cupy`` (CuPy chunks), ``sim`` (chunks on the simulated device, uploaded with
 ``map_blocks(sim.asarray)``; the slicing stencil of ``numpy`` instead of ``ndimage``) and

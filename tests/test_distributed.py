@@ -33,7 +33,7 @@ import tornado.gen
 import zict
 from dask import delayed
 from dask.sizeof import sizeof
-from distributed import Client, LocalCluster, wait, worker_client
+from distributed import Client, LocalCluster, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, sim, to_host
 from dask_gpustreams.backends import gpu_visible
@@ -747,48 +747,3 @@ def test_unregistering_restores_the_worker():
         # Work wrapped before the removal was waited for: the result is complete.
         np.testing.assert_array_equal(values(x.result()), np.full(1000, 1.0))
         assert not client.submit(on_pool_stream, pure=False).result()
-
-
-# --- values a task gets from a client inside its worker ---------------------------------------
-
-
-def read_through_a_client(x, i, how, inner_delay, read_delay):
-    """``x`` plus a value (key ``inner-i``, 1.0) computed through ``worker_client`` and got by
-    ``how`` (``result`` or ``gather``), read by a kernel on this task's stream after
-    ``read_delay`` seconds; the inner key is released before this task returns."""
-    with worker_client() as c:
-        future = c.compute(delayed(produce)(x.size, 1.0, inner_delay, dask_key_name=f"inner-{i}"))
-        y = future.result() if how == "result" else c.gather(future)
-        del future
-    return add(x, y, read_delay)
-
-
-def after_a_while(n):
-    """A block of ``n`` sevens, allocated once the inner key above has been released."""
-    time.sleep(0.2)
-    return produce(n, 7.0, 0.0)
-
-
-def downloaded(a, _):
-    return sim.asnumpy(a)
-
-
-@pytest.mark.parametrize("how", ["result", "gather"])
-@pytest.mark.parametrize("hazard", ["lifetime", "order"])
-def test_a_value_got_from_a_client_inside_a_task_is_ordered_and_held(by_key, how, hazard):
-    """The inner key runs on stream 1, the task reading it on stream 0. "order": the inner
-    kernel is slow, so a read not ordered after it finds poison. "lifetime": the read is
-    slow, and a task on stream 1 allocates a block of the inner value's size once the
-    inner key is gone from the worker (its 7s would be read). Exact, twice."""
-    inner_delay, read_delay = (0.3, 0.0) if hazard == "order" else (0.0, 0.5)
-    config = {"gpustreams.streams": 2, "gpustreams.policy": "test-placement"}
-    with cluster(n_workers=1, config={**config, "gpustreams.blocks": "off"}) as client:
-        x = client.submit(produce, 1024, 2.0, 0.0, key="x").result()
-        for i in range(2):
-            by_key.update({f"outer-{i}": 0, f"inner-{i}": 1, f"fast-{i}": 1})
-            task = delayed(read_through_a_client)(
-                x, i, how, inner_delay, read_delay, dask_key_name=f"outer-{i}"
-            )
-            fast = delayed(after_a_while)(x.size, dask_key_name=f"fast-{i}")
-            got = delayed(downloaded)(task, fast, dask_key_name=f"get-{i}").compute()
-            np.testing.assert_array_equal(got, np.full(x.size, 3.0))

@@ -7,6 +7,7 @@ A compute whose collections default to Dask's threaded scheduler runs on the lau
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import dask
@@ -36,7 +37,7 @@ def test_enabled_without_a_named_scheduler_runs_on_the_launcher(gpustreams):
     a = np.arange(64.0).reshape(8, 8)
     x = da.from_array(a, chunks=4).map_blocks(sim.asarray)
     with gpustreams():
-        assert dask.base.get_scheduler(collections=[x]) is dask_gpustreams.get
+        assert dask.base.get_scheduler(collections=[x]) is local.threaded_get
         got = sim.asnumpy(((x + 1) * x).sum(axis=0).compute())
         assert _threads() == {threading.get_ident()}  # launched from this thread
         persisted = (x * 2).persist()
@@ -44,25 +45,27 @@ def test_enabled_without_a_named_scheduler_runs_on_the_launcher(gpustreams):
     np.testing.assert_array_equal(sim.asnumpy(persisted.compute(scheduler="sync")), a * 2)
 
 
-@pytest.mark.parametrize("named", ["argument", "config", "alias", "upper case"])
+@pytest.mark.parametrize("named", ["argument", "config", "alias", "upper case", "empty config"])
 def test_dask_s_threaded_scheduler_by_name_runs_on_the_launcher(gpustreams, named):
     """Dask's threads took 0.67-0.92x plain threads' time on 4 of 13 workloads on the H200;
     a name is no request for them (a user's ``scheduler: threads`` config among others)."""
-    name = {"alias": "threading", "upper case": "Threads"}.get(named, "threads")
+    name = {"alias": "threading", "upper case": "Threads", "empty config": ""}.get(named, "threads")
     with gpustreams():
-        if named == "config":
-            with dask.config.set(scheduler=name, num_workers=4):
-                assert dask.base.get_scheduler(collections=[delayed(1)]) is dask_gpustreams.get
+        if named.endswith("config"):
+            with dask.config.set(scheduler=name):
+                assert dask.base.get_scheduler(collections=[delayed(1)]) is local.threaded_get
                 threads = _threads()
         else:
-            assert dask.base.get_scheduler(scheduler=name) is dask_gpustreams.get
-            threads = _threads(scheduler=name, num_workers=4)
+            assert dask.base.get_scheduler(scheduler=name) is local.threaded_get
+            threads = _threads(scheduler=name)
     assert threads == {threading.get_ident()}  # launched from this thread
 
 
-@pytest.mark.parametrize("asked", ["function", "config function", "pool"])
+@pytest.mark.parametrize(
+    "asked", ["function", "config function", "pool", "pool argument", "num_workers"]
+)
 def test_dask_s_threads_are_kept_where_asked_for_as_such(gpustreams, asked):
-    with gpustreams():
+    with gpustreams(), ThreadPoolExecutor(4) as pool:
         if asked == "function":
             assert dask.base.get_scheduler(scheduler=dask.threaded.get) is dask.threaded.get
             threads = _threads(scheduler=dask.threaded.get, num_workers=4)
@@ -70,12 +73,35 @@ def test_dask_s_threads_are_kept_where_asked_for_as_such(gpustreams, asked):
             with dask.config.set(scheduler=dask.threaded.get, num_workers=4):
                 assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
                 threads = _threads()
-        else:
-            with ThreadPoolExecutor(4) as pool, dask.config.set(pool=pool, scheduler="threads"):
+        elif asked == "pool":
+            with dask.config.set(pool=pool, scheduler="threads"):
                 assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
                 threads = _threads()
+        elif asked == "pool argument":
+            threads = _threads(scheduler="threads", pool=pool)
+        else:
+            threads = _threads(num_workers=4)
     assert threading.get_ident() not in threads  # Dask's pool threads, not the caller's
     assert len(threads) > 1
+
+
+def test_num_workers_one_runs_one_task_at_a_time(gpustreams):
+    """``num_workers=1`` (a library that is not thread-safe) is Dask's one thread, whose
+    tasks run one by one, not the launcher's host threads."""
+    running, most, lock = [0], [0], threading.Lock()
+
+    def slow(i):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.01)  # host work: learned as such after two calls on the launcher
+        with lock:
+            running[0] -= 1
+        return i
+
+    with gpustreams():
+        got = dask.compute(*[delayed(slow)(i) for i in range(12)], num_workers=1)
+    assert got == tuple(range(12)) and most[0] == 1
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "single-threaded", "processes"])

@@ -1,5 +1,6 @@
 """What does the plugin cost on Dask's threaded scheduler (``gpustreams.enabled`` with
-``scheduler="threads"`` named), per compute and per task, against plain threads?
+Dask's threads asked for as such, ``scheduler=dask.threaded.get``; by name, ``"threads"``
+runs the launcher since cade98a), per compute and per task, against plain threads?
 
 Asked after the H200 run at 13ddc43 (``benchmarks/results/h200-lean-13ddc43/local/``),
 where that route was 0.68x plain threads on the delayed workload and 0.84x on tiny-tasks.
@@ -29,6 +30,7 @@ import statistics
 import time
 
 import dask
+import dask.threaded
 import numpy as np
 from dask import delayed
 
@@ -56,6 +58,11 @@ def chains(arrays: bw.NumpyArrays, width: int, depth: int) -> list:
     return outs
 
 
+#: ``--scheduler``: Dask's threads as such (by name, ``gpustreams.enabled`` runs the
+#: launcher) or its synchronous scheduler.
+SCHEDULERS = {"threads": dask.threaded.get, "sync": "sync"}
+
+
 def median_ms(
     arrays: bw.NumpyArrays, graph: list, depth: int, enabled: bool, reps: int, scheduler: str
 ) -> float:
@@ -66,7 +73,7 @@ def median_ms(
     with dask.config.set(config):
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            results = dask.compute(*graph, scheduler=scheduler)
+            results = dask.compute(*graph, scheduler=SCHEDULERS[scheduler])
             walls.append(time.perf_counter() - t0)
             for r in results:
                 value = np.asarray(arrays.download(r))

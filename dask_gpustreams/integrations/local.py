@@ -9,11 +9,11 @@ an argument or the ``scheduler`` config key), runs on the stream launcher instea
 own threads, each task through the runtime as below, took 0.67-0.92x plain
 threads' time on 4 of 13 workloads on the H200, where the launcher was faster than
 both plain modes on all 13. Dask's threads are kept where the user asks for them
-as such: a thread pool set as Dask's ``pool`` config, or an executor or the
-function ``dask.threaded.get`` passed as the scheduler. So is every other
-scheduler (``"sync"`` runs each task through the runtime in the calling thread).
-A compute's ``num_workers=`` is ignored on the launcher, which launches from one
-thread (host tasks run on ``gpustreams.host-threads`` threads).
+as such: a thread pool set as Dask's ``pool`` config, an executor or the function
+``dask.threaded.get`` passed as the scheduler, or ``pool=`` or ``num_workers=``
+passed to the compute (:func:`threaded_get`). So is every other scheduler
+(``"sync"`` runs each task through the runtime in the calling thread). The launcher
+launches from one thread (host tasks run on ``gpustreams.host-threads`` threads).
 
 :func:`install` also puts
 :func:`local_callbacks` in place of ``dask.local.local_callbacks``, the context
@@ -159,17 +159,26 @@ def local_callbacks(callbacks: Sequence[tuple] | None = None) -> Iterator[Sequen
 THREADED_NAMES = frozenset({"threads", "threading"})
 
 
+def threaded_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """Dask's threaded scheduler while enabled: the stream launcher, or Dask's threads (each
+    task through the runtime) where the compute asks for them with ``pool=`` or
+    ``num_workers=`` (a thread count, such as 1 for a library that is not thread-safe)."""
+    if kwargs.get("pool") is not None or kwargs.get("num_workers") is not None:
+        return dask.threaded.get(dsk, keys, **kwargs)
+    return launcher_get(dsk, keys, **kwargs)
+
+
 def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
-    """Dask's ``get_scheduler``; the stream launcher for Dask's threaded scheduler, by
+    """Dask's ``get_scheduler``; :func:`threaded_get` for Dask's threaded scheduler, by
     default or by name, while enabled (see the module's docstring)."""
     schedule = _get_scheduler.original(
         get=get, scheduler=scheduler, collections=collections, cls=cls
     )
     if schedule is dask.threaded.get and enabled():
         named = scheduler if scheduler is not None else dask.config.get("scheduler", None)
-        by_name = named is None or (isinstance(named, str) and named.lower() in THREADED_NAMES)
+        by_name = not named or (isinstance(named, str) and named.lower() in THREADED_NAMES)
         if by_name and dask.config.get("pool", None) is None:
-            return launcher_get
+            return threaded_get
     return schedule
 
 

@@ -284,6 +284,14 @@ class StreamsPlugin(WorkerPlugin):
         """key -> (KernelError of a result found corrupt, when): an ``OrderedDict``."""
         return self.provenance.failures
 
+    def wait_for(self, keys: tuple[Hashable, ...]) -> None:
+        """Block until the work ``keys`` derive from is done; raise its ``KernelError``.
+
+        For keys read from the worker's memory as they are (a client inside a task,
+        :mod:`.gathered`), which ``get_data``'s wait does not see.
+        """
+        self.provenance.wait_inputs(keys)
+
     # ------------------------------------------------------------------ lifecycle
 
     async def setup(self, worker: Any) -> None:
