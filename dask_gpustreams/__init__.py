@@ -3,9 +3,9 @@
 Switch on with ``dask.config.set({"gpustreams.enabled": True})``: local computes
 on Dask's threaded scheduler, by default or by name, then run on the stream
 launcher (one thread enqueues the whole graph; also ``scheduler="gpustreams"``),
-a thread pool of the user's (Dask's ``pool`` config, or ``dask.threaded.get``
-passed as the scheduler) runs each task through the runtime in Dask's threads,
-and distributed workers take the plugin.
+Dask's threads asked for as such (a ``pool`` or ``num_workers`` of the user's,
+or ``dask.threaded.get`` passed as the scheduler) run each task through the
+runtime, and distributed workers take the plugin.
 """
 
 import dask.base

@@ -279,11 +279,6 @@ class StreamRuntime:
             with contextlib.suppress(Exception):
                 event_error(record.event)
 
-    def wait_enqueued(self) -> None:
-        """Block until the work enqueued so far on every stream is done; errors stay with
-        their events (see :meth:`state`)."""
-        self.pool.wait_all()
-
     def report(self, record: TaskRecord) -> None:
         """Report the error of ``record``'s completed task to the device, now; raise nothing.
 

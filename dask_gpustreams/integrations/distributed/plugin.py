@@ -120,8 +120,8 @@ Known limits
       :attr:`StreamsPlugin.failure_ttl` seconds.
     - Data read without ``get_data``: a client running inside a worker
       (``get_client()`` in a task) reads that worker's own ``data`` directly
-      (ordered and held for the task by :mod:`.gathered`, but a failed kernel
-      of such a key is not raised there); unwrapped coroutine or process-pool
+      (ordered and held for the task by :mod:`.gathered`, which raises a
+      failure of their work); unwrapped coroutine or process-pool
       tasks read their inputs without waiting; the JIT-unspill
       ``ProxifyHostFile`` of dask-cuda before 26.10 spills without the
       per-key wait. With CuPy these paths stay ordered only
@@ -288,9 +288,11 @@ class StreamsPlugin(WorkerPlugin):
         """Block until the work ``keys`` derive from is done; raise its ``KernelError``.
 
         For keys read from the worker's memory as they are (a client inside a task,
-        :mod:`.gathered`), which ``get_data``'s wait does not see.
+        :mod:`.gathered`), which ``get_data``'s wait does not see. Nothing to wait for
+        outside setup and teardown (no stream ran them).
         """
-        self.provenance.wait_inputs(keys)
+        if self._active:
+            self.provenance.wait_inputs(keys)
 
     # ------------------------------------------------------------------ lifecycle
 
