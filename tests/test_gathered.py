@@ -49,16 +49,16 @@ def test_a_value_got_from_a_client_inside_a_task_is_ordered_and_held(by_key, how
     inner key is gone from the worker (its 7s would be read). Exact, twice."""
     inner_delay, read_delay = (0.3, 0.0) if hazard == "order" else (0.0, 0.5)
     config = {"gpustreams.streams": 2, "gpustreams.policy": "test-placement"}
-    with cluster(n_workers=1, config={**config, "gpustreams.blocks": "off"}) as client:
-        x = client.submit(produce, 1024, 2.0, 0.0, key="x").result()
-        for i in range(2):
+    with cluster(n_workers=1, config={**config, "gpustreams.blocks": "off"}):
+        for i in range(2):  # (no device array kept here: it would outlive the worker)
             by_key.update({f"outer-{i}": 0, f"inner-{i}": 1, f"fast-{i}": 1})
+            x = delayed(produce)(1024, 2.0, 0.0, dask_key_name=f"x-{i}")
             task = delayed(read_through_a_client)(
                 x, i, how, inner_delay, read_delay, dask_key_name=f"outer-{i}"
             )
-            fast = delayed(after_a_while)(x.size, dask_key_name=f"fast-{i}")
+            fast = delayed(after_a_while)(1024, dask_key_name=f"fast-{i}")
             got = delayed(downloaded)(task, fast, dask_key_name=f"get-{i}").compute()
-            np.testing.assert_array_equal(got, np.full(x.size, 3.0))
+            np.testing.assert_array_equal(got, np.full(1024, 3.0))
 
 
 def doubled_from_the_worker(key):
