@@ -345,11 +345,21 @@ def test_an_input_updated_in_place_is_no_new_output_for_launch_ahead(launcher):
     assert launched[-1] - t0 < 0.5 * wall, (launched[-1] - t0, wall)
 
 
+def settled_pool():
+    """The sim's default pool once the garbage of earlier tests is collected and its free
+    blocks freed: a device array left alive by another test (an in-process worker's) would
+    otherwise go back mid-test to the arena of a stream closed since, which no stream of
+    this test takes from."""
+    gc.collect()
+    pool = sim.get_default_memory_pool()
+    pool.free_all_blocks()
+    return pool
+
+
 @contextlib.contextmanager
 def device_limit(chunks: int):
     """The sim device full but for ``chunks`` chunks beyond the arrays alive now."""
-    pool = sim.get_default_memory_pool()
-    pool.free_all_blocks()
+    pool = settled_pool()
     pool.set_capacity(pool.used_bytes() + chunks * CHUNK * 8)
     try:
         yield

@@ -18,7 +18,7 @@ from dask_gpustreams import sim
 from dask_gpustreams.runtime import get_runtime
 from dask_gpustreams.runtime.registry import EventRegistry
 from dask_gpustreams.runtime.sharedblocks import SharedBlocks
-from tests.test_launcher import CHUNK, device_limit
+from tests.test_launcher import CHUNK, device_limit, settled_pool
 from tests.test_local_scheduler import download, leaf, slow_scale
 
 SHARED = "128 KiB"  # below CHUNK's 256 KiB
@@ -153,7 +153,7 @@ def test_blocks_go_back_to_the_pool_at_a_computes_end_and_when_freed_after(
     """The temporaries of a compute go back to the pool at its end, and persisted results
     freed later, their streams idle, at once: ``free_all_blocks`` then leaves only the
     arrays alive."""
-    pool = sim.get_default_memory_pool()
+    pool = settled_pool()
     leaves = [delayed(leaf)(float(i), CHUNK, 0.001) for i in range(8)]
     doubled = [delayed(through_temporary)(x, 0.001, 0.001) for x in leaves]
     alive = pool.used_bytes()
@@ -182,7 +182,7 @@ def test_a_block_freed_while_its_stream_runs_other_work_goes_back_at_the_close(
     """A result freed after its compute, while its stream runs a task of another route
     (as a distributed worker's outside stream blocks), stays cached for that stream; the
     runtime's close gives it back to the pool, as it does every block."""
-    pool = sim.get_default_memory_pool()
+    pool = settled_pool()
     with launcher(streams=1, **{"shared-blocks": SHARED}, **ONLY_SHARED):
         runtime = get_runtime()
         alive = pool.used_bytes()
