@@ -1,21 +1,23 @@
 """Host overhead of the stream runtime per task, by scheduler.
 
-Runs ``--tasks`` no-op tasks (each returns its input array; no kernels) as a
-wide graph, under plain Dask (synchronous and threaded schedulers, plugin
-off), the plugin by config on both (``gpustreams.enabled``), and the stream
-launcher (``scheduler="gpustreams"``). Prints microseconds per task, tasks per
-second, and the difference to plain Dask's synchronous scheduler: for the
-plugin on the synchronous scheduler that difference is the runtime's own
-cost. Two graphs: ``wide`` (every task reads one source array) and
-``chains`` (chains of 20 tasks, so event waits and stream reuse are
+Runs ``--tasks`` no-op tasks (each returns its input array; no kernels) as a wide graph,
+under plain Dask (synchronous and threaded schedulers, plugin off), the plugin by config
+(``gpustreams.enabled``) with ``scheduler="sync"`` by name (the launcher, every task on
+the calling thread), with Dask's own schedulers as such (``dask.local.get_sync`` and
+``dask.threaded.get``: each task through the runtime in Dask's threads), and the stream
+launcher (``scheduler="gpustreams"``). Prints microseconds per task, tasks per second, and
+the difference to plain Dask's synchronous scheduler: for the plugin on a synchronous
+route that difference is the runtime's own cost. Two graphs: ``wide`` (every task reads
+one source array) and ``chains`` (chains of 20 tasks, so event waits and stream reuse are
 exercised). The modes take turns: each of ``--repeats`` rounds runs every mode once,
-starting one further each round, after collecting garbage untimed, and the difference
-to plain sync is paired by round (the host's drift between calls is as large as the
+starting one further each round, after collecting garbage untimed, and the difference to
+plain sync is paired by round (the host's drift between calls is as large as the
 differences measured). Every run is checked: each output must be the source array itself
-(a no-op task returns its input), else the row is FAILED. ``--profile`` reruns the launcher
-on each graph of ``--graphs`` under cProfile and prints where the time goes. ``--out DIR`` also
-writes ``results.json`` (meta; one row per graph and mode, with every sample) and
-``rows.jsonl`` (rows as they complete), the files ``python -m benchmarks run`` reads::
+(a no-op task returns its input), else the row is FAILED. ``--profile`` reruns the
+launcher on each graph of ``--graphs`` under cProfile and prints where the time goes.
+``--out DIR`` also writes ``results.json`` (meta; one row per graph and mode, with every
+sample) and ``rows.jsonl`` (rows as they complete), the files ``python -m benchmarks run``
+reads::
 
     python -m benchmarks.bench_overhead --backend sim
     python -m benchmarks.bench_overhead --backend cupy --tasks 20000 --profile
@@ -34,6 +36,7 @@ import sys
 import time
 
 import dask
+import dask.base
 import dask.local
 import dask.threaded
 
@@ -62,10 +65,22 @@ def graph(kind: str, n: int, source) -> tuple[dict, list]:
     return dsk, [(f"c{c}", CHAIN - 1) for c in range(chains)]
 
 
-#: Schedulers by mode: plain Dask's two local schedulers and the stream launcher.
+def by_name(name: str):
+    """The scheduler ``compute(scheduler=name)`` gets under the config of the call."""
+
+    def get(dsk, keys, **kwargs):
+        return dask.base.get_scheduler(scheduler=name)(dsk, keys, **kwargs)
+
+    return get
+
+
+#: Schedulers by mode: plain Dask's two local schedulers (as functions, so that the
+#: plugin's rows run each task through the runtime in Dask's threads), ``"sync"`` by name
+#: and the stream launcher.
 SCHEDULERS = {
     "sync": dask.local.get_sync,
     "threads": dask.threaded.get,
+    "sync by name": by_name("sync"),
     "launcher": dask_gpustreams.get,
 }
 
@@ -144,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode in turn; 'vs plain sync': the median over rounds of us/task minus plain "
         "Dask's synchronous scheduler's in the same round"
     )
-    print(f"{'graph':<7} {'mode':<30} {'us/task':>8} {'tasks/s':>9} {'vs plain sync':>14}")
+    print(f"{'graph':<7} {'mode':<34} {'us/task':>8} {'tasks/s':>9} {'vs plain sync':>14}")
     for kind in args.graphs.split(","):
         dsk, keys = graph(kind, args.tasks, source)
         n = len(dsk) - 1
@@ -156,8 +171,14 @@ def main(argv: list[str] | None = None) -> int:
                 "gpustreams.streams": args.streams,
                 "gpustreams.policy": policy,
             }
-            for mode in ("sync", "threads", "launcher"):
-                label = f"launcher {policy}" if mode == "launcher" else f"enabled {mode} {policy}"
+            for mode in ("sync by name", "sync", "threads", "launcher"):
+                label = {
+                    "launcher": f"launcher {policy}",
+                    "sync by name": f"enabled 'sync' {policy}",
+                }.get(
+                    mode,
+                    f"enabled {SCHEDULERS[mode].__module__}.{SCHEDULERS[mode].__name__} {policy}",
+                )
                 enabled = {**config, "gpustreams.enabled": mode != "launcher"}
                 rows.append((label, SCHEDULERS[mode], enabled))
         if args.timeline:
@@ -169,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             wall = statistics.median(walls)
             paired = statistics.median(w - b for w, b in zip(walls, base_walls, strict=True))
             print(
-                f"{kind:<7} {label:<30} {wall / n * 1e6:8.1f} {n / wall:9.0f} "
+                f"{kind:<7} {label:<34} {wall / n * 1e6:8.1f} {n / wall:9.0f} "
                 f"{paired / n * 1e6:14.1f}" + (f"  FAILED: {problem}" if problem else ""),
                 flush=True,
             )

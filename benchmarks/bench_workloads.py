@@ -17,7 +17,9 @@ plain sync's std took 260 to 438 ms within 5 samples at 71dc3df):
   ``dask_gpustreams`` does not register it);
 - ``enabled-threads``: the plugin by config, ``gpustreams.enabled: True``, on Dask's
   threads asked for as such, ``scheduler=dask.threaded.get`` (with no scheduler named, or
-  ``"threads"`` by name, ``gpustreams.enabled`` runs the launcher).
+  ``"threads"`` by name, ``gpustreams.enabled`` runs the launcher);
+- ``enabled-sync``: the plugin by config with ``scheduler="sync"`` by name: the launcher
+  with every task on the calling thread, host tasks too.
 
 Backends: ``cupy`` (CuPy chunks), ``sim`` (chunks on the simulated device, uploaded with
 ``map_blocks(sim.asarray)``; the slicing stencil of ``numpy`` instead of ``ndimage``) and
@@ -73,7 +75,7 @@ from benchmarks import bench_shapes, kernels, report
 from dask_gpustreams import sim
 from dask_gpustreams.backends import resolve_backend
 
-MODES = ("threads", "sync", "launcher", "enabled-threads")
+MODES = ("threads", "sync", "launcher", "enabled-threads", "enabled-sync")
 #: Modes for finding where the launcher loses (not in the default set): one stream, so the
 #: launcher's host path without concurrency on the device; the round-robin policy; less
 #: of the graph launched ahead of the device (its memory against its speed); for its
@@ -574,6 +576,8 @@ def mode_settings(mode: str) -> tuple[dict, dict]:
         return dict(OFF, **DIAGNOSTIC_MODES[mode]), {"scheduler": "gpustreams"}
     if mode == "enabled-threads":  # Dask's threads as such: by name, enabled runs the launcher
         return {"gpustreams.enabled": True}, {"scheduler": dask.threaded.get}
+    if mode == "enabled-sync":
+        return {"gpustreams.enabled": True}, {"scheduler": "sync"}
     return OFF, {}
 
 

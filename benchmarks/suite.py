@@ -224,7 +224,8 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark(
             "workloads",
             "benchmarks.bench_workloads",
-            "twelve dask.array/delayed workloads: threads, sync, launcher, enabled-threads",
+            "thirteen dask.array/delayed workloads: threads, sync, launcher, enabled-threads, "
+            "enabled-sync",
             _workloads,
             workloads_rows,
         ),

@@ -70,13 +70,13 @@ def test_overhead_modes_take_turns_and_pair_with_plain_sync(tmp_path, monkeypatc
     argv += ["--repeats", "2", "--streams", "2", "--threads", "2", "--out", str(out)]
     assert bench_overhead.main(argv) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
-    assert [r["samples"] for r in rows] == [2] * 5
+    assert [r["samples"] for r in rows] == [2] * 6
     assert all(r["status"] == "ok" for r in rows)
     assert rows[0]["mode"] == "plain sync" and rows[0]["us_per_task_vs_plain_sync"] == 0
-    # Three rounds (a warm-up, then 2) of all five modes, each round starting one further.
+    # Three rounds (a warm-up, then 2) of all six modes, each round starting one further.
     modes = list(dict.fromkeys(order))
-    assert len(modes) == 5 and len(order) == 15
-    assert [modes.index(m) for m in order[::5]] == [0, 1, 2]
+    assert len(modes) == 6 and len(order) == 18
+    assert [modes.index(m) for m in order[::6]] == [0, 1, 2]
     for r in rows[1:]:
         walls, base = r["walls_ms"], rows[0]["walls_ms"]
         diffs = [(w - b) * 1e3 / r["n_tasks"] for w, b in zip(walls, base, strict=True)]

@@ -18,6 +18,7 @@ import traceback
 
 import dask
 import dask.array as da
+import dask.local
 import dask.threaded
 import distributed.core
 import numpy as np
@@ -151,7 +152,7 @@ def test_overlapping_computes_from_two_threads_and_later_ones_run_through_the_ru
             t.join(TIMEOUT)
         assert not any(t.is_alive() for t in threads)
         assert results == {"a": True, "b": True}
-        for scheduler in (dask.threaded.get, "sync"):
+        for scheduler in (dask.threaded.get, dask.local.get_sync, "sync"):
             assert delayed(on_pool_stream, pure=False)().compute(scheduler=scheduler)
     assert Callback.active == set()
 
@@ -164,8 +165,22 @@ def nested_compute(scheduler):
     return on_outer, on_inner, values.tolist()
 
 
-@pytest.mark.parametrize("outer", [pytest.param(dask.threaded.get, id="threads"), "sync"])
-@pytest.mark.parametrize("inner", [pytest.param(dask.threaded.get, id="threads"), "sync"])
+@pytest.mark.parametrize(
+    "outer",
+    [
+        pytest.param(dask.threaded.get, id="threads"),
+        pytest.param(dask.local.get_sync, id="get_sync"),
+        "sync",
+    ],
+)
+@pytest.mark.parametrize(
+    "inner",
+    [
+        pytest.param(dask.threaded.get, id="threads"),
+        pytest.param(dask.local.get_sync, id="get_sync"),
+        "sync",
+    ],
+)
 def test_nested_compute_in_a_task_runs_through_the_runtime(gpustreams, outer, inner):
     with gpustreams(streams=3):
         got = delayed(nested_compute)(inner).compute(scheduler=outer)
@@ -291,7 +306,13 @@ def assert_frames_as_plain(fn, gpustreams):
 
 
 @pytest.mark.parametrize(
-    "scheduler", [pytest.param(dask.threaded.get, id="threads"), "sync", "gpustreams"]
+    "scheduler",
+    [
+        pytest.param(dask.threaded.get, id="threads"),
+        pytest.param(dask.local.get_sync, id="get_sync"),
+        "sync",
+        "gpustreams",
+    ],
 )
 @pytest.mark.parametrize("method", ["compute", "persist"])
 def test_task_error_traceback_has_no_plugin_frames(gpustreams, scheduler, method):

@@ -1,7 +1,9 @@
 """``gpustreams.enabled`` reaches the stream launcher when the compute names no scheduler.
 
 A compute whose collections default to Dask's threaded scheduler runs on the launcher
-(one thread launches every task); a scheduler the user names is kept.
+(one thread launches every task), and so does one that names Dask's threaded or
+synchronous scheduler (the latter with every task on the calling thread); Dask's
+schedulers asked for as such (their functions, a pool) and the others are kept.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dask
 import dask.array as da
 import dask.base
+import dask.local
 import dask.threaded
 import numpy as np
 import pytest
@@ -104,11 +107,46 @@ def test_num_workers_one_runs_one_task_at_a_time(gpustreams):
     assert got == tuple(range(12)) and most[0] == 1
 
 
-@pytest.mark.parametrize("scheduler", ["sync", "single-threaded", "processes"])
-def test_other_schedulers_named_are_kept(gpustreams, scheduler):
+@dask_gpustreams.host_task
+def _host_thread_of(_: object) -> int:
+    return threading.get_ident()
+
+
+def _slow_thread_of(_: object) -> int:
+    time.sleep(0.01)  # host work: learned as such after two calls on the launcher
+    return threading.get_ident()
+
+
+@pytest.mark.parametrize("named", ["argument", "config", "alias", "upper case"])
+def test_dask_s_synchronous_scheduler_by_name_runs_every_task_in_the_calling_thread(
+    gpustreams, named
+):
+    """The launcher, whose per-task cost is under plain sync's, with host tasks (marked, or
+    slow ones it would learn) where they come, on the calling thread, as Dask's sync runs
+    them: the user asked for one thread."""
+    name = {"alias": "single-threaded", "upper case": "Sync"}.get(named, "sync")
+    parts = [delayed(_host_thread_of)(i, dask_key_name=f"host-{i}") for i in range(8)]
+    parts += [delayed(_slow_thread_of)(i, dask_key_name=f"slow-{i}") for i in range(8)]
+    with gpustreams():
+        if named == "config":
+            with dask.config.set(scheduler=name):
+                assert dask.base.get_scheduler(collections=[delayed(1)]) is local.sync_get
+                threads = set(dask.compute(*parts))
+        else:
+            assert dask.base.get_scheduler(scheduler=name) is local.sync_get
+            threads = set(dask.compute(*parts, scheduler=name))
+        elsewhere = set(dask.compute(*parts[:8], scheduler="gpustreams"))
+    assert threads == {threading.get_ident()}
+    assert threading.get_ident() not in elsewhere  # marked: host threads, unless asked
+
+
+@pytest.mark.parametrize(
+    "scheduler", [dask.local.get_sync, "processes"], ids=["get_sync function", "processes"]
+)
+def test_other_schedulers_are_kept(gpustreams, scheduler):
     with gpustreams():
         kept = dask.base.get_scheduler(scheduler=scheduler)
-    assert kept is dask.base.named_schedulers[scheduler]
+    assert kept is dask.base.named_schedulers.get(scheduler, scheduler)
 
 
 def test_disabled_keeps_dask_s_default(gpustreams):

@@ -20,6 +20,7 @@ import weakref
 
 import dask
 import dask.array as da
+import dask.local
 import dask.threaded
 import numpy as np
 import pytest
@@ -192,10 +193,13 @@ def test_dask_compute_of_several_collections(gpustreams, rng):
     np.testing.assert_array_equal(got_tr, expected_tr)
 
 
-def test_synchronous_scheduler(gpustreams, rng):
+@pytest.mark.parametrize(
+    "scheduler", ["synchronous", pytest.param(dask.local.get_sync, id="get_sync")]
+)
+def test_synchronous_scheduler(gpustreams, rng, scheduler):
     with gpustreams(streams=3, policy="round-robin"):
         tr, expected = tree_workload(rng)
-        np.testing.assert_array_equal(tr.compute(scheduler="synchronous"), expected)
+        np.testing.assert_array_equal(tr.compute(scheduler=scheduler), expected)
 
 
 # --- results are complete --------------------------------------------------------------------
@@ -325,10 +329,22 @@ def download_after(block, _):
 
 
 @pytest.mark.parametrize(
-    "outer", [pytest.param(dask.threaded.get, id="threads"), "sync", "gpustreams"]
+    "outer",
+    [
+        pytest.param(dask.threaded.get, id="threads"),
+        pytest.param(dask.local.get_sync, id="get_sync"),
+        "sync",
+        "gpustreams",
+    ],
 )
 @pytest.mark.parametrize(
-    "inner", [pytest.param(dask.threaded.get, id="threads"), "sync", "gpustreams"]
+    "inner",
+    [
+        pytest.param(dask.threaded.get, id="threads"),
+        pytest.param(dask.local.get_sync, id="get_sync"),
+        "sync",
+        "gpustreams",
+    ],
 )
 def test_a_nested_computes_result_is_held_until_the_task_reading_it_is_done(
     gpustreams, by_key, outer, inner

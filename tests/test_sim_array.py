@@ -17,6 +17,7 @@ import time
 
 import dask
 import dask.array as da
+import dask.local
 import dask.threaded
 import numpy as np
 import pytest
@@ -524,6 +525,7 @@ def routes():
         pytest.param("sync", False, id="sync"),
         pytest.param("threads", False, id="threads"),
         pytest.param(dask.threaded.get, True, id="plugin-threads"),
+        pytest.param(dask.local.get_sync, True, id="plugin-get_sync"),
         pytest.param("sync", True, id="plugin-sync"),
         pytest.param(
             "gpustreams",

@@ -135,6 +135,8 @@ def get(
     keys: Sequence[Hashable] | Hashable,
     cache: Mapping | None = None,
     callbacks: Sequence[Any] | None = None,
+    *,
+    host_threads: bool = True,
     **kwargs: Any,
 ):
     """Compute ``keys`` of ``dsk`` on the stream launcher (``scheduler="gpustreams"``).
@@ -144,14 +146,16 @@ def get(
     Dask callback tuples used instead of the active ones, as in ``get_async``.
     Other keyword arguments of Dask's local schedulers (``num_workers``,
     ``pool``, ...) are accepted and ignored: one thread launches, host tasks
-    use the runtime's host threads.
+    use the runtime's host threads, or, with ``host_threads=False``, run on the
+    launching thread too (Dask's synchronous scheduler by name while enabled:
+    :func:`~dask_gpustreams.integrations.local.sync_get`).
     """
     if not isinstance(dsk, Mapping):
         dsk = dsk.__dask_graph__()
     dsk = convert_legacy_graph(dsk)
     runtime = acquire_runtime()  # held until the graph ends, so it is not closed meanwhile
     try:
-        return _launch(runtime, dsk, keys, cache, callbacks)
+        return _launch(runtime, dsk, keys, cache, callbacks, host_threads)
     finally:
         runtime.release()
 
@@ -162,6 +166,7 @@ def _launch(
     keys: Sequence[Hashable] | Hashable,
     cache: Mapping | None,
     callbacks: Sequence[Any] | None,
+    host_threads: bool,
 ):
     hooks = None
     if callbacks is None and not getattr(task_state, "launching", False):
@@ -185,7 +190,16 @@ def _launch(
     else:
         priority = partial(depth_first, dependencies, outputs)
     launcher = GraphLauncher(
-        runtime, tasks, dependencies, priority, outputs, values, host, key_split, hooks
+        runtime,
+        tasks,
+        dependencies,
+        priority,
+        outputs,
+        values,
+        host,
+        key_split,
+        hooks,
+        host_threads=host_threads,
     )
     errored = True
     try:

@@ -11,9 +11,13 @@ threads' time on 4 of 13 workloads on the H200, where the launcher was faster th
 both plain modes on all 13. Dask's threads are kept where the user asks for them
 as such: a thread pool set as Dask's ``pool`` config, an executor or the function
 ``dask.threaded.get`` passed as the scheduler, or ``pool=`` or ``num_workers=``
-passed to the compute (:func:`threaded_get`). So is every other scheduler
-(``"sync"`` runs each task through the runtime in the calling thread). The launcher
-launches from one thread (host tasks run on ``gpustreams.host-threads`` threads).
+passed to the compute (:func:`threaded_get`). Dask's synchronous scheduler by name
+(``"sync"``, ``"synchronous"``, ``"single-threaded"``) runs on the launcher too, with
+every task on the calling thread, host tasks included (:func:`sync_get`): its cost per
+task is under plain sync's, where each task through the runtime on Dask's sync scheduler
+added 12-33 us on the H200. The function ``dask.local.get_sync`` is kept, as is every
+other scheduler. The launcher launches from one thread (host tasks run on the runtime's
+host threads).
 
 :func:`install` also puts
 :func:`local_callbacks` in place of ``dask.local.local_callbacks``, the context
@@ -157,6 +161,8 @@ def local_callbacks(callbacks: Sequence[tuple] | None = None) -> Iterator[Sequen
 
 #: Names under which Dask's ``named_schedulers`` give its threaded scheduler.
 THREADED_NAMES = frozenset({"threads", "threading"})
+#: Names under which Dask's ``named_schedulers`` give its synchronous scheduler.
+SYNC_NAMES = frozenset({"sync", "synchronous", "single-threaded"})
 
 
 def threaded_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
@@ -168,16 +174,27 @@ def threaded_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     return launcher_get(dsk, keys, **kwargs)
 
 
+def sync_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """Dask's synchronous scheduler by name while enabled: the stream launcher with every
+    task on the calling thread, host tasks too, one at a time, as Dask's runs them."""
+    return launcher_get(dsk, keys, host_threads=False, **kwargs)
+
+
 def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
     """Dask's ``get_scheduler``; :func:`threaded_get` for Dask's threaded scheduler, by
-    default or by name, while enabled (see the module's docstring)."""
+    default or by name, and :func:`sync_get` for its synchronous one by name, while
+    enabled (see the module's docstring)."""
     schedule = _get_scheduler.original(
         get=get, scheduler=scheduler, collections=collections, cls=cls
     )
-    if schedule is dask.threaded.get and enabled():
+    if schedule is dask.threaded.get or schedule is dask.local.get_sync:
+        if not enabled():
+            return schedule
         named = scheduler if scheduler is not None else dask.config.get("scheduler", None)
-        by_name = not named or (isinstance(named, str) and named.lower() in THREADED_NAMES)
-        if by_name and dask.config.get("pool", None) is None:
+        name = named.lower() if isinstance(named, str) else None
+        if schedule is dask.local.get_sync:
+            return sync_get if name in SYNC_NAMES else schedule
+        if (not named or name in THREADED_NAMES) and dask.config.get("pool", None) is None:
             return threaded_get
     return schedule
 

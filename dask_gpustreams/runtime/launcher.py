@@ -200,7 +200,9 @@ class GraphLauncher:
     first matters (:class:`ReadyTasks`); ``cache`` holds values known before the run and
     becomes the results (intermediates are removed from it as they go);
     ``host`` names tasks that block the host; ``group_of(key)`` names a key's
-    group for learning which tasks block the host. ``check``: before
+    group for learning which tasks block the host. ``host_threads``: False runs
+    every task on the calling thread, host tasks too (each where it comes, as Dask's
+    synchronous scheduler does), and learns nothing of them. ``check``: before
     returning, read every event of the graph with ``Backend.event_error``
     and raise the first error (see :meth:`run`).
     """
@@ -217,6 +219,7 @@ class GraphLauncher:
         group_of: Callable[[Hashable], Hashable] = lambda key: key,
         hooks: LaunchHooks | None = None,
         check: bool = False,
+        host_threads: bool = True,
     ):
         self.runtime = runtime
         self.tasks = tasks
@@ -228,6 +231,7 @@ class GraphLauncher:
         self.group_of = group_of
         self.hooks = hooks
         self.check = check
+        self.host_threads = host_threads
         self.registry = EventRegistry()
         self._outcomes = _HostOutcomes()
         self._error: BaseException | None = None
@@ -283,7 +287,8 @@ class GraphLauncher:
         """:meth:`run`, inside its allocator, whose ``meter`` tells large tasks."""
         runtime, registry = self.runtime, self.registry
         results, tasks, dependencies = self.results, self.tasks, self.dependencies
-        wanted, host, hooks = self.wanted, self.host, self.hooks
+        wanted, hooks = self.wanted, self.hooks
+        host, offload = self.host, self.host_threads
         backend, pool = runtime.backend, runtime.pool
         runtime.order_after_caller()  # creates the streams before the first task, too
         runtime.isolate_thread()
@@ -350,7 +355,7 @@ class GraphLauncher:
                     values = {d: results[d] for d in deps}
                     if hooks is not None:
                         hooks.pretask(key)
-                    if key in host or (learned and self.group_of(key) in learned):
+                    if offload and (key in host or (learned and self.group_of(key) in learned)):
                         self._submit_host(key, values)
                         continue
                     producers = [r for d in deps if (r := get_record(d)) is not None]
@@ -421,7 +426,7 @@ class GraphLauncher:
                     if start is not None:
                         timeline.append(record)
                     results[key] = result
-                    if seconds > threshold or learned.suspecting():
+                    if offload and (seconds > threshold or learned.suspecting()):
                         learned.observe(self.group_of(key), seconds)
                     if not len(launched) % COLLECT_EVERY:
                         pool.collect_all()  # streams not used lately hold finished inputs
