@@ -34,12 +34,12 @@ gpu_tests() {
     timeout "$1" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu > "$R/gpu-tests.txt" 2>&1
     echo "gpu tests rc $?" >> "$R/gpu-tests.txt"
 }
-# `launcher_workloads SECONDS OVERHEAD_SECONDS`: the workloads (13 since f697d93) under plain threads, plain
-# sync and the launcher into $R/workloads and its log (with its exit status), then the
-# runtime's cost per no-op task into $R/overhead.txt.
+# `launcher_workloads SECONDS OVERHEAD_SECONDS [MODES]`: the workloads (13 since f697d93)
+# under MODES (default plain threads, plain sync and the launcher) into $R/workloads and its
+# log (with its exit status), then the runtime's cost per no-op task into $R/overhead.txt.
 launcher_workloads() {
     timeout "$1" python3 -m benchmarks.bench_workloads --backend cupy \
-        --modes threads,sync,launcher --samples 4 --rounds 2 --warmup 1 --set rechunk.n=4096 \
+        --modes "${3:-threads,sync,launcher}" --samples 4 --rounds 2 --warmup 1 --set rechunk.n=4096 \
         --out "$R/workloads" > "$R/workloads.log" 2>&1
     echo "workloads rc $?" >> "$R/workloads.log"
     timeout "$2" python3 -m benchmarks.bench_overhead --backend cupy --tasks 10000 --repeats 3 \
