@@ -170,3 +170,36 @@ def test_the_entries_of_dead_functions_do_not_pile_up(execution):
         _prepare(execution, tasks, i, _Step(1), i)
         del tasks[i]  # the task and its callable go
     assert len(execution._kinds) <= 64
+
+
+class _Counted:
+    """A callable equal to the others of its class, which counts its ``__hash__`` and ``__eq__``."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __hash__(self):
+        self.calls += 1
+        return 1
+
+    def __eq__(self, other):
+        self.calls += 1
+        return isinstance(other, _Counted)
+
+    def __call__(self, x):
+        return x
+
+
+def test_the_tasks_of_one_function_object_neither_hash_nor_compare_it(execution, decided):
+    """A graph's tasks share their function (a new object, equal to an earlier graph's, whose
+    entry it finds): found by identity from its second task on, with no Python call."""
+    execution, tasks = execution
+    earlier = _Counted()  # an earlier graph's, still alive
+    _prepare(execution, tasks, "earlier", earlier, 0)
+    f = _Counted()
+    _prepare(execution, tasks, 0, f, 0)
+    first = earlier.calls + f.calls
+    specs = [_prepare(execution, tasks, i, f, i) for i in range(1, 4)]
+    assert all(isinstance(s, StreamTask) for s in specs)
+    assert earlier.calls + f.calls == first
+    assert decided == ["earlier", "earlier"]  # f's kind: found by equality at its first task

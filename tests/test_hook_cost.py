@@ -13,6 +13,7 @@ import collections
 import gc
 import sys
 import time
+from dataclasses import dataclass
 
 import dask
 import numpy as np
@@ -27,7 +28,9 @@ CONFIG = {"gpustreams.backend": "sim", "gpustreams.streams": 4, "gpustreams.bloc
 #: Python calls of the hook per task, all its transitions together: 10.07 when this was set,
 #: 1 per transition for the hook itself; the checks of the inputs' events run in the worker
 #: thread. The hook made 41 before it was first made cheap, then 22 (8 of them
-#: ``Task.is_coro``), then 12.0 (before the wrapping decision was kept per function).
+#: ``Task.is_coro``), then 12.0 (before the wrapping decision was kept per function); with a
+#: dataclass as the task function, 12.0 until the function of the last task was found by
+#: identity (not by its ``__hash__`` and ``__eq__``, 2 calls per task).
 MAX_CALLS_PER_TASK = 10.5
 #: Python calls per transition, the hook's own included, by finish state. ``executing``: the
 #: hook, ``Execution.prepare`` and ``StreamTask.__init__``, and the rare task with a transfer
@@ -47,6 +50,17 @@ CALLS_PER_TRANSITION = {
 
 def _inc(x):
     return x + 1
+
+
+@dataclass(frozen=True)
+class _Add:
+    """A task function whose ``__hash__`` and ``__eq__`` are Python calls; each graph brings
+    a new, equal object (pickled with it), which its tasks share."""
+
+    k: int
+
+    def __call__(self, x):
+        return x + self.k
 
 
 class CallCounter:
@@ -82,14 +96,15 @@ class CallCounter:
         return counted
 
 
-def _chains(width: int, depth: int, tag: str):
-    """``width`` chains of ``depth`` dependent tasks on one sim array (its record is an input)."""
+def _chains(width: int, depth: int, tag: str, func=_inc):
+    """``width`` chains of ``depth`` dependent ``func`` tasks on one sim array (its record is
+    an input)."""
     x = dask.delayed(sim.asarray, name=f"hook-source-{tag}")(np.zeros(4))
     outs = []
     for j in range(width):
         y = x
         for i in range(depth):
-            y = dask.delayed(_inc, name=f"hook-{tag}-{j}-{i}")(y)
+            y = dask.delayed(func, name=f"hook-{tag}-{j}-{i}")(y)
         outs.append(y)
     return outs
 
@@ -117,13 +132,14 @@ def counted(monkeypatch):
         yield client, counter
 
 
-def test_hook_makes_few_python_calls_per_task(counted):
+@pytest.mark.parametrize("func", [_inc, _Add(1)], ids=["function", "dataclass"])
+def test_hook_makes_few_python_calls_per_task(counted, func):
     client, counter = counted
-    dask.compute(*_chains(4, 10, "warm"))  # the runtime and the caches exist from here
+    dask.compute(*_chains(4, 10, "warm", func))  # the runtime and the caches exist from here
     _wait_until_idle(client)  # the warm-up's keys released and forgotten: not counted below
     counter.calls.clear()
     counter.transitions.clear()
-    results = dask.compute(*_chains(4, 50, "timed"))
+    results = dask.compute(*_chains(4, 50, "timed", func))
     del results
     _wait_until_idle(client)
     tasks = counter.transitions["executing"]

@@ -173,14 +173,22 @@ class Execution:
         #: A weak reference to a task function -> (its type, how its tasks run: ``_AS_IS``,
         #: ``_HOST``, ...), decided at its first task: the module and coroutine checks are
         #: per function, not per task. Keyed as ``weakref.WeakKeyDictionary`` keys them (a
-        #: reference equals another whose live referents are equal), with no Python call per
-        #: lookup: a callable shipped anew in each task message (a frozen dataclass) finds its
-        #: equal, of its own type only. Weak, so that a function shipped by value with each
-        #: graph (a closure over a device array) is not kept alive; a dead entry equals only
-        #: itself, and :meth:`_sweep` drops it. A callable with no weak reference (numpy's
-        #: ufuncs) is its own key if its module holds it (a singleton), else decided per task.
+        #: reference equals another whose live referents are equal), with no call of a
+        #: mapping's method per lookup: a callable shipped anew in each task message (a frozen
+        #: dataclass) finds its equal, of its own type only. Weak, so that a function shipped
+        #: by value with each graph (a closure over a device array) is not kept alive; a dead
+        #: entry equals only itself, and :meth:`_sweep` drops it. A callable with no weak
+        #: reference (numpy's ufuncs) is its own key if its module holds it (a singleton), else
+        #: decided per task.
         self._kinds: dict[Any, tuple[type, int]] = {}
         self._sweep_at = _SWEEP_AT_LEAST
+        #: The function of the last task decided (weakly) and its kind. A graph's tasks share
+        #: their function object, which this finds by identity: a lookup in :attr:`_kinds`
+        #: makes a weak reference, and calls the function's ``__hash__`` and ``__eq__`` if it
+        #: is equal to the key it finds but not that key's referent (two Python calls per task
+        #: for a dataclass, about 2 us of the event loop's time).
+        self._last_func: weakref.ref | None = None
+        self._last_kind = _AS_IS
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
         # What each task reads of the provenance, bound once (no call per task): the failure
@@ -222,14 +230,22 @@ class Execution:
         ):
             if type(node) is Task:
                 func = node.func
-                try:  # by equality (a callable shipped by value arrives as a new, equal object)
-                    known = self._kinds.get(weakref.ref(func))
-                except Exception:  # no weak reference to it; or its __hash__ or __eq__ raised
-                    known = self._known_strongly(func)
-                if known is not None and known[0] is type(func):
-                    kind = known[1]
+                last = self._last_func  # by identity first: a graph's tasks share their function
+                if last is not None and last() is func:
+                    kind = self._last_kind
                 else:
-                    kind = self._remember(node)
+                    try:  # by equality (a callable shipped by value arrives as a new, equal object)
+                        last = weakref.ref(func)
+                        known = self._kinds.get(last)
+                    except Exception:  # no weak reference to it; or its __hash__ or __eq__ raised
+                        last = None
+                        known = self._known_strongly(func)
+                    if known is not None and known[0] is type(func):
+                        kind = known[1]
+                    else:
+                        kind = self._remember(node)
+                    self._last_func = last
+                    self._last_kind = kind
             else:
                 kind = self._kind(node)
             if kind >= _STREAM:
@@ -320,6 +336,7 @@ class Execution:
         """The worker's runtime (made at its first task), and what is per runtime."""
         runtime = self.provenance.task_runtime()
         self._rewrites = transfer_rewrites(runtime)
+        self._last_func = None  # its kind was decided without the transfer functions
         self._runtime = runtime
         return runtime
 
