@@ -25,8 +25,10 @@ plugin's ``transition`` hook and its ``Execution.prepare``, of
 ``cupy.empty`` inside that, with the plugin on; ``transition`` also by the state the key
 goes to. The hook is timed in a first pass, the calls inside it and the task's in a
 second, so no timer stands inside another's window; the wall clock's window holds two
-``perf_counter`` reads and the wrapper's call. ``--blocks`` is the plugin's stream blocks setting,
-``off`` (as shipped) unless given.
+``perf_counter`` reads and the wrapper's call. The second pass also times, with the same
+wrapper, the empty ``transition`` hook of a plugin of the probe's (``EmptyHook.transition``):
+the timer's own share of each call's figures, under the same load (they keep it).
+``--blocks`` is the plugin's stream blocks setting, ``off`` (as shipped) unless given.
 
 ::
 
@@ -57,6 +59,15 @@ class WorkerLog(WorkerPlugin):
 
     def transition(self, key, start, finish, **kwargs):
         self.log.append((key, finish, time.perf_counter()))
+
+
+class EmptyHook(WorkerPlugin):
+    """A ``transition`` hook that does nothing: timed, the cost of the timer itself."""
+
+    name = "probe-empty-hook"
+
+    def transition(self, key, start, finish, **kwargs):
+        pass
 
 
 class SchedulerLog(SchedulerPlugin):
@@ -152,6 +163,7 @@ def _install_hook_timers(dask_worker, hook: bool):
     def timed(cls, name):
         original = getattr(cls, name)
         label = f"{getattr(cls, '__name__', cls)}.{name}"
+        by_finish = cls is StreamsPlugin
 
         def wrapper(*args, **kwargs):
             # The thread's CPU clock is a system call: read outside the wall clock's window.
@@ -163,7 +175,7 @@ def _install_hook_timers(dask_worker, hook: bool):
                 t1 = time.perf_counter()
                 pair = (t1 - t0, time.thread_time() - c0)
                 times[label].append(pair)
-                if name == "transition":  # (plugin, key, start, finish): also by finish state
+                if by_finish:  # (plugin, key, start, finish): also by finish state
                     times[f"{label} ->{args[3]}"].append(pair)
 
         patch = mock.patch.object(cls, name, wrapper)
@@ -180,6 +192,7 @@ def _install_hook_timers(dask_worker, hook: bool):
             targets.append((cupy, "empty"))  # the launch's allocation, from the memory pool
         except ImportError:
             pass
+        targets.append((EmptyHook, "transition"))  # the timer's own cost
     for cls, name in targets:
         timed(cls, name)
 
@@ -207,11 +220,15 @@ def hook_times(dist, loads, shapes: str, reps: int) -> None:
     """
     client = dist.client
     for hook in (True, False):  # the hook alone, then what is inside it and the task
+        if not hook:
+            client.register_plugin(EmptyHook())
         client.run(_install_hook_timers, hook=hook)
         try:
             _hook_rows(dist, loads, shapes, reps)
         finally:
             client.run(_remove_hook_timers)
+            if not hook:
+                client.unregister_worker_plugin(EmptyHook.name)
 
 
 def _hook_rows(dist, loads, shapes: str, reps: int) -> None:
