@@ -850,6 +850,34 @@ def test_download_in_graph_is_a_host_task(launcher):
         np.testing.assert_array_equal(y.compute(scheduler="gpustreams"), 2 * A)
 
 
+def test_host_tasks_release_what_they_held_once_done(launcher, by_key):
+    """A host task's held uploads go once its event is seen complete, not when its stream
+    next records: a chain of 8 host tasks, each on a stream of its own, has at most two
+    uploads alive at once (its own and its producer's, whose event may not have completed
+    when that finished), not one per stream the chain has run on."""
+    pool = sim.get_default_memory_pool()
+    used: list[int] = []
+
+    @host_task
+    def upload_and_download(previous, i):
+        """A pipeline's host task: upload a chunk (held until the task's event completes),
+        scale it on the task's stream, download it; notes the pool's used bytes then."""
+        x = to_device(np.full(CHUNK, float(i)))
+        used.append(pool.used_bytes())
+        return sim.asnumpy(x * 2.0) + previous
+
+    step = np.zeros(CHUNK)
+    for i in range(8):
+        by_key[f"step-{i}"] = i
+        step = delayed(upload_and_download)(step, i, dask_key_name=f"step-{i}")
+    base = pool.used_bytes()
+    with launcher(streams=8, policy="test-placement"):
+        got = step.compute(scheduler="gpustreams")
+    np.testing.assert_array_equal(got, np.full(CHUNK, 2.0 * sum(range(8))))
+    assert len(used) == 8
+    assert max(used) - base <= 2 * CHUNK * 8, [(u - base) / (CHUNK * 8) for u in used]
+
+
 # --- Dask semantics --------------------------------------------------------------------------
 
 

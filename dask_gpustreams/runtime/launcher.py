@@ -563,6 +563,10 @@ class GraphLauncher:
                 t0 = perf_counter()
                 result = runtime.run(key, self.tasks[key], values, registry)
                 seconds = perf_counter() - t0
+            # Release what completed tasks hold (this task's producers among them): a stream's
+            # finished work is otherwise collected only when it records again, so the uploads
+            # of host tasks spread over the streams, and their shared blocks, stayed meanwhile.
+            runtime.pool.collect_all()
         except BaseException as e:
             error = e
         finally:
