@@ -582,6 +582,28 @@ def test_large_tasks_run_on_two_streams(on_the_launcher, launcher, large_tasks):
         assert len(set(seen)) > 2, seen
 
 
+@host_task
+def scaled_on_host(streams_seen, x):
+    """:func:`scaled_on`, downloaded: a host task."""
+    return sim.asnumpy(scaled_on(streams_seen, x))
+
+
+def test_host_tasks_of_a_large_group_run_on_its_two_streams(on_the_launcher, launcher):
+    """A group learned large on the launcher keeps to the large tasks' 2 streams when its
+    tasks run on host threads (4 at once), as a large group learned to block the host
+    does on the H200 (qr): on every stream each would leave its blocks cached. Exact."""
+    config = {"large-tasks": "128 KiB", "small-blocks": SMALL_BLOCKS}
+    with launcher(streams=8, policy="auto", **config):
+        for task in (scaled_on, scaled_on_host):
+            seen: list[int] = []
+            inputs = [delayed(leaf)(float(i), CHUNK, 0.004) for i in range(16)]
+            outs = [delayed(task)(seen, x, dask_key_name=f"big-{i}") for i, x in enumerate(inputs)]
+            got = dask.compute(*[delayed(sim.asnumpy)(o) for o in outs], scheduler="gpustreams")
+            assert [g.tolist() for g in got] == [[2.0 * i] * CHUNK for i in range(16)]
+            assert "big" in get_runtime().large_tasks
+    assert len(set(seen)) <= 2, seen
+
+
 def test_a_group_stays_large_across_computes_until_a_task_allocates_less(on_the_launcher, launcher):
     """Learned in one compute, a large group's first task of the next compute goes to the
     2 streams too; a task of it that allocates no large block makes it small again."""

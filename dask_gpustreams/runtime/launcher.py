@@ -356,7 +356,7 @@ class GraphLauncher:
                     if hooks is not None:
                         hooks.pretask(key)
                     if offload and (key in host or (learned and self.group_of(key) in learned)):
-                        self._submit_host(key, values)
+                        self._submit_host(key, values, large)
                         continue
                     producers = [r for d in deps if (r := get_record(d)) is not None]
                     with assign_lock:
@@ -528,21 +528,26 @@ class GraphLauncher:
 
     # --- host tasks ---------------------------------------------------------------------------
 
-    def _submit_host(self, key: Hashable, values: dict) -> None:
+    def _submit_host(self, key: Hashable, values: dict, large: bool) -> None:
         """Run ``key`` on a host thread, in a copy of this thread's context variables (a
         distributed worker's, which ``get_worker`` reads); inline if this thread is one (a
         nested compute in a host task), since all host threads may be taken by tasks that
-        wait for this one."""
+        wait for this one. ``large``: on the large tasks' streams, as on the launcher (a
+        large group learned to block the host would otherwise spread its blocks over every
+        stream, several at once)."""
         producers = self.registry.records(self.dependencies[key])
         if task_state.__dict__.get("host_thread"):
             self._outcomes.running += 1
-            self._run_host(key, values, producers)
+            self._run_host(key, values, producers, large)
         else:
             run = contextvars.copy_context().run
-            self.runtime.host_executor().submit(run, self._run_host, key, values, producers)
+            submit = self.runtime.host_executor().submit
+            submit(run, self._run_host, key, values, producers, large)
             self._outcomes.running += 1  # not before: a refused submit must not be waited for
 
-    def _run_host(self, key: Hashable, values: dict, producers: list[TaskRecord]) -> None:
+    def _run_host(
+        self, key: Hashable, values: dict, producers: list[TaskRecord], large: bool
+    ) -> None:
         """On a host thread: wait for the inputs on the host, then run ``key`` on a stream."""
         runtime = self.runtime
         result = record = error = None
@@ -561,7 +566,7 @@ class GraphLauncher:
             shared = runtime.shared_blocks
             with backend.launch_allocator(self._streams, config.small_blocks, 0, shared):
                 t0 = perf_counter()
-                result = runtime.run(key, self.tasks[key], values, registry)
+                result = runtime.run(key, self.tasks[key], values, registry, large=large)
                 seconds = perf_counter() - t0
             # Release what completed tasks hold (this task's producers among them): a stream's
             # finished work is otherwise collected only when it records again, so the uploads

@@ -119,14 +119,16 @@ class StreamRuntime:
         inputs: Mapping[Hashable, Any],
         registry: EventRegistry,
         critical: bool | None = None,
+        large: bool = False,
     ) -> Any:
         """Run ``fn(inputs)`` for task ``key`` on a pool stream and record its event.
 
-        The stream first waits (on the device) for the events of the inputs
-        produced on other streams; the inputs are held until the task's own
-        event completes. Returns as soon as the task's work is enqueued, unless
-        more than ``pool.max_inflight`` tasks are queued on the stream: then it
-        first waits for the oldest (back-pressure bounds the inputs held).
+        The stream (chosen with ``critical`` and ``large`` as :class:`TaskInfo` has them)
+        first waits (on the device) for the events of the inputs produced on other
+        streams; the inputs are held until the task's own event completes. Returns as
+        soon as the task's work is enqueued, unless more than ``pool.max_inflight`` tasks
+        are queued on the stream: then it first waits for the oldest (back-pressure
+        bounds the inputs held).
         """
         backend = self.backend
         pool = self.pool
@@ -134,7 +136,7 @@ class StreamRuntime:
         get = registry.get
         producers = [r for k in inputs if (r := get(k)) is not None]
         with pool.assign_lock:
-            slot = self.policy.select(TaskInfo(key, producers, registry, critical), pool)
+            slot = self.policy.select(TaskInfo(key, producers, registry, critical, large), pool)
             pool.assign(slot)
         event = start = None
         holds: list = []
