@@ -80,8 +80,8 @@ MODES = ("threads", "sync", "launcher", "enabled-threads", "enabled-sync")
 #: launcher's host path without concurrency on the device; the round-robin policy; less
 #: of the graph launched ahead of the device (its memory against its speed); for its
 #: memory, 2 streams, no large tasks (every task on any stream), no small-block arenas and
-#: no shared large blocks (an arena per stream); and each launch order, whichever is the
-#: default.
+#: no shared large blocks (an arena per stream); fewer host threads (fewer host tasks, each
+#: holding its device memory, at once); and each launch order, whichever is the default.
 DIAGNOSTIC_MODES = {
     "launcher-1": {"gpustreams.streams": 1},
     "launcher-rr": {"gpustreams.policy": "round-robin"},
@@ -91,6 +91,8 @@ DIAGNOSTIC_MODES = {
     "launcher-nolarge": {"gpustreams.large-tasks": 0},
     "launcher-nosmall": {"gpustreams.small-blocks": 0},
     "launcher-noshared": {"gpustreams.shared-blocks": 0},
+    "launcher-host1": {"gpustreams.host-threads": 1},
+    "launcher-host2": {"gpustreams.host-threads": 2},
     "launcher-depth-first": {"gpustreams.launch-order": "depth-first"},
     "launcher-dask-order": {"gpustreams.launch-order": "dask"},
 }

@@ -48,6 +48,8 @@ MAX_STREAMS = 128
 MAX_COPY_STREAMS = 32
 #: Largest ``gpustreams.block-size``.
 MAX_BLOCK_SIZE = 100_000
+#: Largest ``gpustreams.host-threads``.
+MAX_HOST_THREADS = 64
 #: Smallest byte size of ``pinned-pool-size`` and ``launch-ahead``.
 MIN_SIZE = 1 << 20
 
@@ -191,6 +193,9 @@ class StreamsConfig:
     pinned_pool_size: int | str | None = None
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
     launch_ahead: int | str = 256 << 20
+    #: Threads that run the launcher's host tasks, from 1 to :data:`MAX_HOST_THREADS`: at
+    #: most this many run at once, each holding its task's device memory meanwhile.
+    host_threads: int = 4
     #: How the launcher ranks ready tasks: ``depth-first`` (:mod:`.runtime.ordering`: a
     #: walk from the outputs, under 5 us a key) or ``dask`` (``dask.order``, 6-22 us a key).
     launch_order: str = "depth-first"
@@ -229,6 +234,7 @@ class StreamsConfig:
             "streams": _parse_int("streams", self.streams, 1, MAX_STREAMS),
             "copy_streams": _parse_int("copy-streams", self.copy_streams, 1, MAX_COPY_STREAMS),
             "block_size": _parse_int("block-size", self.block_size, 2, MAX_BLOCK_SIZE),
+            "host_threads": _parse_int("host-threads", self.host_threads, 1, MAX_HOST_THREADS),
             "pinned_pool_size": None if auto else _parse_size("pinned-pool-size", size, _PINNED),
             "launch_ahead": _parse_size("launch-ahead", self.launch_ahead, _AHEAD),
             "small_blocks": _parse_size("small-blocks", self.small_blocks, _SIZE_OR_OFF, 0),

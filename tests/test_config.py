@@ -68,6 +68,7 @@ def test_enabled_accepts_bools_and_yaml_strings(value, expected):
 
 STREAMS = r"allowed values are an int >= 1 and <= 128$"
 COPY_STREAMS = r"allowed values are an int >= 1 and <= 32$"
+HOST_THREADS = r"allowed values are an int >= 1 and <= 64$"
 BOOL = r"allowed values are True \| False \(or 'true'/'false', 'yes'/'no', 'on'/'off', 1/0\)$"
 SIZE = r"allowed values are a byte size like '1 GiB' \(>= 1 MiB\)$"
 
@@ -81,6 +82,9 @@ INVALID = [
     ("streams", 10**6, rf"gpustreams\.streams=1000000 is invalid: {STREAMS}"),
     ("copy_streams", 33, rf"gpustreams\.copy-streams=33 is invalid: {COPY_STREAMS}"),
     ("copy_streams", 0, rf"gpustreams\.copy-streams=0 is invalid: {COPY_STREAMS}"),
+    ("host_threads", 0, rf"gpustreams\.host-threads=0 is invalid: {HOST_THREADS}"),
+    ("host_threads", 65, rf"gpustreams\.host-threads=65 is invalid: {HOST_THREADS}"),
+    ("host_threads", "2", rf"gpustreams\.host-threads='2' is invalid: {HOST_THREADS}"),
     ("timeline", "maybe", rf"gpustreams\.timeline='maybe' is invalid: {BOOL}"),
     ("timeline", 2, rf"gpustreams\.timeline=2 is invalid: {BOOL}"),
     (

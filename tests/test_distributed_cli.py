@@ -124,7 +124,7 @@ def test_dask_worker_preload_options_and_bad_settings_fail_the_tasks_naming_them
             "unknown-key": "unknown configuration key gpustreams.stream=4; did you mean "
             "gpustreams.streams? known keys: ",
             "bad-option": "preload argument: No such option '--stream'. (Did you mean one of: "
-            "'--copy-streams', '--streams'?)",
+            "'--copy-streams', '--host-threads', '--streams'?)",
         }
         for name, error in errors.items():
             message = f"gpustreams cannot start on worker {workers[name]}: {error}"

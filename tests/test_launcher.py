@@ -49,6 +49,9 @@ from tests.test_local_scheduler import (
 
 CHUNK = 1 << 15  # float64 elements: 256 KiB
 
+#: Seconds a barrier of host tasks waits before the test fails.
+TIMEOUT = 30.0
+
 
 def exact_runs(rng, runs: int) -> bool:
     """The array and tree workloads ``runs`` times on the launcher; True if all were exact."""
@@ -784,6 +787,30 @@ def test_marked_host_task_does_not_delay_independent_launches(launcher):
     assert wall < 0.75 * (host_s + kernel_s), f"{wall:.3f} s"
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_at_most_host_threads_host_tasks_run_at_once(launcher, threads):
+    """``gpustreams.host-threads`` host tasks run together (they meet at a barrier of that
+    many), and no more (each holds its task's device memory meanwhile): a further thread
+    would take the next task while they wait for each other."""
+    meet = threading.Barrier(threads, timeout=TIMEOUT)
+    running, most, lock = [0], [0], threading.Lock()
+
+    @host_task
+    def together(i):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        meet.wait()
+        with lock:
+            running[0] -= 1
+        return i
+
+    with launcher(streams=2, **{"host-threads": threads}):
+        parts = [delayed(together)(i) for i in range(4 * threads)]
+        got = dask.compute(*parts, scheduler="gpustreams")
+    assert got == tuple(range(4 * threads)) and most[0] == threads
+
+
 def test_host_task_is_learned_after_two_slow_calls_in_a_row(launcher, caplog):
     """An unmarked blocking function runs twice on the launching thread, then on host threads."""
     host_s = kernel_s = 0.2
@@ -1177,7 +1204,7 @@ def outer_with_nested_compute(i):
 def test_nested_computes_in_more_host_tasks_than_host_threads(launcher):
     """Each outer host task's nested compute has a host task of its own: with every host
     thread taken by outer tasks, those run inline instead of waiting for a free thread."""
-    n = 2 * get_runtime().host_threads
+    n = 2 * get_runtime().config.host_threads
     with launcher(streams=2):
         got = dask.compute(
             *[delayed(outer_with_nested_compute)(i) for i in range(n)], scheduler="gpustreams"

@@ -18,7 +18,7 @@ from dask import delayed
 from distributed.utils_test import gen_cluster
 
 from dask_gpustreams import StreamsConfig, StreamsPlugin, sim
-from dask_gpustreams.runtime import Runtimes, StreamRuntime, get_runtime, live_runtimes, runtimes
+from dask_gpustreams.runtime import Runtimes, get_runtime, live_runtimes, runtimes
 from dask_gpustreams.runtime.hostthreads import HostThreads
 
 TIMEOUT = 10.0
@@ -219,7 +219,7 @@ def test_many_distinct_settings_keep_runtimes_and_threads_bounded(gpustreams):
     remaining = {t for rt in live for t in runtime_threads(rt)}
     assert join_all(ours() - before - remaining) == []
     assert ours() - before <= remaining
-    per_runtime = 6 + 2 + StreamRuntime.host_threads  # compute, copy and host threads at most
+    per_runtime = 6 + 2 + StreamsConfig.host_threads  # compute, copy and host threads at most
     assert len(remaining) <= (Runtimes.max_idle + 1) * per_runtime
 
 

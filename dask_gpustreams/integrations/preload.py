@@ -29,9 +29,9 @@ Options
     settings, one option per ``gpustreams.*`` key of
     :class:`~dask_gpustreams.StreamsConfig` (``--streams``, ``--copy-streams``,
     ``--policy``, ``--backend``, ``--pinned-pool-size``, ``--launch-ahead``,
-    ``--launch-order``, ``--small-blocks``, ``--large-tasks``, ``--shared-blocks``,
-    ``--blocks``, ``--block-size``, and the flags ``--timeline/--no-timeline``,
-    ``--nvtx/--no-nvtx``).
+    ``--host-threads``, ``--launch-order``, ``--small-blocks``, ``--large-tasks``,
+    ``--shared-blocks``, ``--blocks``, ``--block-size``, and the flags
+    ``--timeline/--no-timeline``, ``--nvtx/--no-nvtx``).
     They override the config of the workers, as the keyword arguments of
     ``StreamsPlugin`` do::
 

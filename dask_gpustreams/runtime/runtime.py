@@ -52,8 +52,6 @@ class StreamRuntime:
 
     #: How many task records the timeline keeps (oldest dropped first).
     timeline_maxlen = 100_000
-    #: Threads that run the launcher's host tasks (downloads, NumPy work, sleeps).
-    host_threads = 4
 
     def __init__(self, backend: Backend, config: StreamsConfig):
         self.backend = backend
@@ -204,7 +202,8 @@ class StreamRuntime:
                 if self._host_executor is None:
                     if self._host_closed:
                         raise RuntimeError(f"{self!r} is closed")
-                    self._host_executor = HostThreads(self.host_threads, "gpustreams-host")
+                    threads = self.config.host_threads
+                    self._host_executor = HostThreads(threads, "gpustreams-host")
                 executor = self._host_executor
         return executor
 
