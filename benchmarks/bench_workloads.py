@@ -93,6 +93,7 @@ DIAGNOSTIC_MODES = {
     "launcher-noshared": {"gpustreams.shared-blocks": 0},
     "launcher-host1": {"gpustreams.host-threads": 1},
     "launcher-host2": {"gpustreams.host-threads": 2},
+    "launcher-host4": {"gpustreams.host-threads": 4},
     "launcher-depth-first": {"gpustreams.launch-order": "depth-first"},
     "launcher-dask-order": {"gpustreams.launch-order": "dask"},
 }

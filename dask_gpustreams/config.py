@@ -195,7 +195,7 @@ class StreamsConfig:
     launch_ahead: int | str = 256 << 20
     #: Threads that run the launcher's host tasks, from 1 to :data:`MAX_HOST_THREADS`: at
     #: most this many run at once, each holding its task's device memory meanwhile.
-    host_threads: int = 4
+    host_threads: int = 2
     #: How the launcher ranks ready tasks: ``depth-first`` (:mod:`.runtime.ordering`: a
     #: walk from the outputs, under 5 us a key) or ``dask`` (``dask.order``, 6-22 us a key).
     launch_order: str = "depth-first"

@@ -595,7 +595,7 @@ def test_host_tasks_of_a_large_group_run_on_its_two_streams(on_the_launcher, lau
     """A group learned large on the launcher keeps to the large tasks' 2 streams when its
     tasks run on host threads (4 at once), as a large group learned to block the host
     does on the H200 (qr): on every stream each would leave its blocks cached. Exact."""
-    config = {"large-tasks": "128 KiB", "small-blocks": SMALL_BLOCKS}
+    config = {"large-tasks": "128 KiB", "small-blocks": SMALL_BLOCKS, "host-threads": 4}
     with launcher(streams=8, policy="auto", **config):
         for task in (scaled_on, scaled_on_host):
             seen: list[int] = []
@@ -880,7 +880,7 @@ def test_an_error_while_host_tasks_finish_together_does_not_hang(launcher):
             launcher_get(dsk, list(dsk), callbacks=[RaisingPosttask()])
         errors.append(e.value)
 
-    with launcher(streams=4):
+    with launcher(streams=4, **{"host-threads": 4}):
         for _ in range(20):
             errors: list = []
             thread = threading.Thread(target=one_compute, args=(errors,), daemon=True)
