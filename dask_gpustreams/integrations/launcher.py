@@ -16,9 +16,10 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
+import dask.config
 from dask._task_spec import DataNode, GraphNode, Task, _execute_subgraph, convert_legacy_graph
-from dask.callbacks import Callback, normalize_callback, unpack_callbacks
-from dask.core import flatten
+from dask.callbacks import local_callbacks, normalize_callback, unpack_callbacks
+from dask.core import flatten, getcycle
 from dask.local import nested_get
 from dask.order import order
 from dask.utils import key_split
@@ -27,7 +28,6 @@ from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.integrations.tasks import rewrite_transfers, transfer_rewrites
 from dask_gpustreams.markers import host_task, is_host_task
 from dask_gpustreams.runtime import StreamRuntime, acquire_runtime
-from dask_gpustreams.runtime.context import task_state
 from dask_gpustreams.runtime.launcher import GraphLauncher
 from dask_gpustreams.runtime.ordering import depth_first
 from dask_gpustreams.transfers import to_host
@@ -153,35 +153,60 @@ def get(
     if not isinstance(dsk, Mapping):
         dsk = dsk.__dask_graph__()
     dsk = convert_legacy_graph(dsk)
+    if cache is None:  # as get_async: the caller's cache (or the config's) gets the results
+        cache = dask.config.get("cache", None)
     runtime = acquire_runtime()  # held until the graph ends, so it is not closed meanwhile
     try:
-        return _launch(runtime, dsk, keys, cache, callbacks, host_threads)
+        # Dask's own local_callbacks: the global callbacks are this compute's, and a compute
+        # that a task starts meanwhile sees none of them, as in get_async.
+        with local_callbacks(callbacks) as active:
+            return _launch(runtime, dsk, keys, cache, active, host_threads)
     finally:
         runtime.release()
+
+
+def needed_keys(dsk: Mapping, outputs: Iterable[Hashable]) -> set[Hashable]:
+    """The keys of ``dsk`` that ``outputs`` depend on, themselves included: as in Dask's
+    ``get_async``, a compute runs no task that its keys do not need."""
+    needed: set[Hashable] = set()
+    stack = list(outputs)
+    while stack:
+        key = stack.pop()
+        if key not in needed and key in dsk:
+            needed.add(key)
+            stack.extend(dsk[key].dependencies)
+    return needed
 
 
 def _launch(
     runtime: StreamRuntime,
     dsk: Mapping,
     keys: Sequence[Hashable] | Hashable,
-    cache: Mapping | None,
-    callbacks: Sequence[Any] | None,
+    cache: dict | None,
+    callbacks: Sequence[Any],
     host_threads: bool,
 ):
     hooks = None
-    if callbacks is None and not getattr(task_state, "launching", False):
-        callbacks = list(Callback.active)
     if callbacks:
         hooks = DaskCallbacks([normalize_callback(cb) for cb in callbacks])
         hooks.start(dsk)
     outputs = list(flatten(keys)) if isinstance(keys, list) else [keys]
-    values: dict = dict(cache or {})
+    values: dict = {} if cache is None else cache
+    needed = needed_keys(dsk, outputs)
     nodes = []
     for key, node in dsk.items():
         if isinstance(node, DataNode):
             values[key] = node.value
-        else:
+        elif key in needed:
             nodes.append(node)
+    if len(needed) < len(dsk):
+        # Dask's order raises for a cycle anywhere in the graph, needed or not.
+        cycle = getcycle(dsk, [k for k in dsk if k not in needed])
+        if cycle:
+            raise RuntimeError(
+                "Cycle detected between the following keys:\n  -> "
+                + "\n  -> ".join(map(str, cycle))
+            )
     tasks, dependencies, host = launch_plan(nodes, runtime)
     if hooks is not None:
         hooks.start_state(dependencies, values)

@@ -202,7 +202,8 @@ class GraphLauncher:
     ``host`` names tasks that block the host; ``group_of(key)`` names a key's
     group for learning which tasks block the host. ``host_threads``: False runs
     every task on the calling thread, host tasks too (each where it comes, as Dask's
-    synchronous scheduler does), and learns nothing of them. ``check``: before
+    synchronous scheduler does, ``host`` ones after a host wait for their inputs), and
+    learns nothing of them. ``check``: before
     returning, read every event of the graph with ``Backend.event_error``
     and raise the first error (see :meth:`run`).
     """
@@ -359,6 +360,11 @@ class GraphLauncher:
                         self._submit_host(key, values, large)
                         continue
                     producers = [r for d in deps if (r := get_record(d)) is not None]
+                    if not offload and key in host:
+                        # A marked host task reads its inputs on the host, maybe not through
+                        # its stream (host_task's promise): complete first, as on host threads.
+                        for r in producers:
+                            backend.synchronize_event(r.event)
                     with assign_lock:
                         on_path = None if critical is None else key in critical
                         info = TaskInfo(key, producers, registry, on_path, large)

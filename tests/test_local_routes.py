@@ -1,0 +1,122 @@
+"""What a user of Dask's local schedulers relies on, on every local route of the plugin.
+
+Dask's synchronous scheduler by name (``"sync"``: the launcher, every task on the calling
+thread), the launcher (``"gpustreams"``) and, for comparison, the function
+``dask.local.get_sync`` (Dask's ``get_async``, each task through the runtime).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import dask
+import dask.array as da
+import dask.local
+import pytest
+from dask import delayed
+from dask.callbacks import Callback
+
+import dask_gpustreams
+from dask_gpustreams import sim
+
+GET_SYNC = pytest.param(dask.local.get_sync, id="get_sync")
+ROUTES = [GET_SYNC, "sync", "gpustreams"]
+
+
+def _inner(x):
+    # A nested compute on one of Dask's own local schedulers (get_async behind it).
+    return dask.compute(delayed(lambda v: v + 1)(x), scheduler=dask.local.get_sync)[0]
+
+
+@pytest.mark.parametrize("scheduler", ROUTES)
+def test_a_nested_compute_sees_none_of_the_outer_compute_s_callbacks(gpustreams, scheduler):
+    """As in Dask, only the outermost compute sees ``Callback.active`` (a ProgressBar or a
+    Profiler): a compute that a task starts must not report its tasks as the outer graph's."""
+    starts, pre = [], []
+    cb = Callback(start=lambda dsk: starts.append(1), pretask=lambda k, d, s: pre.append(k))
+    with gpustreams(), cb:
+        assert dask.compute(delayed(_inner)(1), scheduler=scheduler) == (2,)
+    assert (len(starts), len(pre)) == (1, 1)
+
+
+def _fill(out, v):
+    out[...] = v
+
+
+def _produce(v):
+    out = sim.empty(1000)
+    sim.launch(_fill, out, v)
+    return out
+
+
+@dask_gpustreams.host_task
+def _read_current_stream(x):
+    return float(sim.asnumpy(x)[-1])  # syncs the current stream, which waited for x's
+
+
+@dask_gpustreams.host_task
+def _read_off_stream(x):
+    # A deepcopy of a SimArray snapshots its buffer as a copy on no stream of the task's (on
+    # a GPU: a file write through GDS, a copy on another stream): host_task promises that
+    # the inputs are complete on the host first.
+    return float(copy.deepcopy(x).get()[-1])
+
+
+@pytest.mark.parametrize("reader", [_read_current_stream, _read_off_stream])
+@pytest.mark.parametrize("scheduler", ["sync", "gpustreams"])
+def test_a_host_task_reads_its_inputs_complete(gpustreams, on_the_launcher, scheduler, reader):
+    """Producers with random kernel delays; exact values, on the calling thread (``"sync"``)
+    as on host threads."""
+    device = sim.get_device()
+    rng = random.Random(0)
+    device.kernel_delay = (0.0, 0.004)
+    try:
+        with gpustreams(streams=4):
+            for _ in range(10):
+                values = [rng.random() for _ in range(6)]
+                parts = [delayed(reader)(delayed(_produce)(v)) for v in values]
+                assert list(dask.compute(*parts, scheduler=scheduler)) == values
+    finally:
+        device.kernel_delay = (0.0, 0.0)
+
+
+def _boom(x):
+    raise ValueError("a task no key needs")
+
+
+def _inc(x):
+    return x + 1
+
+
+@pytest.mark.parametrize("scheduler", ROUTES)
+def test_only_the_tasks_the_keys_need_run(gpustreams, scheduler):
+    """As Dask's ``get_async``, which runs what the wanted keys depend on: a task no key
+    needs neither runs nor fails the compute."""
+    with gpustreams():
+        schedule = dask.base.get_scheduler(scheduler=scheduler)
+        assert schedule({"a": 1, "b": (_inc, "a"), "c": (_boom, "a")}, "b") == 2
+
+
+@pytest.mark.parametrize("scheduler", ROUTES)
+def test_an_unoptimized_slice_computes_only_its_chunks(gpustreams, scheduler):
+    calls = []
+
+    def block(b):
+        calls.append(b.shape)
+        return b
+
+    x = da.ones(10, chunks=2).map_blocks(block)
+    calls.clear()  # map_blocks' meta calls
+    with gpustreams():
+        x[:2].compute(scheduler=scheduler, optimize_graph=False)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("scheduler", ROUTES)
+def test_the_cache_argument_is_filled(gpustreams, scheduler):
+    """``get_async`` computes into ``cache=`` (a user's dict), as Dask documents."""
+    cache: dict = {}
+    with gpustreams():
+        dask.base.get_scheduler(scheduler=scheduler)({"a": 1, "b": (abs, "a")}, "b", cache=cache)
+    assert cache.get("b") == 1
