@@ -120,3 +120,50 @@ def test_the_cache_argument_is_filled(gpustreams, scheduler):
     with gpustreams():
         dask.base.get_scheduler(scheduler=scheduler)({"a": 1, "b": (abs, "a")}, "b", cache=cache)
     assert cache.get("b") == 1
+
+
+@pytest.mark.parametrize("scheduler", ROUTES)
+def test_data_no_key_needs_stays_out_of_the_cache(gpustreams, scheduler):
+    cache: dict = {}
+    with gpustreams():
+        schedule = dask.base.get_scheduler(scheduler=scheduler)
+        schedule({"a": 1, "big": [0, 1, 2], "b": (abs, "a")}, "b", cache=cache)
+    assert cache == {"b": 1}
+
+
+@pytest.mark.parametrize("scheduler", ROUTES)
+def test_a_cycle_no_key_needs_still_finishes_the_callbacks(gpustreams, scheduler):
+    """``get_async`` calls every started callback's finish (errored) when the graph has a
+    cycle; a ProgressBar's timer thread would otherwise run, and print, for ever."""
+    events = []
+    cb = Callback(start=lambda d: events.append("start"), finish=lambda d, s, e: events.append(e))
+    dsk = {"a": 1, "b": (_inc, "a"), "x": (_inc, "y"), "y": (_inc, "x")}
+    with gpustreams(), cb:
+        schedule = dask.base.get_scheduler(scheduler=scheduler)
+        with pytest.raises(RuntimeError, match="Cycle detected"):
+            schedule(dsk, "b")
+    assert events == ["start", True]
+
+
+class _CacheHit(Callback):
+    """What ``dask.cache.Cache._start`` does on a hit: the node becomes the raw value."""
+
+    def _start(self, dsk):
+        if "b" in dsk:
+            dsk["b"] = 70
+
+
+@pytest.mark.parametrize("scheduler", ROUTES)
+def test_a_start_callback_may_replace_a_node_by_its_value(gpustreams, scheduler):
+    """``dask.cache.Cache`` puts cached values in the graph in its ``_start``; the task it
+    replaces does not run."""
+    calls = []
+
+    def slow(x):
+        calls.append(x)
+        return x * 10
+
+    with gpustreams(), _CacheHit():
+        schedule = dask.base.get_scheduler(scheduler=scheduler)
+        assert schedule({"a": 1, "b": (slow, "a"), "c": (_inc, "b")}, "c") == 71
+    assert calls == []

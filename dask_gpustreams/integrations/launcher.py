@@ -165,11 +165,16 @@ def get(
         runtime.release()
 
 
-def needed_keys(dsk: Mapping, outputs: Iterable[Hashable]) -> set[Hashable]:
-    """The keys of ``dsk`` that ``outputs`` depend on, themselves included: as in Dask's
-    ``get_async``, a compute runs no task that its keys do not need."""
+def needed_keys(dsk: Mapping, outputs: Iterable[Hashable]) -> set[Hashable] | None:
+    """The keys of ``dsk`` that ``outputs`` depend on, themselves included (as in Dask's
+    ``get_async``, a compute runs no task that its keys do not need); None if that is every
+    key: no key that nothing reads is unwanted (a graph Dask's optimization culled)."""
+    wanted = set(outputs)
+    read = set().union(*(node.dependencies for node in dsk.values()))
+    if wanted.issuperset(dsk.keys() - read):
+        return None
     needed: set[Hashable] = set()
-    stack = list(outputs)
+    stack = list(wanted)
     while stack:
         key = stack.pop()
         if key not in needed and key in dsk:
@@ -186,20 +191,46 @@ def _launch(
     callbacks: Sequence[Any],
     host_threads: bool,
 ):
+    """Run the graph with Dask's callbacks around it: each callback's finish is called
+    however the compute ends, as in ``get_async``."""
     hooks = None
     if callbacks:
         hooks = DaskCallbacks([normalize_callback(cb) for cb in callbacks])
         hooks.start(dsk)
+        if not all(isinstance(v, GraphNode) for v in dsk.values()):
+            # A start callback may put values in the graph (dask.cache.Cache does).
+            dsk = {k: v if isinstance(v, GraphNode) else DataNode(k, v) for k, v in dsk.items()}
+    errored = True
+    try:
+        results = _run(runtime, dsk, keys, cache, hooks, host_threads)
+        errored = False
+    finally:
+        if hooks is not None:
+            hooks.finish(errored)
+    return nested_get(keys, results)
+
+
+def _run(
+    runtime: StreamRuntime,
+    dsk: Mapping,
+    keys: Sequence[Hashable] | Hashable,
+    cache: dict | None,
+    hooks: DaskCallbacks | None,
+    host_threads: bool,
+) -> dict:
+    """Launch what ``keys`` need of ``dsk``; return the results (``cache``, if given)."""
     outputs = list(flatten(keys)) if isinstance(keys, list) else [keys]
     values: dict = {} if cache is None else cache
     needed = needed_keys(dsk, outputs)
     nodes = []
     for key, node in dsk.items():
+        if needed is not None and key not in needed:
+            continue
         if isinstance(node, DataNode):
             values[key] = node.value
-        elif key in needed:
+        else:
             nodes.append(node)
-    if len(needed) < len(dsk):
+    if needed is not None:
         # Dask's order raises for a cycle anywhere in the graph, needed or not.
         cycle = getcycle(dsk, [k for k in dsk if k not in needed])
         if cycle:
@@ -226,12 +257,5 @@ def _launch(
         hooks,
         host_threads=host_threads,
     )
-    errored = True
-    try:
-        with runtime.isolated():  # the caller's thread: as it was after the compute
-            results = launcher.run()
-        errored = False
-    finally:
-        if hooks is not None:
-            hooks.finish(errored)
-    return nested_get(keys, results)
+    with runtime.isolated():  # the caller's thread: as it was after the compute
+        return launcher.run()
