@@ -12,7 +12,7 @@ in Dask.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, MutableMapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -133,7 +133,7 @@ class DaskCallbacks:
 def get(
     dsk: Mapping,
     keys: Sequence[Hashable] | Hashable,
-    cache: Mapping | None = None,
+    cache: MutableMapping | None = None,
     callbacks: Sequence[Any] | None = None,
     *,
     host_threads: bool = True,
@@ -187,7 +187,7 @@ def _launch(
     runtime: StreamRuntime,
     dsk: Mapping,
     keys: Sequence[Hashable] | Hashable,
-    cache: dict | None,
+    cache: MutableMapping | None,
     callbacks: Sequence[Any],
     host_threads: bool,
 ):
@@ -214,13 +214,13 @@ def _run(
     runtime: StreamRuntime,
     dsk: Mapping,
     keys: Sequence[Hashable] | Hashable,
-    cache: dict | None,
+    cache: MutableMapping | None,
     hooks: DaskCallbacks | None,
     host_threads: bool,
-) -> dict:
+) -> MutableMapping:
     """Launch what ``keys`` need of ``dsk``; return the results (``cache``, if given)."""
     outputs = list(flatten(keys)) if isinstance(keys, list) else [keys]
-    values: dict = {} if cache is None else cache
+    values: MutableMapping = {} if cache is None else cache
     needed = needed_keys(dsk, outputs)
     nodes = []
     for key, node in dsk.items():

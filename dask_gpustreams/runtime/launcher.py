@@ -32,7 +32,7 @@ import heapq
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, MutableMapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -215,7 +215,7 @@ class GraphLauncher:
         dependencies: Mapping[Hashable, Collection[Hashable]],
         priority: Mapping[Hashable, int] | Callable[[], Mapping[Hashable, int]],
         wanted: Collection[Hashable],
-        cache: dict[Hashable, Any] | None = None,
+        cache: MutableMapping[Hashable, Any] | None = None,
         host: Collection[Hashable] = (),
         group_of: Callable[[Hashable], Hashable] = lambda key: key,
         hooks: LaunchHooks | None = None,
@@ -227,7 +227,7 @@ class GraphLauncher:
         self.dependencies = dependencies
         self._priority = priority
         self.wanted = set(wanted)
-        self.results: dict[Hashable, Any] = {} if cache is None else cache
+        self.results: MutableMapping[Hashable, Any] = {} if cache is None else cache
         self.host = host
         self.group_of = group_of
         self.hooks = hooks
@@ -243,7 +243,7 @@ class GraphLauncher:
 
     # --- the launch loop ----------------------------------------------------------------------
 
-    def run(self) -> dict[Hashable, Any]:
+    def run(self) -> MutableMapping[Hashable, Any]:
         """Launch every task, wait for the wanted keys' events; return ``key -> value``.
 
         The first exception a task raises is raised here, after the work
@@ -284,7 +284,7 @@ class GraphLauncher:
             with contextlib.suppress(Exception):
                 shared.end()
 
-    def _launch_all(self, meter: AllocationMeter | None) -> dict[Hashable, Any]:
+    def _launch_all(self, meter: AllocationMeter | None) -> MutableMapping[Hashable, Any]:
         """:meth:`run`, inside its allocator, whose ``meter`` tells large tasks."""
         runtime, registry = self.runtime, self.registry
         results, tasks, dependencies = self.results, self.tasks, self.dependencies
