@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import dask
 import dask.base
@@ -65,7 +66,7 @@ def graph(kind: str, n: int, source) -> tuple[dict, list]:
     return dsk, [(f"c{c}", CHAIN - 1) for c in range(chains)]
 
 
-def by_name(name: str):
+def by_name(name: str) -> Callable:
     """The scheduler ``compute(scheduler=name)`` gets under the config of the call."""
 
     def get(dsk, keys, **kwargs):

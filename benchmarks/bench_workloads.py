@@ -80,8 +80,9 @@ MODES = ("threads", "sync", "launcher", "enabled-threads", "enabled-sync")
 #: launcher's host path without concurrency on the device; the round-robin policy; less
 #: of the graph launched ahead of the device (its memory against its speed); for its
 #: memory, 2 streams, no large tasks (every task on any stream), no small-block arenas and
-#: no shared large blocks (an arena per stream); fewer host threads (fewer host tasks, each
-#: holding its device memory, at once); and each launch order, whichever is the default.
+#: no shared large blocks (an arena per stream); 1, 2 (the default) or 4 host threads (host
+#: tasks at once, each holding its device memory); and each launch order, whichever is the
+#: default.
 DIAGNOSTIC_MODES = {
     "launcher-1": {"gpustreams.streams": 1},
     "launcher-rr": {"gpustreams.policy": "round-robin"},
