@@ -10,6 +10,7 @@ plain Dask's synchronous scheduler::
 
 import time
 
+import dask
 import dask.array as da
 import numpy as np
 
@@ -28,6 +29,7 @@ y = ((x * 2 + 1) ** 2 - x).std(axis=0) + (x + x.T).mean(axis=1)
 t0 = time.perf_counter()
 got = y.compute(scheduler="gpustreams")  # the stream launcher
 wall = time.perf_counter() - t0
-plain = y.compute(scheduler="sync")  # plain Dask, for the check
+with dask.config.set({"gpustreams.enabled": False}):  # plain Dask, for the check
+    plain = y.compute(scheduler="sync")
 np.testing.assert_allclose(xp.asnumpy(got), xp.asnumpy(plain), rtol=1e-12)
 print(f"{dask_gpustreams.get_runtime()!r}: {wall * 1e3:.0f} ms, result matches plain Dask")
