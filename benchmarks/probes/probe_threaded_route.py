@@ -30,6 +30,7 @@ import statistics
 import time
 
 import dask
+import dask.local
 import dask.threaded
 import numpy as np
 from dask import delayed
@@ -58,9 +59,9 @@ def chains(arrays: bw.NumpyArrays, width: int, depth: int) -> list:
     return outs
 
 
-#: ``--scheduler``: Dask's threads as such (by name, ``gpustreams.enabled`` runs the
-#: launcher) or its synchronous scheduler.
-SCHEDULERS = {"threads": dask.threaded.get, "sync": "sync"}
+#: ``--scheduler``: Dask's threads or its synchronous scheduler, as such (by name,
+#: ``gpustreams.enabled`` runs the launcher for either).
+SCHEDULERS = {"threads": dask.threaded.get, "sync": dask.local.get_sync}
 
 
 def median_ms(
@@ -110,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         profile = cProfile.Profile()
         config = {"gpustreams.enabled": True, "gpustreams.backend": arrays.plugin}
         with dask.config.set(config):
-            dask.compute(*graph, scheduler="sync")
+            dask.compute(*graph, scheduler=dask.local.get_sync)
             profile.enable()
-            dask.compute(*graph, scheduler="sync")
+            dask.compute(*graph, scheduler=dask.local.get_sync)
             profile.disable()
         text = profile_text(profile, 25, "dask_gpustreams")
         print(f"cProfile, enabled, scheduler sync, {tasks} tasks\n{text}")
