@@ -9,6 +9,8 @@ python3 -c "import cupy, dask, distributed, numpy; print('cupy', cupy.__version_
 # $R/gpu-tests.txt and appends its exit status.
 COMMIT="${1:-unknown}"
 results() { R="/tmp/$1-$COMMIT"; mkdir -p "$R"; echo "commit $COMMIT" > "$R/commit.txt"; }
+# `pack`: $R as $OUT/<its name>.tgz, what comes back from the call (again after each part).
+pack() { tar -C /tmp -czf "$OUT/${R#/tmp/}.tgz" "${R#/tmp/}"; }
 # `part NAME CHOICES`: for scripts in parts, PART (the script's second argument, one of the
 # words of CHOICES; else a usage line and exit 2) and `results NAME-PART`.
 PART="${2:-}"
