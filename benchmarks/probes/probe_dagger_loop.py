@@ -2,17 +2,20 @@
 
 ``probe_dagger_host`` and ``probe_tile_costs`` time the parts of a tile task that they
 wrap; a sampling profiler (``py-spy record --native``) sees the rest without changing it.
-This runs ``--mode`` (``plain-sync``: ``dask.get``; ``launcher``; ``ideal``: the hand
-launch on the same streams) over ``--shape`` for ``--seconds`` after a warm-up, checks
-every result and prints the computes' median wall and host time a task.
+This runs ``--modes`` in turn (``plain-sync``: ``dask.get``; ``launcher``; ``ideal``: the
+hand launch on as many streams) over ``--shape`` for ``--seconds`` after a warm-up turn,
+checks every result and prints per mode the computes' median wall, how much CuPy's pool
+grew and the garbage collector's time, then the groups the launcher learned as host tasks
+(``bench_shapes`` takes modes in turn too).
 
     py-spy record --native --format raw -o launcher.txt -- \\
-        python -m benchmarks.probes.probe_dagger_loop --backend cupy --mode launcher
+        python -m benchmarks.probes.probe_dagger_loop --backend cupy --modes launcher
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -24,50 +27,104 @@ from benchmarks.probes.probe_dagger_host import OFF, launcher_config, run_graph
 from benchmarks.shapes import DAGGER
 from benchmarks.workloads import IdealLauncher, gemm_workload, ideal_plan
 from dask_gpustreams.backends import create_backend, resolve_backend
+from dask_gpustreams.runtime.runtime import live_runtimes
 
 MODES = ("plain-sync", "launcher", "ideal")
+
+
+class GcClock:
+    """Host seconds the garbage collector took, and its collections, since the last take."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._t0 = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections += 1
+
+    def take(self) -> tuple[float, int]:
+        taken = self.seconds, self.collections
+        self.seconds, self.collections = 0.0, 0
+        return taken
+
+
+def pool_bytes(backend: str) -> int:
+    """The device pool's size (CuPy's default pool; 0 on the sim)."""
+    if backend != "cupy":
+        return 0
+    import cupy
+
+    return cupy.get_default_memory_pool().total_bytes()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.probes.probe_dagger_loop")
     p.add_argument("--backend", default="auto", choices=("auto", "cupy", "sim"))
-    p.add_argument("--mode", default="launcher", choices=MODES)
+    p.add_argument("--modes", default="launcher", help=f"in turn, of {','.join(MODES)}")
     p.add_argument("--shape", default="chainlink", choices=DAGGER)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in MODES:
+            p.error(f"mode {mode!r} is invalid: allowed values are {' | '.join(MODES)}")
     backend = resolve_backend(args.backend)
     shape_args = bench_shapes.parse_args(["--backend", backend, "--families", "dagger"])
     bench_shapes.set_defaults(shape_args, backend)
     gemm_ms = bench_shapes.calibrate(shape_args, backend)["gemm_ms"]
     shape = bench_shapes.make_shape(shape_args, "dagger", args.shape)
     wl = gemm_workload(shape, backend, shape_args.matrix, gemm_ms)
-    if args.mode == "ideal":
-        ideal = IdealLauncher(create_backend(backend), args.streams)
-        plan = ideal_plan(wl, args.streams, "layers")
-        go = lambda: ideal.run(wl, plan)  # noqa: E731
-    elif args.mode == "launcher":
-        go = lambda: run_graph(wl, launcher_config(backend, args.streams), dask_gpustreams.get)  # noqa: E731
-    else:
-        go = lambda: run_graph(wl, OFF, dask.get)  # noqa: E731
-    walls = []
+    ideal = IdealLauncher(create_backend(backend), args.streams)
+    plan = ideal_plan(wl, args.streams, "layers")
+    runs = {
+        "plain-sync": lambda: run_graph(wl, OFF, dask.get),
+        "launcher": lambda: run_graph(
+            wl, launcher_config(backend, args.streams), dask_gpustreams.get
+        ),
+        "ideal": lambda: ideal.run(wl, plan),
+    }
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    grown = dict.fromkeys(modes, 0)
+    gc_seconds = dict.fromkeys(modes, 0.0)
+    clock = GcClock()
     end = None
     while end is None or time.perf_counter() < end:
-        kernels.device_synchronize(backend)
-        t0 = time.perf_counter()
-        results = go()
-        kernels.device_synchronize(backend)
-        walls.append((time.perf_counter() - t0) * 1e3)
-        problem = wl.check(results)
-        if problem is not None:
-            print(f"{args.shape} {args.mode}: FAILED: {problem}")
-            return 1
-        end = end or time.perf_counter() + args.seconds  # the first compute warms up
-    median = statistics.median(walls[1:])
-    print(
-        f"{args.shape} {args.mode}: {len(walls) - 1} computes of {shape.n_tasks} tasks, median "
-        f"{median:.2f} ms ({median * 1e3 / shape.n_tasks:.1f} us a task), tile {gemm_ms:.4f} ms"
-    )
+        for mode in modes:
+            kernels.device_synchronize(backend)
+            before = pool_bytes(backend)
+            clock.take()
+            t0 = time.perf_counter()
+            results = runs[mode]()
+            kernels.device_synchronize(backend)
+            wall = (time.perf_counter() - t0) * 1e3
+            problem = wl.check(results)
+            del results
+            if problem is not None:
+                print(f"{args.shape} {mode}: FAILED: {problem}")
+                return 1
+            if end is not None:  # the first turn warms up
+                walls[mode].append(wall)
+                grown[mode] += pool_bytes(backend) - before
+                gc_seconds[mode] += clock.take()[0]
+        end = end or time.perf_counter() + args.seconds
+    groups = sorted({str(g) for r in live_runtimes() for g in r.host_tasks.groups()})
+    for mode in modes:
+        w = walls[mode]
+        median = statistics.median(w)
+        print(
+            f"{args.shape} {mode} (in turn with {len(modes) - 1} other): {len(w)} computes of "
+            f"{shape.n_tasks} tasks, median {median:.2f} ms [{min(w):.2f}-{max(w):.2f}] "
+            f"({median * 1e3 / shape.n_tasks:.1f} us a task), pool grown "
+            f"{grown[mode] / 2**20:.0f} MiB, gc {gc_seconds[mode] * 1e3 / len(w):.2f} ms a compute"
+        )
+    print(f"tile {gemm_ms:.4f} ms; host-task groups learned at the end: {groups or 'none'}")
     return 0
 
 
