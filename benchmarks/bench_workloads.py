@@ -92,6 +92,7 @@ DIAGNOSTIC_MODES = {
     "launcher-nolarge": {"gpustreams.large-tasks": 0},
     "launcher-nosmall": {"gpustreams.small-blocks": 0},
     "launcher-noshared": {"gpustreams.shared-blocks": 0},
+    "launcher-shared1": {"gpustreams.shared-blocks": "1 MiB"},
     "launcher-host1": {"gpustreams.host-threads": 1},
     "launcher-host2": {"gpustreams.host-threads": 2},
     "launcher-host4": {"gpustreams.host-threads": 4},

@@ -55,25 +55,39 @@ class GcClock:
 
 
 def pool_bytes(backend: str) -> int:
-    """The device pool's size (CuPy's default pool; 0 on the sim)."""
+    """The device pool's size: CuPy's default pool, or the simulated device's."""
     if backend != "cupy":
-        return 0
+        from dask_gpustreams import sim
+
+        return sim.get_default_memory_pool().total_bytes()
     import cupy
 
     return cupy.get_default_memory_pool().total_bytes()
 
 
+def launcher_settings(mode: str) -> dict[str, str]:
+    """``'launcher:shared-blocks=1 MiB;policy=round-robin'`` -> its ``gpustreams.`` settings."""
+    _, _, spec = mode.partition(":")
+    pairs = (item.split("=", 1) for item in spec.split(";") if item)
+    return {f"gpustreams.{key.strip()}": value.strip() for key, value in pairs}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.probes.probe_dagger_loop")
     p.add_argument("--backend", default="auto", choices=("auto", "cupy", "sim"))
-    p.add_argument("--modes", default="launcher", help=f"in turn, of {','.join(MODES)}")
+    p.add_argument(
+        "--modes",
+        default="launcher",
+        help=f"in turn, of {','.join(MODES)}; 'launcher:KEY=VALUE;...' is the launcher "
+        "with those settings (e.g. 'launcher:shared-blocks=1 MiB')",
+    )
     p.add_argument("--shape", default="chainlink", choices=DAGGER)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     for mode in modes:
-        if mode not in MODES:
+        if mode.partition(":")[0] not in MODES:
             p.error(f"mode {mode!r} is invalid: allowed values are {' | '.join(MODES)}")
     backend = resolve_backend(args.backend)
     shape_args = bench_shapes.parse_args(["--backend", backend, "--families", "dagger"])
@@ -85,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = ideal_plan(wl, args.streams, "layers")
     runs = {
         "plain-sync": lambda: run_graph(wl, OFF, dask.get),
-        "launcher": lambda: run_graph(
-            wl, launcher_config(backend, args.streams), dask_gpustreams.get
-        ),
         "ideal": lambda: ideal.run(wl, plan),
     }
+    for mode in modes:
+        if mode.startswith("launcher"):
+            config = launcher_config(backend, args.streams, **launcher_settings(mode))
+            runs[mode] = lambda config=config: run_graph(wl, config, dask_gpustreams.get)
     walls: dict[str, list[float]] = {m: [] for m in modes}
     grown = dict.fromkeys(modes, 0)
     gc_seconds = dict.fromkeys(modes, 0.0)
