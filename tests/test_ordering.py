@@ -120,6 +120,40 @@ def test_every_key_ranks_once_after_its_inputs_on_random_graphs(seed):
     assert all(ranks[d] < ranks[k] for k, ds in deps.items() for d in ds)
 
 
+class CountedKey:
+    """A key that counts how often it is hashed (Dask's tuple keys hash in Python each time)."""
+
+    hashes = 0
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __hash__(self) -> int:
+        CountedKey.hashes += 1
+        return hash(self.n)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CountedKey) and other.n == self.n
+
+
+def test_the_walk_hashes_each_key_and_each_edge_about_once():
+    """The launcher ranks a whole graph before its first round: each key is hashed at most
+    twice (to number it, and in the ranks returned) and each edge and output once; the rest
+    of the walk is on positions. A walk on the keys themselves hashed them 5-6 times each."""
+    rng = np.random.default_rng(0)
+    keys = [CountedKey(i) for i in range(300)]
+    deps = {
+        k: tuple(keys[int(d)] for d in rng.choice(i, size=min(i, 3), replace=False))
+        for i, k in enumerate(keys)
+    }
+    edges = sum(len(d) for d in deps.values())
+    outputs = keys[-10:]
+    CountedKey.hashes = 0
+    ranks = depth_first(deps, outputs)
+    assert CountedKey.hashes <= 2 * len(keys) + edges + len(outputs)
+    assert all(ranks[d] < ranks[k] for k, ds in deps.items() for d in ds)
+
+
 @pytest.mark.parametrize("launch_order", ["depth-first", "dask"])
 def test_the_launcher_finishes_an_output_before_it_starts_the_last_ones_leaves(
     launcher,  # noqa: F811

@@ -132,7 +132,9 @@ class ModelBackend:
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, np.ndarray)
 
-    def launch_allocator(self, streams: Any, small_blocks: int, large_tasks: int) -> Any:
+    def launch_allocator(
+        self, streams: Any, small_blocks: int, large_tasks: int, shared: Any = None
+    ) -> Any:
         return contextlib.nullcontext(None)
 
     def hardware_queues(self) -> None:
@@ -152,7 +154,7 @@ def run_shape(
 ) -> tuple[float, dict[str, float]]:
     """Median us a task of ``reps`` launches of ``shape`` (after 3 warm-ups), and the
     queries a task of the timed ones by caller."""
-    runtime = StreamRuntime(backend, StreamsConfig(policy=policy, pinned_pool_size="1 MiB"))
+    runtime = StreamRuntime(backend, StreamsConfig(policy=policy, pinned_pool_size="1 MiB", shared_blocks=0))
     times = []
     n = len(shape.nodes)
     try:

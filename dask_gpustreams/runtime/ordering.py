@@ -42,70 +42,85 @@ def depth_first(
 
 
 class _Walk:
-    """One graph's ranking: the walk's stack, and the counts that free inputs early."""
+    """One graph's ranking: the walk's stack, and the counts that free inputs early.
+
+    Keys become positions (their order in ``dependencies``) once, so the walk
+    hashes each key and each edge once, not at every step: Dask's tuple keys
+    hash in Python each time, and a graph's walk allocates little (fewer
+    garbage collections while a graph is launched).
+    """
 
     def __init__(self, dependencies: Mapping[Hashable, Collection[Hashable]]):
-        position = {key: i for i, key in enumerate(dependencies)}
-        inputs: dict[Hashable, list[Hashable]] = {}
-        dependents: dict[Hashable, list[Hashable]] = {key: [] for key in dependencies}
-        for key, deps in dependencies.items():
-            found = [d for d in deps if d in position]
+        keys = list(dependencies)
+        position = {key: i for i, key in enumerate(keys)}
+        get = position.get
+        inputs: list[list[int]] = []
+        dependents: list[list[int]] = [[] for _ in keys]
+        for i, deps in enumerate(dependencies.values()):
+            found = [p for d in deps if (p := get(d)) is not None]
             if len(found) > 1:  # each input once: the counts below are of tasks, not edges
-                found = sorted(set(found), key=position.__getitem__)
-            inputs[key] = found
-            for d in found:
-                dependents[d].append(key)
+                found = sorted(set(found))
+            inputs.append(found)
+            for p in found:
+                dependents[p].append(i)
+        self._keys = keys
+        self._position = position
         self._inputs = inputs
         self._dependents = dependents
         #: each task's inputs not ranked yet, and its readers not ranked yet
-        self._missing = {key: len(found) for key, found in inputs.items()}
-        self._readers = {key: len(found) for key, found in dependents.items()}
-        self._entered: set[Hashable] = set()
-        self._ranks: dict[Hashable, int] = {}
+        self._missing = [len(found) for found in inputs]
+        self._readers = [len(found) for found in dependents]
+        self._entered = bytearray(len(keys))
+        self._ranked = bytearray(len(keys))
+        self._order: list[int] = []
 
     def ranks(self, outputs: Iterable[Hashable]) -> dict[Hashable, int]:
-        inputs, entered, ranks = self._inputs, self._entered, self._ranks
-        for root in (*outputs, *inputs):
-            if root in entered or root not in inputs:
+        inputs, entered, ranked = self._inputs, self._entered, self._ranked
+        get = self._position.get
+        roots = [p for key in outputs if (p := get(key)) is not None]
+        for root in (*roots, *range(len(inputs))):
+            if entered[root]:
                 continue
-            entered.add(root)
+            entered[root] = 1
             stack = [(root, iter(inputs[root]))]
             while stack:
-                key, pending = stack[-1]
+                i, pending = stack[-1]
                 for d in pending:
-                    if d not in entered:
-                        entered.add(d)
+                    if not entered[d]:
+                        entered[d] = 1
                         stack.append((d, iter(inputs[d])))
                         break
                 else:
                     stack.pop()
-                    if key not in ranks:
-                        self._rank(key)
-        return ranks
+                    if not ranked[i]:
+                        self._rank(i)
+        keys = self._keys
+        return {keys[i]: rank for rank, i in enumerate(self._order)}
 
-    def _rank(self, key: Hashable) -> None:
-        """Rank ``key``, then every task that its rank makes a ready last consumer."""
+    def _rank(self, i: int) -> None:
+        """Rank task ``i``, then every task that its rank makes a ready last consumer."""
         inputs, dependents, missing, readers = (
             self._inputs,
             self._dependents,
             self._missing,
             self._readers,
         )
-        entered, ranks = self._entered, self._ranks
-        todo = [key]
+        entered, ranked, order = self._entered, self._ranked, self._order
+        todo = [i]
         while todo:
-            key = todo.pop()
-            ranks[key] = len(ranks)
+            i = todo.pop()
+            ranked[i] = 1
+            order.append(i)
             found = []
-            for d in dependents[key]:
+            for d in dependents[i]:
                 missing[d] -= 1
-                if not missing[d] and any(readers[i] == 1 for i in inputs[d]):
+                if not missing[d] and any(readers[j] == 1 for j in inputs[d]):
                     found.append(d)
-            for i in inputs[key]:
-                readers[i] -= 1
-                if readers[i] == 1:
-                    found.extend(d for d in dependents[i] if not missing[d] and d not in ranks)
+            for j in inputs[i]:
+                readers[j] -= 1
+                if readers[j] == 1:
+                    found.extend(d for d in dependents[j] if not missing[d] and not ranked[d])
             for d in reversed(found):
-                if d not in entered:
-                    entered.add(d)
+                if not entered[d]:
+                    entered[d] = 1
                     todo.append(d)
