@@ -585,6 +585,28 @@ def test_large_tasks_run_on_two_streams(on_the_launcher, launcher, large_tasks):
         assert len(set(seen)) > 2, seen
 
 
+def test_large_tasks_are_learned_under_a_peak_tracker_on_the_pools_malloc(
+    on_the_launcher, launcher
+):
+    """``bench_workloads`` tracks the simulated pool's peak by wrapping its ``malloc`` as
+    the pool's own attribute (``functools.wraps``): the launcher's allocator still stands
+    in, so its large tasks keep to 2 streams as on the GPU. Exact."""
+    pool = sim.get_default_memory_pool()
+    malloc = pool.malloc
+    pool.malloc = functools.wraps(malloc)(lambda *args: malloc(*args))
+    seen: list[int] = []
+    inputs = [delayed(leaf)(float(i), CHUNK, 0.004) for i in range(16)]
+    outs = [delayed(download)(delayed(scaled_on)(seen, x)) for x in inputs]
+    try:
+        config = {"large-tasks": "128 KiB", "small-blocks": SMALL_BLOCKS}
+        with launcher(streams=8, policy="auto", **config):
+            got = dask.compute(*outs, scheduler="gpustreams")
+    finally:
+        del pool.malloc
+    assert [g.tolist() for g in got] == [[2.0 * i] * CHUNK for i in range(16)]
+    assert len(set(seen[1:])) <= 2, seen
+
+
 @host_task
 def scaled_on_host(streams_seen, x):
     """:func:`scaled_on`, downloaded: a host task."""

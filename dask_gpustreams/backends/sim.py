@@ -100,7 +100,8 @@ class SimBackend:
         """A small request on a pool stream from the arena of a stream standing for it,
         through a thread-local allocator (``sim.using_allocator``), the others metered,
         as the CuPy backend does, where the current one is the default pool's
-        ``malloc`` (or wraps it) and ``small_blocks`` or ``large_tasks`` is set.
+        ``malloc`` (or wraps it, also as the pool's own attribute: a benchmark's peak
+        tracker) and ``small_blocks`` or ``large_tasks`` is set.
 
         The sim's pool keys its arenas by the stream identifier it is given; the
         standing stream never runs work (nor starts a thread), and a reused block is
@@ -112,7 +113,7 @@ class SimBackend:
         shared_size = shared.size if shared is not None else 0
         if (
             not (small_blocks or large_tasks or shared_size)
-            or inspect.unwrap(allocator) != pool.malloc
+            or inspect.unwrap(allocator) != inspect.unwrap(pool.malloc)
         ):
             yield None
             return
