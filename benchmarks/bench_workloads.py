@@ -86,6 +86,7 @@ MODES = ("threads", "sync", "launcher", "enabled-threads", "enabled-sync")
 DIAGNOSTIC_MODES = {
     "launcher-1": {"gpustreams.streams": 1},
     "launcher-rr": {"gpustreams.policy": "round-robin"},
+    "launcher-ahead192": {"gpustreams.launch-ahead": "192 MiB"},
     "launcher-ahead128": {"gpustreams.launch-ahead": "128 MiB"},
     "launcher-ahead64": {"gpustreams.launch-ahead": "64 MiB"},
     "launcher-2": {"gpustreams.streams": 2},
