@@ -192,7 +192,7 @@ class StreamsConfig:
     #: Bytes, or ``'auto'``/None for :func:`auto_pinned_pool_size` (a size string is parsed).
     pinned_pool_size: int | str | None = None
     #: Bytes of launched task outputs the launcher keeps ahead of the device.
-    launch_ahead: int | str = 256 << 20
+    launch_ahead: int | str = 192 << 20
     #: Threads that run the launcher's host tasks, from 1 to :data:`MAX_HOST_THREADS`: at
     #: most this many run at once, each holding its task's device memory meanwhile.
     host_threads: int = 2

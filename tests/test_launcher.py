@@ -593,11 +593,17 @@ def test_large_tasks_are_learned_under_a_peak_tracker_on_the_pools_malloc(
     in, so its large tasks keep to 2 streams as on the GPU. Exact."""
     pool = sim.get_default_memory_pool()
     malloc = pool.malloc
-    pool.malloc = functools.wraps(malloc)(lambda *args: malloc(*args))
+    tracked: list[int] = []
+
+    def tracker(nbytes, stream):
+        tracked.append(nbytes)
+        return malloc(nbytes, stream)
+
     seen: list[int] = []
     inputs = [delayed(leaf)(float(i), CHUNK, 0.004) for i in range(16)]
     outs = [delayed(download)(delayed(scaled_on)(seen, x)) for x in inputs]
     try:
+        pool.malloc = functools.wraps(malloc)(tracker)
         config = {"large-tasks": "128 KiB", "small-blocks": SMALL_BLOCKS}
         with launcher(streams=8, policy="auto", **config):
             got = dask.compute(*outs, scheduler="gpustreams")
@@ -605,6 +611,7 @@ def test_large_tasks_are_learned_under_a_peak_tracker_on_the_pools_malloc(
         del pool.malloc
     assert [g.tolist() for g in got] == [[2.0 * i] * CHUNK for i in range(16)]
     assert len(set(seen[1:])) <= 2, seen
+    assert max(tracked) >= 256 << 10  # the tracker saw the large blocks
 
 
 @host_task

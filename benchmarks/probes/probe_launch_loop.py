@@ -154,7 +154,9 @@ def run_shape(
 ) -> tuple[float, dict[str, float]]:
     """Median us a task of ``reps`` launches of ``shape`` (after 3 warm-ups), and the
     queries a task of the timed ones by caller."""
-    runtime = StreamRuntime(backend, StreamsConfig(policy=policy, pinned_pool_size="1 MiB", shared_blocks=0))
+    runtime = StreamRuntime(
+        backend, StreamsConfig(policy=policy, pinned_pool_size="1 MiB", shared_blocks=0)
+    )
     times = []
     n = len(shape.nodes)
     try:

@@ -36,7 +36,9 @@ def depth_first(
     task that is the last unranked consumer of an input ranks as soon as all
     its inputs have. Keys that no output reaches rank last, in that order too.
     Inputs that are not keys of ``dependencies`` (values known before) are not
-    ranked; a cycle is walked once and left for the launcher to report.
+    ranked; a cycle is walked once and left for the launcher to report. The ranks
+    are keyed by the keys of ``dependencies`` (an equal output, ``1.0`` for ``1``,
+    finds its rank).
     """
     return _Walk(dependencies).ranks(outputs)
 
