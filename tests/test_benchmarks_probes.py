@@ -186,3 +186,55 @@ def test_launcher_classes_routes_only_mid_sized_requests_off_the_default_stream(
 def test_pool_growth_classes_name_the_bad_value(classes, message):
     with pytest.raises(ValueError, match=f"--classes '{classes}' is invalid: .*{message}"):
         probe_pool_growth.parse_bounds(classes)
+
+
+# --- the Dagger tile probes, on the sim and on the model device -------------------------------
+
+
+def test_probe_dagger_loop_checks_every_mode_in_turn(capsys):
+    """Plain sync, the launcher with a setting of its own and the ideal, in turn: every
+    result checked (a wrong one returns 1), one line each with its pool growth."""
+    from benchmarks.probes import probe_dagger_loop
+
+    modes = "plain-sync,launcher:policy=round-robin,ideal"
+    argv = ["--backend", "sim", "--shape", "linear", "--modes", modes, "--seconds", "0.2"]
+    assert probe_dagger_loop.main(argv) == 0
+    out = capsys.readouterr().out
+    for mode in modes.split(","):
+        assert f"linear {mode} (in turn with 2 other)" in out, out
+    assert probe_dagger_loop.launcher_settings("launcher:shared-blocks=1 MiB;policy=auto") == {
+        "gpustreams.shared-blocks": "1 MiB",
+        "gpustreams.policy": "auto",
+    }
+
+
+def test_probe_dagger_loop_names_a_bad_mode(capsys):
+    from benchmarks.probes import probe_dagger_loop
+
+    with pytest.raises(SystemExit):
+        probe_dagger_loop.main(["--backend", "sim", "--modes", "launcher,fast"])
+    assert "mode 'fast' is invalid: allowed values are plain-sync | launcher | ideal" in (
+        capsys.readouterr().err
+    )
+
+
+def test_probe_launch_loop_runs_the_launcher_on_its_model_device(capsys):
+    from benchmarks.probes import probe_launch_loop
+
+    argv = ["--shapes", "linear", "--policies", "auto", "--reps", "2"]
+    assert probe_launch_loop.main(argv) == 0
+    assert "linear     auto" in capsys.readouterr().out
+
+
+def test_spy_summary_counts_a_function_once_a_stack(tmp_path, capsys):
+    from benchmarks.probes import spy_summary
+
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "main.<locals>.<lambda> (p.py:3);f (a.py:1);f (a.py:2);g (b.py:9) 3\n"
+        "other (c.py:1);g (b.py:9) 5\n"
+    )
+    kept, inclusive, leaf = spy_summary.summarize(str(raw), "main.<locals>.<lambda>")
+    assert kept == 3
+    assert inclusive["f (a.py)"] == 3 and inclusive["g (b.py)"] == 3
+    assert leaf == {"g (b.py)": 3}
