@@ -1,10 +1,11 @@
 """Could a stream's progress be read from host memory instead of by event queries?
 
-The launcher asks the device 2.6-2.9 event queries a task (``probe_launch_loop``), at
-1.5-3 us each on a busy H200. A stream memory operation (``cuStreamWriteValue32``,
-called through ``ctypes`` on ``libcuda``) writes a task's number into mapped pinned host
-memory once the stream's earlier work is complete; reading it is a host load. This
-measures, on one GPU:
+The launcher asks the device 2.6-2.9 event queries a task (``probe_launch_loop``), taken
+to cost 1.5-3 us each on a busy H200 (at dfec613 this probe measured 0.17 us a query, and
+2.85 us a counter write: ``benchmarks/results/h200-counters-dfec613/``). A stream memory
+operation (``cuStreamWriteValue32``, called through ``ctypes`` on ``libcuda``) writes a
+task's number into mapped pinned host memory once the stream's earlier work is complete;
+reading it is a host load. This measures, on one GPU:
 
 1. **Order**: a spin kernel of random length, then a write of ``i`` on the same stream;
    the host reads the counter at once (it must not show ``i`` yet for kernels that long),
