@@ -314,6 +314,74 @@ def test_launch_ahead_bounds_memory_of_slow_kernels(launcher):
     assert peaks["64 MiB"] > 2 * peaks["1 MiB"], peaks
 
 
+def test_a_chain_on_one_stream_holds_what_plain_sync_holds(on_the_launcher, launcher):
+    """Kernels slower than the host, run ahead by 64 MiB: a chain whose steps stay on one
+    stream holds what plain sync holds (its input and its output), not one chunk per step
+    launched ahead (64 of 80), as the delayed workload held 16 paths of matmul and tanh at
+    the H200's sizes: an input that its producer allocated on the stream of its consumer
+    needs no hold, its block being reused in that stream's order. Exact (a block reused
+    too early reads poison)."""
+    _, _ = chain_peak(4, 0.0, scheduler="sync")  # the pool's arenas warm for both
+    sync_peak, expected = chain_peak(80, 0.002, scheduler="sync")
+    with launcher(streams=4, policy="auto", **{"launch-ahead": "64 MiB"}):
+        peak, result = chain_peak(80, 0.002)
+    np.testing.assert_array_equal(result, expected)
+    np.testing.assert_array_equal(result, np.full(CHUNK, 3.0))
+    assert peak <= sync_peak + CHUNK * 8, (peak / (CHUNK * 8), sync_peak / (CHUNK * 8))
+
+
+def alias_scenario(launcher, by_key, rng, runs: int) -> int:
+    """x allocated on stream 1, passed through by a task on stream 0 whose slow reader is on
+    stream 0 too; then an allocation on stream 1 once the launcher has dropped x. Returns
+    the runs that read poison: x's block came from stream 1's arena, so the reader on
+    stream 0 must hold it although its producer (the pass-through) ran on its stream.
+
+    Rounds of 3 tasks (3 streams), in rank order: the idle tasks put the reader and the
+    allocation in one round, the allocation after the reader; the third waits for stream
+    0, so that its record there releases what the pass-through held (x, for stream 1).
+    """
+    placement = {"produce": 1, "alias": 0, "consume": 0, "allocate": 1, "final": 2}
+    by_key.update({**placement, "idle-1": 2, "idle-2": 2, "idle-3": 0, "idle-4": 2})
+    tasks = {
+        "produce": lambda v: produce(),
+        "idle-1": lambda v: None,
+        "idle-2": lambda v: None,
+        "alias": lambda v: v["produce"],
+        "idle-3": lambda v: sim.get_device().current_stream().synchronize(),
+        "idle-4": lambda v: None,
+        "consume": lambda v: slow_double(v["alias"], rng.uniform(0.01, 0.03)),
+        "allocate": lambda v: allocate(),
+        "final": lambda v: first_of(v["consume"], v["allocate"]),
+    }
+    deps = {k: () for k in tasks}
+    deps.update({"alias": ("produce",), "consume": ("alias",), "final": ("consume", "allocate")})
+    priority = {k: i for i, k in enumerate(tasks)}
+    poisoned = 0
+    with launcher(streams=3, policy="test-placement"):
+        runtime = get_runtime()
+        for _ in range(runs):
+            out = GraphLauncher(runtime, tasks, deps, priority, {"final"}).run()["final"]
+            host = out.get()
+            assert np.isnan(host).all() or (host == 6.0).all()
+            poisoned += bool(np.isnan(host).any())
+    return poisoned
+
+
+def test_an_input_passed_through_from_another_stream_is_held(launcher, by_key, rng):
+    assert alias_scenario(launcher, by_key, rng, runs=10) == 0
+
+
+def test_passed_through_input_reads_poison_if_taken_for_its_producers(
+    launcher, by_key, rng, monkeypatch
+):
+    """The test above is meaningful: an input taken for memory its producer allocated on the
+    consumer's stream, though another stream's arena gave it, is reused too early."""
+    from dask_gpustreams.backends import sim as sim_backend
+
+    monkeypatch.setattr(sim_backend._SimMeter, "made_on", lambda self, value, stream: True)
+    assert alias_scenario(launcher, by_key, rng, runs=10) >= 1
+
+
 def accumulate_in_place(x, delay, *, launched):
     """Add 1 to ``x`` on the device, in place, and return it (as a tiled gemm accumulates)."""
     launched.append(time.perf_counter())

@@ -15,12 +15,22 @@ from typing import Any, Protocol
 
 class AllocationMeter:
     """The largest device allocation made through a launcher's allocator since
-    :attr:`largest` was last set to 0 (by the launcher, after each task)."""
+    :attr:`largest` was last set to 0 (by the launcher, after each task), and where
+    the allocations since :attr:`made` was last cleared (by the launcher, before each
+    task) were made: ``made[address] = stream key`` (a backend's own address and key)."""
 
-    __slots__ = ("largest",)
+    __slots__ = ("largest", "made")
 
     def __init__(self) -> None:
         self.largest = 0
+        self.made: dict[Hashable, Hashable] = {}
+
+    def made_on(self, value: Any, stream: Any) -> bool:
+        """Whether ``value`` is a device array whose memory was allocated through the
+        allocator since :attr:`made` was cleared, on pool stream ``stream``: from an
+        arena that only allocations on ``stream`` take blocks from, so that once freed
+        it is reused in ``stream``'s order (False where the backend cannot tell)."""
+        return False
 
 
 class StandingStreams:

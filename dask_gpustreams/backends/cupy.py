@@ -243,21 +243,25 @@ class CupyBackend:
         if small_blocks:
             self._small_streams.ensure([s.ptr for s in streams], self._standing_stream)
         standing_for, current = self._small_streams.get, cupy.cuda.get_current_stream
-        meter = AllocationMeter()
+        meter = _CupyMeter()
+        made = meter.made
 
         def malloc(size: int) -> cupy.cuda.MemoryPointer:
+            stream = current().ptr
+            memory = None
             if size < small_blocks:
-                small = standing_for(current().ptr)
+                small = standing_for(stream)
                 if small is not None:
                     with small:
-                        return allocator(size)
+                        memory = allocator(size)
             elif size > meter.largest:
                 meter.largest = size
-            if shared_size and size >= shared_size:
-                memory = shared.malloc(size, current().ptr, allocator)
-                if memory is not None:
-                    return memory
-            return allocator(size)
+            if memory is None and shared_size and size >= shared_size:
+                memory = shared.malloc(size, stream, allocator)
+            if memory is None:
+                memory = allocator(size)
+            made[memory.ptr] = stream
+            return memory
 
         with cupy.cuda.using_allocator(malloc):
             yield meter
@@ -292,6 +296,19 @@ class CupyBackend:
 
     def copy_to_host(self, dst: np.ndarray, src: cupy.ndarray, stream: cupy.cuda.Stream) -> None:
         src.get(stream=stream, out=dst, blocking=False)
+
+
+class _CupyMeter(AllocationMeter):
+    """:class:`AllocationMeter` of CuPy's launch allocator: addresses are device pointers
+    (an array's allocation's, ``data.mem.ptr``), stream keys the streams' handles."""
+
+    __slots__ = ()
+
+    def made_on(self, value: Any, stream: cupy.cuda.Stream) -> bool:
+        if not isinstance(value, cupy.ndarray):
+            return False
+        memory = value.data.mem
+        return memory is not None and self.made.get(memory.ptr) == stream.ptr
 
 
 class _SharedArena:

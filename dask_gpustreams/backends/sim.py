@@ -118,20 +118,23 @@ class SimBackend:
         if small_blocks:
             self._small_streams.ensure([s.id for s in streams], self.device.create_stream)
         standing_for = self._small_streams.get
-        meter = AllocationMeter()
+        meter = _SimMeter()
+        made = meter.made
 
         def malloc(nbytes: int, stream_id: int) -> tuple[Any, bool]:
+            got = None
             if nbytes < small_blocks:
                 small = standing_for(stream_id)
                 if small is not None:
-                    return allocator(nbytes, small.id)
+                    got = allocator(nbytes, small.id)
             elif nbytes > meter.largest:
                 meter.largest = nbytes
-            if shared_size and nbytes >= shared_size:
+            if got is None and shared_size and nbytes >= shared_size:
                 got = shared.malloc(nbytes, stream_id, allocator)
-                if got is not None:
-                    return got
-            return allocator(nbytes, stream_id)
+            if got is None:
+                got = allocator(nbytes, stream_id)
+            made[_address(got[0])] = stream_id
+            return got
 
         with sim.using_allocator(malloc):
             yield meter
@@ -162,6 +165,24 @@ class SimBackend:
 
     def copy_to_host(self, dst: np.ndarray, src: sim.SimArray, stream: sim.Stream) -> None:
         stream.launch(np.copyto, (dst, src._view), {}, self.device.current_key())
+
+
+def _address(block: Any) -> tuple[int, int]:
+    """Where a block of the sim's pool starts (a :class:`sim.UnownedBlock` lends a chunk's
+    bytes): its allocation's identity and its offset in it, as a device address."""
+    chunk = getattr(block, "chunk", block)
+    return id(chunk.segment), chunk.offset
+
+
+class _SimMeter(AllocationMeter):
+    """:class:`AllocationMeter` of the sim's launch allocator: addresses are
+    :func:`_address`, stream keys the streams' ids."""
+
+    __slots__ = ()
+
+    def made_on(self, value: Any, stream: sim.Stream) -> bool:
+        block = getattr(value, "_block", None) if isinstance(value, sim.SimArray) else None
+        return block is not None and self.made.get(_address(block)) == stream.id
 
 
 def _nothing() -> None:

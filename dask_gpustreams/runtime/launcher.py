@@ -16,7 +16,11 @@ or learned by :class:`~dask_gpustreams.runtime.hosttasks.HostTasks`) run on
 the runtime's host threads after a host wait for their inputs' events, so
 they never stall launches that do not depend on them. An intermediate is
 dropped once all its consumers are launched; the pool holds it until their
-events complete. A task that runs out of device memory
+events complete, but for consumers on the stream that its task allocated it on
+(``AllocationMeter.made_on``): once freed, its block is reused only in that
+stream's order, after them, as by Dask's own schedulers on one stream, so a path
+of large tasks on one stream holds its live values, not every output launched
+ahead. A task that runs out of device memory
 (``Backend.out_of_memory_errors``) runs once more (tasks are pure, as Dask
 assumes) after the launcher has waited for all launched work and released the
 inputs it held and the allocator's cached blocks, with the launch-ahead from
@@ -240,6 +244,9 @@ class GraphLauncher:
         self.failed: Hashable | None = None
         self._launched: list[Any] = []
         self._streams: list[Any] = []  # the pool's, while run() runs
+        #: Keys whose value's memory their task allocated on its own stream (the meter's
+        #: ``made_on``), while they are results: see :meth:`_launch_all`'s holds.
+        self._own: set[Hashable] = set()
 
     # --- the launch loop ----------------------------------------------------------------------
 
@@ -321,6 +328,7 @@ class GraphLauncher:
         ready = ReadyTasks(self._priority, [k for k, n in missing.items() if n == 0])
 
         launched = self._launched  # every event recorded, in order
+        own = self._own
         ahead: deque[tuple[Any, int]] = deque()
         ahead_bytes = 0
         limit = runtime.config.launch_ahead
@@ -385,6 +393,8 @@ class GraphLauncher:
                         else:
                             event = acquire()
                         state["stream"] = stream
+                        if meter is not None:
+                            meter.made.clear()
                         t0 = perf_counter()
                         with use_stream(stream, key):
                             called = True
@@ -400,8 +410,12 @@ class GraphLauncher:
                                 ahead_bytes = 0
                                 held.clear()  # the failed attempt's uploads (done by now)
                                 t0 = perf_counter()  # the wait is no host work of the task
+                                if meter is not None:
+                                    meter.made.clear()
                                 result = tasks[key](values)
                         seconds = perf_counter() - t0
+                        if meter is not None and meter.made_on(result, stream):
+                            own.add(key)
                         if large_size:
                             # Only news is told: a large block, or none from a large task.
                             if (meter.largest >= large_size) is not large:
@@ -421,11 +435,20 @@ class GraphLauncher:
                         self._error = e
                         break
                     state["stream"] = None
+                    refs = values
+                    if own:
+                        # An input whose memory its producer allocated on this stream needs
+                        # no hold: once freed, its block is reused in this stream's order
+                        # (as by Dask's own schedulers on one stream), after these kernels.
+                        mine = [r.key for r in producers if r.slot is slot and r.key in own]
+                        if mine:
+                            refs = {d: v for d, v in values.items() if d not in mine}
                     if held:
-                        seq = record_on(slot, event, (values, held[:]), True)
+                        seq = record_on(slot, event, (refs, held[:]), True)
                         held.clear()
                     else:
-                        seq = record_on(slot, event, values, True)
+                        seq = record_on(slot, event, refs, True)
+                    refs = None  # not held here until the next task's record
                     record = TaskRecord(key, slot, event, seq, start)
                     add_record(record)
                     launched.append(event)
@@ -525,12 +548,14 @@ class GraphLauncher:
         results = self.results
         wanted = self.wanted
         discard = self.registry.discard
+        own = self._own
         for d in deps:
             n = consumers[d] - 1
             consumers[d] = n
             if n == 0 and d not in wanted:
                 results.pop(d, None)
                 discard(d)
+                own.discard(d)
 
     # --- host tasks ---------------------------------------------------------------------------
 
