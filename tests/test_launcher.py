@@ -908,6 +908,35 @@ def test_at_most_host_threads_host_tasks_run_at_once(launcher, threads):
     assert got == tuple(range(4 * threads)) and most[0] == threads
 
 
+def test_host_tasks_waiting_for_a_thread_are_bounded_by_launch_ahead(launcher):
+    """Chunks made on the device for a host task each, slower than their producers: once
+    the host tasks waiting for the one thread hold over ``launch-ahead`` of inputs, the
+    launcher waits for one to end, so a few chunks are alive at once, not one per chunk
+    launched. Exact."""
+    n, chunks, lock = 1 << 17, 32, threading.Lock()  # 1 MiB chunks
+    alive, most = [0], [0]
+
+    def make(i):
+        with lock:
+            alive[0] += 1
+            most[0] = max(most[0], alive[0])
+        return leaf(float(i), n, 0.0)
+
+    @host_task
+    def consume(x):
+        total = float(x.get().sum())
+        time.sleep(0.005)  # the host work the task stands for (a write to disk)
+        with lock:
+            alive[0] -= 1
+        return total
+
+    with launcher(streams=2, **{"launch-ahead": "2 MiB", "host-threads": 1}):
+        parts = [delayed(consume)(delayed(make)(i)) for i in range(chunks)]
+        got = dask.compute(*parts, scheduler="gpustreams")
+    assert got == tuple(float(i * n) for i in range(chunks))
+    assert most[0] <= 8, f"{most[0]} chunks of {chunks} alive at once"
+
+
 def test_host_task_is_learned_after_two_slow_calls_in_a_row(launcher, caplog):
     """An unmarked blocking function runs twice on the launching thread, then on host threads."""
     host_s = kernel_s = 0.2

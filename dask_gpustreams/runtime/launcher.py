@@ -14,7 +14,10 @@ updated in place as Dagger's gemm tiles are, is no new output), and
 ``pool.max_inflight`` tasks per stream. Tasks that block the host (marked,
 or learned by :class:`~dask_gpustreams.runtime.hosttasks.HostTasks`) run on
 the runtime's host threads after a host wait for their inputs' events, so
-they never stall launches that do not depend on them. An intermediate is
+they never stall launches that do not depend on them, unless more of them wait
+for a thread than there are threads and their device inputs add up to over
+``config.launch_ahead``: then the launcher waits for one to end, as it would
+for a kernel, since each keeps its inputs alive meanwhile. An intermediate is
 dropped once all its consumers are launched; the pool holds it until their
 events complete, but for consumers on the stream that its task allocated it on
 (``AllocationMeter.made_on``): once freed, its block is reused only in that
@@ -145,25 +148,29 @@ def _cycle_message(
 class _HostDone:
     """A host task's outcome, handed from its host thread to the launcher."""
 
-    __slots__ = ("key", "result", "record", "error", "seconds", "worker")
+    __slots__ = ("key", "result", "record", "error", "seconds", "worker", "inputs")
 
-    def __init__(self, key, result, record, error, seconds, worker):
+    def __init__(self, key, result, record, error, seconds, worker, inputs):
         self.key = key
         self.result = result
         self.record = record
         self.error = error
         self.seconds = seconds
         self.worker = worker
+        self.inputs = inputs  # bytes of its device inputs, as counted at its submission
 
 
 class _HostOutcomes:
     """Host tasks in flight, and the outcomes their threads hand back to the launcher."""
 
-    __slots__ = ("running", "_done", "_wake")
+    __slots__ = ("running", "inputs", "_done", "_wake")
 
     def __init__(self) -> None:
         #: Host tasks submitted and not yet taken (read and written by the launching thread).
         self.running = 0
+        #: Bytes of those tasks' device inputs (an input read by two counts twice): what
+        #: they keep alive until they are taken, however long they wait for a thread.
+        self.inputs = 0
         self._done: deque[_HostDone] = deque()
         self._wake = threading.Event()
 
@@ -187,12 +194,20 @@ class _HostOutcomes:
             self._wake.wait()
             self._wake.clear()
 
+    def submitted(self, inputs: int) -> None:
+        """On the launching thread: a host task with ``inputs`` bytes of device inputs is
+        on its way."""
+        self.running += 1
+        self.inputs += inputs
+
     def take(self) -> _HostDone | None:
         """The oldest outcome handed back, or None."""
         if not self._done:
             return None
         self.running -= 1
-        return self._done.popleft()
+        done = self._done.popleft()
+        self.inputs -= done.inputs
+        return done
 
 
 class GraphLauncher:
@@ -332,6 +347,7 @@ class GraphLauncher:
         ahead: deque[tuple[Any, int]] = deque()
         ahead_bytes = 0
         limit = runtime.config.launch_ahead
+        threads = runtime.config.host_threads
         held: list = []
         state = task_state.__dict__
         previous = state.get("runtime"), state.get("stream"), state.get("holds")
@@ -345,7 +361,9 @@ class GraphLauncher:
                     if self._error is not None:
                         break
                     continue  # the last host task may have finished the graph
-                if not ready:
+                if not ready or (outcomes.inputs > limit and outcomes.running > threads):
+                    # Host tasks waiting for a thread hold their inputs: launching on would
+                    # run ahead of them without the launch-ahead's bound.
                     outcomes.wait()
                     continue
                 # The `width` most urgent ready tasks, then those they made ready: independent
@@ -567,19 +585,23 @@ class GraphLauncher:
         large group learned to block the host would otherwise spread its blocks over every
         stream, several at once)."""
         producers = self.registry.records(self.dependencies[key])
+        is_device = self.runtime.backend.is_device_array
+        inputs = sum(v.nbytes for v in values.values() if is_device(v))
         if task_state.__dict__.get("host_thread"):
-            self._outcomes.running += 1
-            self._run_host(key, values, producers, large)
+            self._outcomes.submitted(inputs)
+            self._run_host(key, values, producers, large, inputs)
         else:
             run = contextvars.copy_context().run
             submit = self.runtime.host_executor().submit
-            submit(run, self._run_host, key, values, producers, large)
-            self._outcomes.running += 1  # not before: a refused submit must not be waited for
+            submit(run, self._run_host, key, values, producers, large, inputs)
+            # Not before: a refused submit must not be waited for.
+            self._outcomes.submitted(inputs)
 
     def _run_host(
-        self, key: Hashable, values: dict, producers: list[TaskRecord], large: bool
+        self, key: Hashable, values: dict, producers: list[TaskRecord], large: bool, inputs: int
     ) -> None:
-        """On a host thread: wait for the inputs on the host, then run ``key`` on a stream."""
+        """On a host thread: wait for the inputs on the host, then run ``key`` on a stream
+        (``inputs``: the bytes :meth:`_submit_host` counted, handed back with the outcome)."""
         runtime = self.runtime
         result = record = error = None
         seconds = 0.0
@@ -609,7 +631,7 @@ class GraphLauncher:
             state["launching"], state["host_thread"] = previous
         record = registry.get(key)  # also after a failure: its kernels are drained
         worker = threading.get_ident()
-        self._outcomes.put(_HostDone(key, result, record, error, seconds, worker))
+        self._outcomes.put(_HostDone(key, result, record, error, seconds, worker, inputs))
 
     def _absorb(self, ready, dependents, missing, consumers) -> None:
         """Take the outcomes of host tasks that finished (on the launching thread)."""
