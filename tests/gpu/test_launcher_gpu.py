@@ -111,7 +111,9 @@ def test_a_task_out_of_device_memory_runs_again(caplog, shared):
     """The device full but for 12 chunks of 8 MiB, and chains of 1 ms kernels that the
     launcher runs ahead of by more (``launch-ahead`` 1 GiB): a task that finds the device
     full runs again once the launched work is done, and every chain is exact; its chunks
-    from each stream's arena, or shared by the streams (``shared-blocks`` 4 MiB)."""
+    from each stream's arena, or shared by the streams (``shared-blocks`` 4 MiB). Placed
+    round-robin, each step reads its input from another stream, which holds it until the
+    step's event completes (a step on its input's stream would not: 12 chunks would do)."""
     chunk = 1 << 20  # float64 elements: 8 MiB
     pool = cupy.get_default_memory_pool()
     cupy.cuda.Device().synchronize()
@@ -125,7 +127,12 @@ def test_a_task_out_of_device_memory_runs_again(caplog, shared):
             for _ in range(30):
                 x = delayed(spin_scale)(x, 2.0, 1.0)
             chains.append(delayed(min_max)(x))
-        config = {**CONFIG, "gpustreams.launch-ahead": "1 GiB", "gpustreams.shared-blocks": shared}
+        config = {
+            **CONFIG,
+            "gpustreams.launch-ahead": "1 GiB",
+            "gpustreams.shared-blocks": shared,
+            "gpustreams.policy": "round-robin",
+        }
         with dask.config.set(config), caplog.at_level("WARNING", logger="dask_gpustreams"):
             got = dask.compute(*chains, scheduler="gpustreams")
     finally:
