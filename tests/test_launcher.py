@@ -330,6 +330,69 @@ def test_a_chain_on_one_stream_holds_what_plain_sync_holds(on_the_launcher, laun
     assert peak <= sync_peak + CHUNK * 8, (peak / (CHUNK * 8), sync_peak / (CHUNK * 8))
 
 
+def stale_address_scenario(launcher, by_key, runs: int) -> int:
+    """(helper-52's review of 355f74b.) Outer task ``p`` (stream 0) allocates and frees
+    a shared block T (address A noted as 'made on stream 0'), then runs a nested compute
+    whose host task ``h`` (stream 1, on a host thread, its own allocator) is handed A
+    again through the shared arena's give-back. ``p`` returns h's array: made_on says
+    stream 0 (the stale entry of T), but its lease is stream 1's. ``c`` (stream 0) reads
+    it; were it not held, once dropped it would be reused at once by ``a`` on stream 1
+    while c's kernel still reads it. Returns the runs whose result read poison."""
+    by_key.update({"p": 0, "c": 0, "a": 1, "final": 2, "i1": 0, "i2": 0, "h": 1})
+    by_key.update({"idle-1": 2, "idle-2": 2})
+
+    def p(v):
+        t = sim.empty(CHUNK)  # a shared block on stream 0: made[A] = stream 0
+        del t  # freed on stream 0 (cached for it, given back once stream 0 passes the free)
+        inner_tasks = {
+            "i1": lambda v: None,  # the first event on stream 0 after the free
+            "i2": lambda v: time.sleep(0.02),  # its record sees i1 complete
+            "h": lambda v: leaf(3.0, CHUNK, 0.0),  # host thread, stream 1: gets A back
+        }
+        inner_deps = {"i1": (), "i2": ("i1",), "h": ("i2",)}
+        prio = {k: i for i, k in enumerate(inner_tasks)}
+        inner = GraphLauncher(get_runtime(), inner_tasks, inner_deps, prio, {"h"}, host={"h"}).run()
+        return inner["h"]
+
+    def c(v):
+        time.sleep(0.02)  # p's event complete by c's record: p's hold of h's array goes
+        return slow_double(v["p"], 0.1)
+
+    # Rounds of 3 (3 streams), by rank: p and the idle tasks, then c and a (a after c, so
+    # that p's value, dropped once c is launched, is freed just before a allocates).
+    tasks = {
+        "p": p,
+        "idle-1": lambda v: None,
+        "idle-2": lambda v: None,
+        "c": c,
+        "a": lambda v: sim.empty(CHUNK),
+        "final": lambda v: v["c"],
+    }
+    deps = {k: () for k in tasks}
+    deps.update({"c": ("p",), "final": ("c", "a")})
+    priority = {k: i for i, k in enumerate(tasks)}
+    poisoned = 0
+    settings = {"shared-blocks": "256 KiB", "small-blocks": 0, "large-tasks": 0}
+    with launcher(streams=3, policy="test-placement", **settings):
+        runtime = get_runtime()
+        for _ in range(runs):
+            out = GraphLauncher(runtime, tasks, deps, priority, {"final"}).run()["final"]
+            host = out.get()
+            assert np.isnan(host).all() or (host == 6.0).all(), host[:4]
+            poisoned += bool(np.isnan(host).any())
+    return poisoned
+
+
+def test_a_nested_computes_result_at_an_address_the_task_freed_is_held(
+    on_the_launcher, launcher, by_key
+):
+    """A task that ran a nested compute is never taken to own its result: the address its
+    allocator noted may have gone to another stream's host task meanwhile. Without that
+    exception all 5 runs read poison."""
+    poisoned = stale_address_scenario(launcher, by_key, runs=5)
+    assert poisoned == 0, f"{poisoned} of 5 runs read poison"
+
+
 def alias_scenario(launcher, by_key, rng, runs: int) -> int:
     """x allocated on stream 1, passed through by a task on stream 0 whose slow reader is on
     stream 0 too; then an allocation on stream 1 once the launcher has dropped x. Returns

@@ -29,7 +29,11 @@ class AllocationMeter:
         """Whether ``value`` is a device array whose memory was allocated through the
         allocator since :attr:`made` was cleared, on pool stream ``stream``: from an
         arena that only allocations on ``stream`` take blocks from, so that once freed
-        it is reused in ``stream``'s order (False where the backend cannot tell)."""
+        it is reused in ``stream``'s order (False where the backend cannot tell).
+
+        By address: an array that another thread allocated meanwhile, at an address
+        freed since the allocator noted it, is taken for the noted one. The launcher
+        asks only of tasks that hold nothing else (no nested compute's results)."""
         return False
 
 

@@ -432,7 +432,10 @@ class GraphLauncher:
                                     meter.made.clear()
                                 result = tasks[key](values)
                         seconds = perf_counter() - t0
-                        if meter is not None and meter.made_on(result, stream):
+                        # Not with holds: a nested compute's results are among them, which
+                        # its host threads may have allocated, on their streams, at an
+                        # address this task freed (``made`` would name this stream).
+                        if meter is not None and not held and meter.made_on(result, stream):
                             own.add(key)
                         if large_size:
                             # Only news is told: a large block, or none from a large task.
@@ -458,7 +461,7 @@ class GraphLauncher:
                         # An input whose memory its producer allocated on this stream needs
                         # no hold: once freed, its block is reused in this stream's order
                         # (as by Dask's own schedulers on one stream), after these kernels.
-                        mine = [r.key for r in producers if r.slot is slot and r.key in own]
+                        mine = {r.key for r in producers if r.slot is slot and r.key in own}
                         if mine:
                             refs = {d: v for d, v in values.items() if d not in mine}
                     if held:
