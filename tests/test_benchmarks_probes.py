@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -238,3 +239,16 @@ def test_spy_summary_counts_a_function_once_a_stack(tmp_path, capsys):
     assert kept == 3
     assert inclusive["f (a.py)"] == 3 and inclusive["g (b.py)"] == 3
     assert leaf == {"g (b.py)": 3}
+
+
+def test_probe_slow_samples_checks_each_compute_and_splits_slow_from_the_others(capsys):
+    """Each mode's turns from a cold pool, every compute checked (a wrong one returns 1),
+    one line a compute and, per mode, its slow computes against the others."""
+    from benchmarks.probes import probe_slow_samples
+
+    argv = ["--backend", "sim", "--quick", "--modes", "sync,launcher"]
+    assert probe_slow_samples.main([*argv, "--samples", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok\n") == 6 and "WRONG" not in out, out
+    for mode in ("sync", "launcher"):
+        assert re.search(rf"^{mode} +other +\d+ computes", out, re.M), out
