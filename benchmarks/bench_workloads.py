@@ -34,7 +34,11 @@ another order. Peak device memory per mode: ``peak_held`` (the pool's ``total_by
 sample, the pool's blocks freed before the mode's first warm-up run only, so the timed
 runs find it warm as repeated computes do; the pool does not shrink during a run) and
 ``peak_used`` (the largest ``used_bytes()`` seen by a tracking allocator, on during the
-timed runs). Importing ``bench_shapes`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` unless
+timed runs). Each run starts after a full garbage collection, outside its time: on
+the H200 a collection of the oldest generation took 85-130 ms within a matmul compute
+and fell into random samples of every mode (``probes/probe_slow_samples``,
+``h200-slow-bb8d33a``); the collections a run's own allocations start stay in its
+time. Importing ``bench_shapes`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` unless
 set, before CuPy starts.
 
 Outputs in ``--out`` (default ``benchmarks/results/workloads-<backend>-<timestamp>/``,
@@ -48,6 +52,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import gc
 import json
 import logging
 import math
@@ -718,6 +723,7 @@ class Runner:
                     # find it warm, as a user's repeated computes do (a cold pool's
                     # cudaMalloc calls would serialize the device, per stream arena).
                     peaks.reset(free=i == 0)
+                gc.collect()  # garbage of earlier runs is not this run's (see the docstring)
                 t0 = time.perf_counter()
                 with dask.config.set(config):
                     results = dask.compute(*collections, **kw)

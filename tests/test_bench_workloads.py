@@ -88,3 +88,15 @@ def test_no_paired_speedup_where_the_rounds_differ():
     rows = [_row("sync", [[100.0], [100.0]]), _row("launcher", [[90.0]])]
     bw.derive(rows)
     assert rows[1]["paired_vs_best"] is None and rows[1]["speedup_vs_best"] is not None
+
+
+def test_each_run_starts_after_a_full_collection(tmp_path, monkeypatch):
+    """A generation-2 collection (85-130 ms on the H200's matmul) left by earlier runs must
+    not land in a random sample: one full collection before each run, warm-ups included."""
+    backend = "sim" if bw.sim_has_ops() else "numpy"
+    collections = []
+    monkeypatch.setattr(bw.gc, "collect", lambda *a: collections.append(a) or 0)
+    argv = ["--backend", backend, "--quick", "--workloads", "tiny-tasks", "--modes", "sync"]
+    argv += ["--samples", "3", "--rounds", "1", "--warmup", "1", "--out", str(tmp_path / "r")]
+    assert bw.main(argv) == 0
+    assert collections == [()] * 4
