@@ -226,6 +226,21 @@ def first_of(y, z):
     return y
 
 
+def poisoned_runs(launcher, tasks, deps, runs: int, **settings) -> int:
+    """Of ``runs`` runs of ``tasks`` (ranked in their order, on 3 streams placed by
+    ``test-placement``), those whose ``final`` read poison; any other result is 6.0."""
+    priority = {k: i for i, k in enumerate(tasks)}
+    poisoned = 0
+    with launcher(streams=3, policy="test-placement", **settings):
+        runtime = get_runtime()
+        for _ in range(runs):
+            out = GraphLauncher(runtime, tasks, deps, priority, {"final"}).run()["final"]
+            host = out.get()
+            assert np.isnan(host).all() or (host == 6.0).all(), host[:4]
+            poisoned += bool(np.isnan(host).any())
+    return poisoned
+
+
 def reuse_scenario(launcher, by_key, rng, runs: int) -> int:
     """x on stream 0, a slow reader on stream 1, then an allocation on stream 0 once the
     launcher has dropped x (its only consumer is launched). Returns runs that read poison.
@@ -250,16 +265,7 @@ def reuse_scenario(launcher, by_key, rng, runs: int) -> int:
         "allocate": (),
         "final": ("consume", "allocate"),
     }
-    priority = {k: i for i, k in enumerate(tasks)}
-    poisoned = 0
-    with launcher(streams=3, policy="test-placement"):
-        runtime = get_runtime()
-        for _ in range(runs):
-            out = GraphLauncher(runtime, tasks, deps, priority, {"final"}).run()["final"]
-            host = out.get()
-            assert np.isnan(host).all() or (host == 6.0).all()
-            poisoned += bool(np.isnan(host).any())
-    return poisoned
+    return poisoned_runs(launcher, tasks, deps, runs)
 
 
 def test_inputs_are_held_until_the_consumer_event(launcher, by_key, rng):
@@ -370,17 +376,8 @@ def stale_address_scenario(launcher, by_key, runs: int) -> int:
     }
     deps = {k: () for k in tasks}
     deps.update({"c": ("p",), "final": ("c", "a")})
-    priority = {k: i for i, k in enumerate(tasks)}
-    poisoned = 0
     settings = {"shared-blocks": "256 KiB", "small-blocks": 0, "large-tasks": 0}
-    with launcher(streams=3, policy="test-placement", **settings):
-        runtime = get_runtime()
-        for _ in range(runs):
-            out = GraphLauncher(runtime, tasks, deps, priority, {"final"}).run()["final"]
-            host = out.get()
-            assert np.isnan(host).all() or (host == 6.0).all(), host[:4]
-            poisoned += bool(np.isnan(host).any())
-    return poisoned
+    return poisoned_runs(launcher, tasks, deps, runs, **settings)
 
 
 def test_a_nested_computes_result_at_an_address_the_task_freed_is_held(
@@ -418,16 +415,7 @@ def alias_scenario(launcher, by_key, rng, runs: int) -> int:
     }
     deps = {k: () for k in tasks}
     deps.update({"alias": ("produce",), "consume": ("alias",), "final": ("consume", "allocate")})
-    priority = {k: i for i, k in enumerate(tasks)}
-    poisoned = 0
-    with launcher(streams=3, policy="test-placement"):
-        runtime = get_runtime()
-        for _ in range(runs):
-            out = GraphLauncher(runtime, tasks, deps, priority, {"final"}).run()["final"]
-            host = out.get()
-            assert np.isnan(host).all() or (host == 6.0).all()
-            poisoned += bool(np.isnan(host).any())
-    return poisoned
+    return poisoned_runs(launcher, tasks, deps, runs)
 
 
 def test_an_input_passed_through_from_another_stream_is_held(launcher, by_key, rng):
