@@ -35,7 +35,7 @@ sample, the pool's blocks freed before the mode's first warm-up run only, so the
 runs find it warm as repeated computes do; the pool does not shrink during a run) and
 ``peak_used`` (the largest ``used_bytes()`` seen by a tracking allocator, on during the
 timed runs). Each run starts after a full garbage collection, outside its time: on
-the H200 a collection of the oldest generation took 85-130 ms within a matmul compute
+the H200 garbage collections of 85-130 ms within a matmul compute
 and fell into random samples of every mode (``probes/probe_slow_samples``,
 ``h200-slow-bb8d33a``); the collections a run's own allocations start stay in its
 time. Importing ``bench_shapes`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` unless

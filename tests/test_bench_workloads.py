@@ -91,7 +91,7 @@ def test_no_paired_speedup_where_the_rounds_differ():
 
 
 def test_each_run_starts_after_a_full_collection(tmp_path, monkeypatch):
-    """A generation-2 collection (85-130 ms on the H200's matmul) left by earlier runs must
+    """A garbage collection (85-130 ms on the H200's matmul) of what earlier runs left must
     not land in a random sample: one full collection before each run, warm-ups included."""
     backend = "sim" if bw.sim_has_ops() else "numpy"
     collections = []

@@ -34,11 +34,13 @@ MODES = ("plain-sync", "launcher", "ideal")
 
 class GcClock:
     """Host seconds the garbage collector took, and its collections, since the last take;
-    it listens while open (``with GcClock() as clock``)."""
+    it listens while open (``with GcClock() as clock``). :attr:`oldest`: the oldest
+    generation collected since the last take (-1: none)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.collections = 0
+        self.oldest = -1
         self._t0 = 0.0
 
     def __enter__(self) -> GcClock:
@@ -54,10 +56,11 @@ class GcClock:
         else:
             self.seconds += time.perf_counter() - self._t0
             self.collections += 1
+            self.oldest = max(self.oldest, info["generation"])
 
     def take(self) -> tuple[float, int]:
         taken = self.seconds, self.collections
-        self.seconds, self.collections = 0.0, 0
+        self.seconds, self.collections, self.oldest = 0.0, 0, -1
         return taken
 
 

@@ -5,10 +5,10 @@ mode, plain sync too, since at least 7f91e56 (docs/launcher.md: "Their cause is 
 known"). This runs one workload as ``bench_workloads`` does (``--modes`` in turn, each
 turn from a cold pool: a warm-up, then ``--samples`` computes; ``--rounds`` turns each),
 checks every result, and prints each compute's wall with what could explain a slow one:
-the garbage collector's time, how much the device pool grew, and on CuPy the GPU's SM
-clock (least and median), its power (most) and its clock-event reasons (NVML, sampled by
-a thread every ``--every-ms``). Then, per mode, the slow computes (over ``--slow`` times
-the mode's median) against the others.
+the garbage collector's time and the oldest generation it collected (-1: none), how much
+the device pool grew, and on CuPy the GPU's SM clock (least and median), its power (most)
+and its clock-event reasons (NVML, sampled by a thread every ``--every-ms``). Then, per
+mode, the slow computes (over ``--slow`` times the mode's median) against the others.
 
     python -m benchmarks.probes.probe_slow_samples --backend cupy --workload matmul \\
         --modes sync,launcher --samples 4 --rounds 4
@@ -43,11 +43,10 @@ class GpuClock:
 
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self._reasons = getattr(
-                pynvml,
-                "nvmlDeviceGetCurrentClocksEventReasons",
-                pynvml.nvmlDeviceGetCurrentClocksThrottleReasons,
-            )
+            if hasattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons"):
+                self._reasons = pynvml.nvmlDeviceGetCurrentClocksEventReasons
+            else:  # its name before NVML 12.2
+                self._reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
             self._nvml = pynvml
             self._sample()
         except Exception:  # no NVML (the sim, a machine without a driver), or no readings
@@ -135,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
                     arrays.synchronize()
                     wall = (time.perf_counter() - t0) * 1e3
                     clock = gpu.stop()
+                    oldest = gc_clock.oldest
                     gc_s, _ = gc_clock.take()
                     grown = (pool_bytes(args.backend) - before) / MIB
                     bad = [
@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                     del results
                     failed += bool(bad)
                     row = {"round": rnd, "mode": mode, "i": i, "wall": wall, "gc_ms": gc_s * 1e3}
+                    row["gen"] = oldest
                     row.update(grown=grown, ok=not bad, **clock)
                     if i:  # the turn's first compute is its warm-up, as in bench_workloads
                         rows.append(row)
@@ -163,7 +164,8 @@ def line(row: dict, warm_up: bool) -> str:
     which = "warm-up" if warm_up else f"#{row['i']}"
     return (
         f"round {row['round']} {row['mode']:10s} {which:8s}"
-        f"{row['wall']:9.1f} ms  gc {row['gc_ms']:6.1f} ms  grew {row['grown']:7.0f} MiB  "
+        f"{row['wall']:9.1f} ms  gc {row['gc_ms']:6.1f} ms (gen {row['gen']:2d})  "
+        f"grew {row['grown']:7.0f} MiB  "
         f"{clock}  {'ok' if row['ok'] else 'WRONG'}"
     )
 

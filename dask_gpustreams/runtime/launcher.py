@@ -14,10 +14,11 @@ updated in place as Dagger's gemm tiles are, is no new output), and
 ``pool.max_inflight`` tasks per stream. Tasks that block the host (marked,
 or learned by :class:`~dask_gpustreams.runtime.hosttasks.HostTasks`) run on
 the runtime's host threads after a host wait for their inputs' events, so
-they never stall launches that do not depend on them, unless more of them wait
-for a thread than there are threads and their device inputs add up to over
-``config.launch_ahead``: then the launcher waits for one to end, as it would
-for a kernel, since each keeps its inputs alive meanwhile. An intermediate is
+they never stall launches that do not depend on them, unless more of them are
+in flight than there are threads (so some wait for one) and the device inputs
+of those in flight add up to over ``config.launch_ahead``: then the launcher
+waits for one to end before its next round (a round may pass the bound by its
+width), since each keeps its inputs alive meanwhile. An intermediate is
 dropped once all its consumers are launched; the pool holds it until their
 events complete, but for consumers on the stream that its task allocated it on
 (``AllocationMeter.made_on``): once freed, its block is reused only in that
@@ -469,7 +470,9 @@ class GraphLauncher:
                         held.clear()
                     else:
                         seq = record_on(slot, event, refs, True)
-                    refs = None  # not held here until the next task's record
+                    # Else this task's inputs would live through the next task's call (until
+                    # ``refs`` is bound again): the record alone holds them now.
+                    refs = None
                     record = TaskRecord(key, slot, event, seq, start)
                     add_record(record)
                     launched.append(event)
