@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 run behind the launcher's numbers (README, docs/launcher.md), in two parts that
+# The H200 run behind the launcher's numbers (README, docs/measurements/launcher.md), in two parts that
 # each fit the device's 600 s a call:
 #   tests:  tests/gpu; the ordinary workloads (plain threads, plain sync, the launcher); the
 #           runtime's cost per no-op task; cProfile of std under plain sync and the launcher

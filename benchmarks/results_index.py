@@ -4,9 +4,10 @@ Each entry is one run's directory, or one file of the grab-bag folders ``h200-mi
 ``cpu-misc/``: ``path`` (under ``benchmarks/results/``), ``commit`` (of the tree that ran;
 ``commit_note`` as ``results/README.md`` gives it), ``machine``, ``command``, ``what`` (what it
 measured), and two fields computed from the docs (``README.md``, ``docs/*.md``,
-``benchmarks/README.md``): ``cited_by``, the docs that name the path (or a glob matching it,
-such as ``h200-copy-*``), and ``commit_named_in``, the docs that name its commit, where numbers
-of that run may be quoted without the path. A run with neither is not cited: it may go.
+``docs/measurements/*.md``, ``benchmarks/README.md``): ``cited_by``, the docs that name the
+path (or a glob matching it, such as ``h200-copy-*``), and ``commit_named_in``, the docs that
+name its commit, where numbers of that run may be quoted without the path. A run with neither
+is not cited: it may go.
 
 ::
 
@@ -38,7 +39,7 @@ MISC = ("h200-misc", "cpu-misc")
 #: Suite runs (``python -m benchmarks run``): self-describing files keyed by machine and commit.
 SUITE = "suite"
 #: Where a result may be cited.
-DOC_GLOBS = ("README.md", "docs/*.md", "benchmarks/README.md")
+DOC_GLOBS = ("README.md", "docs/*.md", "docs/measurements/*.md", "benchmarks/README.md")
 FIELDS = ("path", "commit", "commit_note", "machine", "command", "what")
 COMPUTED = ("cited_by", "commit_named_in")
 

@@ -1,7 +1,7 @@
 """Which computes of a workload come out slow, and what else happened in them.
 
 ``bench_workloads``' matmul has had samples 80-100 ms slower than the others in every
-mode, plain sync too, since at least 7f91e56 (docs/launcher.md: "Their cause is not
+mode, plain sync too, since at least 7f91e56 (docs/measurements/launcher.md: "Their cause is not
 known"). This runs one workload as ``bench_workloads`` does (``--modes`` in turn, each
 turn from a cold pool: a warm-up, then ``--samples`` computes; ``--rounds`` turns each),
 checks every result, and prints each compute's wall with what could explain a slow one:

@@ -17,7 +17,7 @@ Tasks that only share an input (a matmul's products of one row) still wait for
 the walk, so they are not launched, and held, ahead of their consumers. The rule
 does not know sizes: a last reader whose output is larger than the input it lets
 go (an expansion), and whose consumer waits for another subtree, is held longer
-than the walk alone would hold its input (docs/launcher.md).
+than the walk alone would hold its input (docs/measurements/launcher.md).
 """
 
 from __future__ import annotations
