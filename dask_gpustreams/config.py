@@ -213,7 +213,9 @@ class StreamsConfig:
     #: Stream blocks on distributed: ``auto`` groups GPU chains into one task each, ``off``
     #: not (YAML reads a bare ``off`` as False, which means ``off`` too).
     blocks: str = "auto"
-    #: The most tasks in one stream block, from 2 to :data:`MAX_BLOCK_SIZE`.
+    #: The most values (inputs from outside, outputs) a stream block holds until it ends; a
+    #: group that holds more is cut into blocks of at most this many tasks. From 2 to
+    #: :data:`MAX_BLOCK_SIZE`.
     block_size: int = 64
 
     def __post_init__(self) -> None:

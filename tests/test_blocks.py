@@ -66,15 +66,15 @@ def _mix(out, salt, delay, *arrays):
     out[...] = acc
 
 
-def source(seed, delay):
-    out = sim.empty(N)
-    sim.launch(_write, out, np.arange(N) + seed, delay)
+def source(seed, delay, n=N):
+    out = sim.empty(n)
+    sim.launch(_write, out, np.arange(n) + seed, delay)
     return out
 
 
 def mix(salt, *arrays, delay=0.0):
-    """``salt`` mixed with ``arrays`` by a kernel that sleeps ``delay`` first."""
-    out = sim.empty(N)
+    """``salt`` mixed with ``arrays`` (of one shape) by a kernel that sleeps ``delay`` first."""
+    out = sim.empty(arrays[0].shape if arrays else N)
     sim.launch(_mix, out, salt, delay, *arrays)
     return out
 
@@ -138,7 +138,7 @@ def clear_errors(a):
 
 
 def host_mix(salt, *arrays):
-    acc = np.full(N, float(salt))
+    acc = np.full(arrays[0].shape if arrays else N, float(salt))
     for a in arrays:
         acc = acc * 0.5 + a
     return acc
@@ -178,9 +178,10 @@ def executed(client):
     return sum(client.run(lambda dask_worker: dask_worker.state.executed_count).values())
 
 
-def shape(name, rng, width=4, depth=6, delay=0.004):
-    """A wide DAG of ``mix`` tasks (delayed) and its NumPy reference, by output."""
-    srcs = [
+def shape(name, rng, width=4, depth=6, delay=0.004, sources=None):
+    """A wide DAG of ``mix`` tasks (delayed) and its NumPy reference, by output; it reads
+    ``sources`` ((delayed, reference) pairs, ``width`` of them) or makes its own."""
+    srcs = sources or [
         (delayed(source)(i, rng.random() * delay), np.arange(N) + float(i)) for i in range(width)
     ]
     layers = [srcs]
@@ -210,7 +211,7 @@ def shape(name, rng, width=4, depth=6, delay=0.004):
 # --- the grouping ---------------------------------------------------------------------------
 
 
-def _partition(edges, n_workers, candidates=None, max_tasks=64, threads=0):
+def _partition(edges, n_workers, candidates=None, max_tasks=64, threads=0, wanted=None):
     deps: dict = {}
     for a, b in edges:
         deps.setdefault(b, []).append(a)
@@ -232,6 +233,7 @@ def _partition(edges, n_workers, candidates=None, max_tasks=64, threads=0):
         max_tasks,
         str,
         threads=threads,
+        wanted=wanted,
     )
     return sorted(sorted(g) for g in groups)
 
@@ -354,19 +356,70 @@ def test_a_block_runs_on_the_host_without_a_runtime():
     np.testing.assert_array_equal(sim.asnumpy(z), expected)
 
 
-def test_no_group_has_more_tasks_than_the_block_size():
+def test_a_group_that_holds_few_values_stays_whole_however_many_tasks_it_has():
+    """A block holds its inputs from outside and its outputs until it ends; the rest go as
+    their readers launch. A chain of 10 holds its last task, a wide diamond of 146 tasks
+    (benchmarks' width 8, depth 16) its one output: one block each, in blocks of 4 and 64
+    values. Before, cut into pieces of at most 4 and 64 tasks (3 and 3 blocks)."""
+    from benchmarks.shapes import wide_shape
+
     chain = [(f"c{i:02}", f"c{i + 1:02}") for i in range(9)]  # 10 tasks
-    assert _partition(chain, 1, max_tasks=4) == [
+    assert _partition(chain, 1, max_tasks=4) == [[f"c{i:02}" for i in range(10)]]
+    graph = wide_shape("diamond", width=8, depth=16)
+    edges = [(a, n.key) for n in graph.nodes for a in n.args]
+    keys = sorted(n.key for n in graph.nodes)
+    assert _partition(edges, 1, candidates=keys) == [keys]
+    assert len(keys) > 64
+
+
+def test_a_group_that_holds_more_than_the_block_size_is_cut_to_that_many_tasks():
+    """Where a group holds more values than the block size, its blocks have at most that
+    many tasks, so none holds more outputs: a chain of 10 reading 10 inputs from outside, in
+    blocks of 4 (3 pieces, each of consecutive tasks), and a diamond whose 6 middle tasks a
+    client wants (7 outputs), in blocks of 3."""
+    chain = [(f"c{i:02}", f"c{i + 1:02}") for i in range(9)]
+    outside = [(f"in{i}", f"c{i:02}") for i in range(10)]
+    candidates = {f"c{i:02}" for i in range(10)}
+    assert _partition(chain + outside, 1, candidates=candidates, max_tasks=4) == [
         ["c00", "c01", "c02"],
         ["c03", "c04", "c05"],
         ["c06", "c07", "c08", "c09"],
     ]
-    # A wide part on one worker: pieces in dependency order, every task in one.
     diamond = [("r", f"x{i}") for i in range(6)] + [(f"x{i}", "j") for i in range(6)]
-    groups = _partition(diamond + [("j", "t")], 1, max_tasks=3)
+    keys = sorted({k for e in diamond for k in e} | {"t"})
+    wanted = lambda k: k.startswith("x")  # noqa: E731
+    groups = _partition(diamond + [("j", "t")], 1, max_tasks=3, wanted=wanted)
     assert max(len(g) for g in groups) == 3
-    assert sorted(k for g in groups for k in g) == sorted({k for e in diamond for k in e} | {"t"})
-    assert _partition(diamond, 1, max_tasks=64) == [sorted({k for e in diamond for k in e})]
+    assert sorted(k for g in groups for k in g) == keys
+    assert _partition(diamond + [("j", "t")], 1, max_tasks=3) == [keys]  # 1 output: whole
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_block_of_more_tasks_than_the_block_size_holds_more_values(seed):
+    """Random graphs (some tasks not candidates, some wanted), in blocks of 2 to 12: each
+    group has at most the block size in tasks or holds at most that many values, so no
+    block holds more outputs than the block size."""
+    rng = random.Random(seed)
+    keys = [f"k{i:03}" for i in range(rng.randint(10, 120))]
+    edges = [
+        (keys[j], keys[i])
+        for i in range(1, len(keys))
+        for j in rng.sample(range(i), min(i, rng.randint(0, 3)))
+    ]
+    max_tasks = rng.randint(2, 12)
+    linked = sorted({k for e in edges for k in e})
+    candidates = {k for k in linked if rng.random() < 0.9}
+    wanted = {k for k in linked if rng.random() < 0.1}.__contains__
+    deps: dict = {k: [] for k in linked}
+    dependents: dict = {k: [] for k in linked}
+    for a, b in edges:
+        deps[b].append(a)
+        dependents[a].append(b)
+    for workers, threads in [(1, 0), (1, 1), (2, 4)]:
+        groups = _partition(edges, workers, candidates, max_tasks, threads, wanted)
+        for g in groups:
+            held = blocks_module._held(g, deps.__getitem__, dependents.__getitem__, wanted)
+            assert len(g) <= max_tasks or held <= max_tasks, (g, held)
 
 
 def test_a_connected_part_too_large_for_one_worker_is_cut_into_bands_of_one_block_a_worker():
@@ -435,7 +488,8 @@ def _steps(fn):
 
 def test_cutting_a_part_into_bands_takes_steps_linear_in_its_depth():
     """Two chains from one root on two workers: one band of every level after the root's,
-    one group a chain, cut to the block size. The band's pieces are kept level by level;
+    one group a chain, whole (it holds the root and its last task: 2 values, within the
+    block size of 4). The band's pieces are kept level by level;
     before, each level counted the whole band again (13.9 times the steps for 4 times the
     tasks; 5.6 s on the scheduler for 8,001 tasks)."""
     deps, dependents, level = _two_chains(5)
@@ -443,8 +497,8 @@ def test_cutting_a_part_into_bands_takes_steps_linear_in_its_depth():
     groups = partition(
         list(deps), deps.__getitem__, dependents.__getitem__, level, 2, 4, str, bands
     )
-    assert groups == [["a0", "a1"], ["a2", "a3", "a4"], ["b0", "b1"], ["b2", "b3", "b4"]]
-    assert bands == [(0, 0), (0, 0), (0, 1), (0, 1)]
+    assert groups == [[f"a{i}" for i in range(5)], [f"b{i}" for i in range(5)]]
+    assert bands == [(0, 0), (0, 1)]
 
     def steps(n):
         deps, dependents, level = _two_chains(n)
@@ -906,63 +960,102 @@ def test_independent_chains_on_a_worker_of_one_thread_run_at_once():
         assert eight < 4 * one, (eight, one)
 
 
-def test_blocks_hold_no_more_tasks_than_the_block_size():
-    """A chain of 12 tasks in blocks of at most 4 (so each holds at most 4 outputs until it
-    ends), and a wide graph on one worker, which would be one block, in blocks of at most 5."""
+def persisted(client, n):
+    """``n`` sources computed and held on the cluster, with their references: a graph that
+    reads them has inputs from outside, which its blocks hold until they end."""
+    held = client.persist([delayed(source)(i, 0.0) for i in range(n)])
+    wait(client.futures_of(held))
+    return [(d, np.arange(N) + float(i)) for i, d in enumerate(held)]
+
+
+def test_a_graph_that_holds_few_values_is_one_block_however_many_tasks():
+    """A chain of 12 tasks in blocks of 4 (it holds its last task only), and chainlink
+    (width 4, depth 6: 28 tasks, 4 outputs) in blocks of 5: one block each. Before, the
+    block size bounded the tasks: 3 blocks and 6 or more."""
     with cluster(1, config={"gpustreams.block-size": 4}) as client:
         t, r = delayed(source)(0, 0.001), np.arange(N) + 0.0
         for i in range(11):
             t, r = delayed(mix)(i, t, delay=0.001), host_mix(i, r)
         np.testing.assert_array_equal(sim.asnumpy(t.compute()), r)
-        assert formed(client) == (3, 12)
-        assert largest(client) == 4
+        assert formed(client) == (1, 12)
+        assert largest(client) == 12
     with cluster(1, config={"gpustreams.block-size": 5}) as client:
         outs = shape("chainlink", np.random.default_rng(3), width=4, depth=6)
         got = client.compute([t for t, _ in outs], sync=True)
         for value, (_, ref) in zip(got, outs, strict=True):
             np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert formed(client) == (1, 28)
+
+
+def test_blocks_hold_no_more_outputs_than_the_block_size():
+    """A chain of 12 tasks, each wanted by the client (12 outputs), in blocks of at most 4
+    tasks (so each holds at most 4 outputs until it ends); and chainlink (width 4, depth 6)
+    on 4 sources held outside (8 values), in blocks of at most 5."""
+    with cluster(1, config={"gpustreams.block-size": 4}) as client:
+        t, r = delayed(source)(0, 0.001), np.arange(N) + 0.0
+        chain, refs = [t], [r]
+        for i in range(11):
+            t, r = delayed(mix)(i, t, delay=0.001), host_mix(i, r)
+            chain.append(t)
+            refs.append(r)
+        for value, ref in zip(client.compute(chain, sync=True), refs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert formed(client) == (3, 12)
+        assert largest(client) == 4
+    with cluster(1, config={"gpustreams.block-size": 5}) as client:
+        sources = persisted(client, 4)
+        outs = shape("chainlink", np.random.default_rng(3), width=4, depth=6, sources=sources)
+        got = client.compute([t for t, _ in outs], sync=True)
+        for value, (_, ref) in zip(got, outs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
         blocks, grouped = formed(client)
-        assert grouped == 28 and blocks >= 6
+        assert grouped == 24 and blocks >= 5
         assert largest(client) <= 5
 
 
 def test_a_block_read_only_by_the_next_reads_straight_from_it_with_no_getters():
-    """chainlink (width 4, depth 6: 28 tasks) on one worker in blocks of 14: the second block
-    reads the first's tuple itself. 2 blocks and the 4 getters of the wanted outputs run,
-    not 4 more getters between the blocks, each a round trip of the scheduler's."""
-    with cluster(1, config={"gpustreams.block-size": 14}) as client:
-        outs = shape("chainlink", np.random.default_rng(5), width=4, depth=6)
+    """chainlink (width 8, depth 3: 24 tasks) on 8 sources held outside (16 values held) on
+    one worker in blocks of 12: the second block reads the first's tuple itself. 2 blocks
+    and the 8 getters of the wanted outputs run, not more getters between the blocks, each
+    a round trip of the scheduler's."""
+    with cluster(1, config={"gpustreams.block-size": 12}) as client:
+        sources = persisted(client, 8)
+        before = executed(client)
+        outs = shape("chainlink", np.random.default_rng(5), width=8, depth=3, sources=sources)
         got = client.compute([t for t, _ in outs], sync=True)
         for value, (_, ref) in zip(got, outs, strict=True):
             np.testing.assert_array_equal(sim.asnumpy(value), ref)
-        assert formed(client) == (2, 28)
-        assert executed(client) == 2 + 4
+        assert formed(client) == (2, 24)
+        assert executed(client) - before == 2 + 8
 
 
 @pytest.mark.parametrize("retries, runs", [(0, 2), (3, 3)])
 def test_a_failure_read_straight_from_another_block_names_the_inner_key(retries, runs):
     """Blocks of 4: ``src, a, inner-failure, g`` (outputs ``inner-failure`` and ``g``, read
-    by ``b`` only) and ``b, c0, c1, c2``. Without retries, the second reads the first's
+    by ``b`` only) and ``b, c0, c1, c2`` (each reads a source held outside: the 8 tasks
+    hold 5 values, more than 4). Without retries, the second reads the first's
     failed output straight from its tuple and raises the ``KernelError`` naming the inner
     key; no getter runs (2 tasks run). With ``retries=3`` on the second block's tasks, it
     reads through the getters: read from the tuple, the failure would fail the reader
     itself, run again for each retry, where the erred getter errs it without a run (the
     first block and 2 getters run)."""
     with cluster(1, config={"gpustreams.block-size": 4}) as client:
+        outside = [d for d, _ in persisted(client, 4)]
+        before = executed(client)
         s = delayed(source)(0, 0.0, dask_key_name="src")
         a = delayed(mix)(1, s, dask_key_name="a")
         k = delayed(bad)(a, dask_key_name="inner-failure")
         g = delayed(mix)(2, a, dask_key_name="g")
         with dask.annotate(**({"retries": retries} if retries else {})):
-            t = delayed(mix)(3, k, g, dask_key_name="b")
+            t = delayed(mix)(3, k, g, outside[0], dask_key_name="b")
             for i in range(3):
-                t = delayed(mix)(4 + i, t, dask_key_name=f"c{i}")
+                t = delayed(mix)(4 + i, t, outside[1 + i], dask_key_name=f"c{i}")
         future = client.compute(t)
         with pytest.raises(KernelError, match="boom in a block") as info:
             future.result(timeout=30)
         assert info.value.key == "inner-failure"
         assert formed(client) == (2, 8)
-        assert executed(client) == runs
+        assert executed(client) - before == runs
 
 
 def test_a_failure_read_from_a_tuple_keeps_none_of_the_readers_inputs_alive():
@@ -1269,7 +1362,8 @@ def test_a_regrouping_that_fails_leaves_the_graph_as_submitted_and_says_why(monk
 def test_a_large_part_is_cut_in_the_schedulers_order_so_pieces_keep_few_outputs():
     """A tiled matmul's partial products, cut level by level, would all be outputs of the
     first pieces, held until later pieces sum them (1.85x plugin-off's memory on the H200 at
-    bda1af9). Cut in dask.order's priority, each tile's partials go with their sum."""
+    bda1af9). Cut in dask.order's priority, each tile's partials go with their sum. (A
+    client wants the tile sums here, so the part holds more than 10 values and is cut.)"""
     from dask.order import order
 
     n, k = 4, 4
@@ -1291,8 +1385,16 @@ def test_a_large_part_is_cut_in_the_schedulers_order_so_pieces_keep_few_outputs(
         level[key] = 1 + max((level[d] for d in deps[key]), default=-1)
     priority = order(dsk)
     candidates = [key for key in dsk if key != "x"]
+    wanted = lambda key: key.startswith("s-")  # noqa: E731 - 16 outputs: the part is cut
     groups = partition(
-        candidates, deps.__getitem__, dependents.__getitem__, level, 1, 10, priority.__getitem__
+        candidates,
+        deps.__getitem__,
+        dependents.__getitem__,
+        level,
+        1,
+        10,
+        priority.__getitem__,
+        wanted=wanted,
     )
     assert sorted(key for g in groups for key in g) == sorted(candidates)
     assert max(len(g) for g in groups) <= 10
@@ -1306,8 +1408,9 @@ def test_a_large_part_is_cut_in_the_schedulers_order_so_pieces_keep_few_outputs(
 
 @pytest.mark.parametrize("width", [8, 32])
 def test_a_wavefront_is_cut_by_levels_where_that_keeps_its_critical_path(width):
-    """chainlink: each task reads two of the level before. Its tasks on one worker, in
-    blocks of 64. Width 8: dask.order's diagonal order cut them into two triangles, 10 and
+    """chainlink: each task reads two of the level before. Its tasks cut into blocks of 64
+    (where they hold more values than that; whole here, they hold 16 and 64). Width 8:
+    dask.order's diagonal order cut them into two triangles, 10 and
     12 levels deep, run one after the other (55% of ideal on the sim at e320eb2, 52% on the
     H200); by levels, 8 and 8, with fewer outputs held (8 against 14). Width 32: into 8
     skinny diagonals, 114 levels in all (on the H200 at 73a54ba, 0.77x blocks off); by
@@ -1329,9 +1432,9 @@ def test_a_wavefront_is_cut_by_levels_where_that_keeps_its_critical_path(width):
     level = {key: (-1 if key.startswith("src") else int(key.split("-")[1])) for key in dsk}
     priority = order(dsk)
     candidates = [key for key in dsk if key.startswith("w")]
-    groups = partition(
-        candidates, deps.__getitem__, dependents.__getitem__, level, 1, 64, priority.__getitem__
-    )
+    sort_key = lambda key: (level[key], priority[key])  # noqa: E731
+    args = (priority.__getitem__, sort_key, deps.__getitem__, dependents.__getitem__, level)
+    groups = blocks_module._cut_shortest(candidates, 64, *args)
     assert sorted(key for g in groups for key in g) == sorted(candidates)
     levels = sorted(sorted({level[key] for key in g}) for g in groups)
     per = 64 // width
@@ -1346,11 +1449,22 @@ def _flat(value):
         yield value
 
 
-def test_blocks_hold_no_more_device_memory_than_task_per_key(monkeypatch):
+@pytest.mark.parametrize(
+    "sums_wanted, n, ahead, blocks", [(True, N, "192 MiB", 9), (False, 1 << 14, "1 MiB", 1)]
+)
+def test_blocks_hold_no_more_device_memory_than_task_per_key(
+    monkeypatch, sums_wanted, n, ahead, blocks
+):
     """A tiled reduction (16 tiles of 4 partials, each tile summed, the sums mixed) on one
     worker thread, in blocks of at most 10: the peak of the sim pool's used bytes with blocks
-    is at most 1.25x task per key's. Cut level by level, all 64 partials were held at once
-    (1.6-1.7x); in the scheduler's order, about 0.8x."""
+    is at most 1.25x task per key's.
+
+    With the tile sums wanted too (17 outputs), the graph is cut: level by level, all 64
+    partials were held at once (1.6-1.7x); in the scheduler's order, about 0.8x. With only
+    the last mix wanted, it holds 1 value and is one block of 82 tasks, which drops each
+    partial once its sum is launched; ``launch-ahead`` bounds what runs ahead of the device
+    (arrays of 128 KiB, 1 MiB ahead: about 0.8x; 192 MiB, about 1.1x; with arrays of 128
+    bytes, which it never bounds, 1.7x, where 9 blocks of 10 tasks held 0.8x)."""
     from dask_gpustreams.sim import _memory
 
     peak = [0]
@@ -1362,23 +1476,31 @@ def test_blocks_hold_no_more_device_memory_than_task_per_key(monkeypatch):
         return block
 
     monkeypatch.setattr(_memory.MemoryPool, "malloc", tracked)
-    x, rx = delayed(source)(0, 0.0), np.arange(N) + 0.0
+    x, rx = delayed(source)(0, 0.0, n), np.arange(n) + 0.0
     sums, refs = [], []
     for t in range(16):
         parts = [delayed(mix)(4 * t + q, x, delay=0.001) for q in range(4)]
         sums.append(delayed(mix)(100 + t, *parts))
         refs.append(host_mix(100 + t, *[host_mix(4 * t + q, rx) for q in range(4)]))
     out, ref = delayed(mix)(999, *sums), host_mix(999, *refs)
+    wanted, expected = ([out, *sums], [ref, *refs]) if sums_wanted else ([out], [ref])
     peaks = {}
     for mode in ("off", "auto"):
-        config = {"gpustreams.blocks": mode, "gpustreams.block-size": 10}
+        config = {
+            "gpustreams.blocks": mode,
+            "gpustreams.block-size": 10,
+            "gpustreams.launch-ahead": ahead,
+        }
         with cluster(1, config=config, threads_per_worker=1) as client:
             gc.collect()
             base = peak[0] = sim.get_default_memory_pool().used_bytes()
-            np.testing.assert_array_equal(sim.asnumpy(client.compute(out, sync=True)), ref)
+            got = client.compute(wanted, sync=True)
+            for value, r in zip(got, expected, strict=True):
+                np.testing.assert_array_equal(sim.asnumpy(value), r)
+            del got
             peaks[mode] = peak[0] - base
             if mode == "auto":
-                assert formed(client) == (9, 82)
+                assert formed(client) == (blocks, 82)
     assert 0 < peaks["auto"] <= 1.25 * peaks["off"], peaks
 
 

@@ -6,8 +6,10 @@ hold. This probe builds the graphs of the workload suite (``bench_workloads``, a
 H200's sizes, NumPy-backed: nothing is computed) and the wide shapes (width 8 and 32,
 depth 16), partitions each for one worker of ``--threads`` threads in blocks of 64 with
 this tree's ``partition`` and with that of ``--against`` (``git show COMMIT:...``; told the
-threads where it takes them), and prints whether the groups are the same. The scheduler's
-own levels and priorities are close to these, not equal.
+threads where it takes them), and prints each one's blocks, the most values a block of it
+holds until it ends (its inputs from outside and its outputs: ``blocks._held``), and whether
+the groups are the same. The scheduler's own levels and priorities are close to these, not
+equal.
 
 ``python -m benchmarks.probes.probe_block_plans --against e320eb2``
 """
@@ -65,13 +67,19 @@ def graphs() -> Iterator[tuple[str, dict, list]]:
             yield f"{name} x{width}", deps, [n.key for n in shape.nodes]
 
 
-def groups(partition: Callable, deps: dict, candidates: list, **threads: int) -> list:
-    """``partition``'s groups of ``candidates`` on one worker, blocks of 64, sorted
-    (``threads=N``: the worker's threads, where ``partition`` takes them)."""
+def dependents_of(deps: dict) -> dict:
+    """{key: the keys that read it} of the graph ``deps``."""
     dependents: dict = {k: [] for k in deps}
     for k, ds in deps.items():
         for d in ds:
             dependents[d].append(k)
+    return dependents
+
+
+def groups(partition: Callable, deps: dict, candidates: list, **threads: int) -> list:
+    """``partition``'s groups of ``candidates`` on one worker, blocks of 64
+    (``threads=N``: the worker's threads, where ``partition`` takes them)."""
+    dependents = dependents_of(deps)
     priority = order({k: (sum, ds) if ds else 1 for k, ds in deps.items()})
     level: dict = {}
     for k in sorted(deps, key=priority.__getitem__):
@@ -86,7 +94,19 @@ def groups(partition: Callable, deps: dict, candidates: list, **threads: int) ->
         priority.__getitem__,
         **threads,
     )
-    return sorted(sorted(map(str, g)) for g in found)
+    return found
+
+
+def most_held(found: list, deps: dict) -> int:
+    """The most values one of the groups ``found`` holds until its block ends."""
+    dependents = dependents_of(deps)
+    held = (blocks._held(g, deps.__getitem__, dependents.__getitem__, None) for g in found)
+    return max(held, default=0)
+
+
+def same(a: list, b: list) -> bool:
+    """Whether the groups ``a`` and ``b`` are the same, whatever their order."""
+    return sorted(sorted(map(str, g)) for g in a) == sorted(sorted(map(str, g)) for g in b)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     takes = "threads" in inspect.signature(theirs).parameters
     threads_of_theirs = {"threads": args.threads} if takes else {}
     print(f"threads: {args.threads} (this tree's partition; {args.against}'s: {takes})")
-    print(f"{'graph':<14} {'tasks':>6} {'blocks':>7} {args.against:>9}  same")
+    them = f"{args.against:>9}"
+    print(f"{'graph':<14} {'tasks':>6} {'blocks':>7} {them} {'held':>5} {them}  same")
     for name, deps, candidates in graphs():
         ours = groups(blocks.partition, deps, candidates, threads=args.threads)
         old = groups(theirs, deps, candidates, **threads_of_theirs)
-        print(f"{name:<14} {len(deps):>6} {len(ours):>7} {len(old):>9}  {ours == old}")
+        held, held_old = most_held(ours, deps), most_held(old, deps)
+        counts = f"{len(ours):>7} {len(old):>9} {held:>5} {held_old:>9}"
+        print(f"{name:<14} {len(deps):>6} {counts}  {same(ours, old)}")
     return 0
 
 

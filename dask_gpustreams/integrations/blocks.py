@@ -369,10 +369,11 @@ def partition(
     dependents: Callable[[Hashable], Iterable[Hashable]],
     level: Mapping[Hashable, int],
     n_workers: int,
-    max_tasks: int = 64,
+    block_size: int = 64,
     order: Callable[[Hashable], Any] | None = None,
     bands: list | None = None,
     threads: int = 0,
+    wanted: Callable[[Hashable], bool] | None = None,
 ) -> list[list[Hashable]]:
     """The groups of ``candidates`` worth a block each (two tasks or more); the estimate.
 
@@ -403,8 +404,16 @@ def partition(
     candidate) would depend on itself: it falls back to its chains. Chains
     never do (only their last task has dependents outside).
 
-    No group has more than ``max_tasks`` tasks: a larger one is cut into
-    pieces of about equal size, in the order of ``order(key)`` (the
+    ``block_size`` bounds what a block holds until it ends (:func:`_held`): its
+    distinct inputs from outside and its outputs (keys read outside it, those
+    that ``wanted(key)`` says a client wants, and those that nothing reads).
+    A group that holds at most ``block_size`` values stays whole, however many
+    tasks it has: inside, intermediates go as their readers launch. A group
+    that holds more, and has more than ``block_size`` tasks, is cut into
+    pieces of at most ``block_size`` tasks. So no block holds more than
+    ``block_size`` outputs, and a block of more tasks holds at most
+    ``block_size`` values in all. The pieces are of about equal size, in the
+    order of ``order(key)`` (the
     scheduler's priority, dask.order's: it runs the pieces of a reduction
     just before what combines them, so a piece keeps few outputs for later
     pieces, as task per key keeps few results in memory). Cut level by level
@@ -455,27 +464,53 @@ def partition(
             banded, left = _bands(part, members, dependencies, level, workers, sort_key, first)
             groups.extend(banded)
         groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
-    packed = _pack_parts(whole, threads, max_tasks, dependencies, level, sort_key)
+    packed = _pack_parts(whole, threads, block_size, dependencies, level, sort_key)
     cut = [(g, None) for g in packed or whole] + groups
-    pieces = [
-        (p, tag)
-        for g, tag in cut
-        for p in _cut_shortest(g, max_tasks, order, sort_key, dependencies, dependents, level)
-    ]
+
+    def bounded(group: list[Hashable], cutter: Callable, *args: Any) -> list[list[Hashable]]:
+        """``group`` whole where it holds at most ``block_size`` values, else ``cutter``'s."""
+        if _held(group, dependencies, dependents, wanted) <= block_size:
+            return [group]
+        return cutter(group, block_size, *args)
+
+    shortest = (order, sort_key, dependencies, dependents, level)
+    pieces = [(p, tag) for g, tag in cut for p in bounded(g, _cut_shortest, *shortest)]
     acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
     for fallback in (order, sort_key) if order is not None else ():
         if acyclic:
             break
-        pieces = [(p, tag) for g, tag in cut for p in _cut(g, max_tasks, fallback)]
+        pieces = [(p, tag) for g, tag in cut for p in bounded(g, _cut, fallback)]
         acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
     if not acyclic:
         chains = [
             c for part in parts.values() for c in _chains(part, members, dependencies, dependents)
         ]
-        pieces = [(p, None) for c in chains for p in _cut(c, max_tasks, sort_key)]
+        pieces = [(p, None) for c in chains for p in bounded(c, _cut, sort_key)]
     if bands is not None:
         bands.extend(tag for _, tag in pieces)
     return [p for p, _ in pieces]
+
+
+def _held(
+    group: list[Hashable],
+    dependencies: Callable[[Hashable], Iterable[Hashable]],
+    dependents: Callable[[Hashable], Iterable[Hashable]],
+    wanted: Callable[[Hashable], bool] | None,
+) -> int:
+    """The values ``group``'s block holds until it ends: its distinct inputs from outside,
+    and its outputs (read outside, wanted by a client, or read by nothing: the graph's).
+
+    Task per key could release or spill these earlier. The rest of a block's tasks are
+    intermediates, dropped as their readers launch, so they do not count.
+    """
+    inside = set(group)
+    inputs = {d for k in group for d in dependencies(k) if d not in inside}
+    outputs = 0
+    for k in group:
+        readers = list(dependents(k))
+        if not readers or any(c not in inside for c in readers) or (wanted and wanted(k)):
+            outputs += 1
+    return len(inputs) + outputs
 
 
 def _bands(

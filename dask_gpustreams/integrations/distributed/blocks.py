@@ -15,8 +15,11 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
   (``gpustreams-block-<token>``), and each output a getter task that picks
   its value out of the block's tuple, under the output's own key.
 - The other keys of the group are forgotten: nothing outside needs them.
-- No block has more than ``gpustreams.block-size`` tasks (the smallest that
-  the workers say), so none holds more outputs than that until it ends.
+- ``gpustreams.block-size`` (the smallest that the workers say) bounds what
+  a block holds until it ends: a group whose inputs from outside and outputs
+  number at most that stays one block, however many tasks it has; a larger
+  one is cut into blocks of at most that many tasks. So no block holds more
+  outputs than that.
 
 The block is then an ordinary task: work stealing, retries (the most of its
 tasks'), worker loss (it is recomputed whole) and errors (a task's exception,
@@ -74,7 +77,7 @@ class StreamBlocks(SchedulerPlugin):
     def __init__(self) -> None:
         #: worker address -> its ``gpustreams.blocks`` setting, while its plugin is active.
         self.modes: dict[str, str] = {}
-        #: worker address -> its ``gpustreams.block-size`` (the most tasks in one block).
+        #: worker address -> its ``gpustreams.block-size`` (the bound on what a block holds).
         self.sizes: dict[str, int] = {}
         #: worker address -> the modules of its plugin's host-side task functions
         #: (``StreamsPlugin.host_modules``), and the prefixes of the modules whose tasks no
@@ -144,7 +147,7 @@ class StreamBlocks(SchedulerPlugin):
                 spec.func.rescheduled += 1
 
     def block_size(self) -> int:
-        """The most tasks in one block: the smallest ``gpustreams.block-size`` of the workers."""
+        """The bound on what a block holds: the workers' smallest ``gpustreams.block-size``."""
         sizes = self.sizes
         known = [sizes[w] for w in self.scheduler.workers if w in sizes]
         return min(known) if known else DEFAULT_BLOCK_SIZE
@@ -235,6 +238,7 @@ class StreamBlocks(SchedulerPlugin):
             lambda k: tasks[k].priority,
             bands,
             sum(ws.nthreads for ws in workers.values()),
+            lambda k: bool(tasks[k].who_wants),
         )
         # Root-task queuing: a block holding a task that the scheduler would queue (a
         # root-ish task, is_rootish) is itself root-ish, as Task.fuse makes a fused task
