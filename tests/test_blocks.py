@@ -251,7 +251,7 @@ def test_more_parts_than_threads_are_packed_into_a_group_a_thread():
     """8 chains of 4 on one worker: a block each with 8 threads (or no thread count); with
     fewer threads, as many groups of whole chains (a block holds its thread until its work
     is done: more blocks than threads would run one after another), or more where a group
-    would pass the block size."""
+    would hold more values than the block size (each chain holds its last key)."""
     chains = [(f"{c}{i}", f"{c}{i + 1}") for c in "abcdefgh" for i in range(3)]
     whole = [[f"{c}{i}" for i in range(4)] for c in "abcdefgh"]
     assert _partition(chains, 1) == whole
@@ -260,8 +260,9 @@ def test_more_parts_than_threads_are_packed_into_a_group_a_thread():
     two = _partition(chains, 1, threads=2)
     assert [len(g) for g in two] == [16, 16]
     assert all(sorted(g) == sorted(k for c in whole if c[0] in g for k in c) for g in two)
-    # At most 8 tasks a group: 4 groups of 2 chains, though the worker has one thread.
-    assert [len(g) for g in _partition(chains, 1, max_tasks=8, threads=1)] == [8] * 4
+    # At most 4 values held a group: 2 groups of 4 chains, though the worker has one thread;
+    # 8 tasks a group where the bound was in tasks (4 groups of 2 chains).
+    assert [len(g) for g in _partition(chains, 1, max_tasks=4, threads=1)] == [16] * 2
 
 
 @pytest.mark.parametrize("threads", [0, 1])
@@ -304,13 +305,16 @@ def test_parts_that_a_path_outside_joins_are_packed_in_waves():
     assert groups == [sorted(first), sorted(second)]
 
 
-def test_packed_groups_stay_within_the_block_size():
-    """19 chains of 10 on 3 threads, blocks of at most 64: groups of whole chains, each of
-    at most 64 tasks (6 chains), none cut in two."""
+def test_packed_groups_hold_at_most_the_block_size():
+    """19 chains of 10 on 3 threads, each chain holding its last key: with a block size of
+    4, 5 groups of whole chains (4 chains at most, 40 tasks), none cut in two; with 64,
+    3 groups (one a thread) of 60-70 tasks, where the bound in tasks made 4 of at most 64."""
     edges = [(f"{c:02}-{i}", f"{c:02}-{i + 1}") for c in range(19) for i in range(9)]
-    groups = _partition(edges, 1, threads=3)
-    assert max(map(len, groups)) <= 64 and sum(map(len, groups)) == 190
-    assert all(len({k[:2] for k in g}) * 10 == len(g) for g in groups)
+    for size, chains in ((4, [3, 4, 4, 4, 4]), (64, [6, 6, 7])):
+        groups = _partition(edges, 1, max_tasks=size, threads=3)
+        assert sum(map(len, groups)) == 190
+        assert all(len(g) % 10 == 0 for g in groups)
+        assert sorted(len({k[:2] for k in g}) for g in groups) == chains
 
 
 def test_a_piece_that_fits_no_group_starts_a_group_of_its_own():
@@ -1166,12 +1170,12 @@ def dispatched(client):
 
 def test_blocks_of_root_tasks_are_queued_as_root_tasks():
     """20 chains from 20 sources (root-ish: more than twice the threads) on one worker of two
-    threads, worker-saturation 1.0, and a block size of one chain: a block each (too many
-    tasks to pack into two), which the scheduler queues as it would queue the sources, so 2
-    go to the worker and 18 wait in the queue. Before, a block was never root-ish (its task
-    a group of its own, or of a group with many dependencies), and all 20 went to the worker
-    at once."""
-    config = {"distributed.scheduler.worker-saturation": 1.0, "gpustreams.block-size": 3}
+    threads, worker-saturation 1.0, and a block size of 2 (each chain holds its output): 10
+    blocks of 2 chains (too many values to pack into two), which the scheduler queues as it
+    would queue the sources, so 2 go to the worker and 8 wait in the queue. Before, a block
+    was never root-ish (its task a group of its own, or of a group with many dependencies),
+    and all went to the worker at once."""
+    config = {"distributed.scheduler.worker-saturation": 1.0, "gpustreams.block-size": 2}
     with cluster(1, config=config) as client:
         records = dispatched(client)
         outs = []
@@ -1183,11 +1187,11 @@ def test_blocks_of_root_tasks_are_queued_as_root_tasks():
         got = client.compute([t for t, _ in outs], sync=True)
         for value, (_, ref) in zip(got, outs, strict=True):
             np.testing.assert_array_equal(sim.asnumpy(value), ref)
-        assert formed(client) == (20, 60)
+        assert formed(client) == (10, 60)
         seen = records()
         assert sorted(
             (finish, root, rootish, restricted) for _, finish, root, rootish, restricted in seen
-        ) == sorted([("processing", True, True, False)] * 2 + [("queued", True, True, False)] * 18)
+        ) == sorted([("processing", True, True, False)] * 2 + [("queued", True, True, False)] * 8)
 
 
 def test_a_band_of_root_tasks_is_queued_and_later_bands_are_restricted():

@@ -29,6 +29,7 @@ import copy
 import heapq
 import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -464,12 +465,13 @@ def partition(
             banded, left = _bands(part, members, dependencies, level, workers, sort_key, first)
             groups.extend(banded)
         groups.extend((c, None) for c in _chains(left, set(left), dependencies, dependents))
-    packed = _pack_parts(whole, threads, block_size, dependencies, level, sort_key)
+    held = partial(_held, dependencies=dependencies, dependents=dependents, wanted=wanted)
+    packed = _pack_parts(whole, threads, held, block_size, dependencies, level, sort_key)
     cut = [(g, None) for g in packed or whole] + groups
 
     def bounded(group: list[Hashable], cutter: Callable, *args: Any) -> list[list[Hashable]]:
         """``group`` whole where it holds at most ``block_size`` values, else ``cutter``'s."""
-        if _held(group, dependencies, dependents, wanted) <= block_size:
+        if held(group) <= block_size:
             return [group]
         return cutter(group, block_size, *args)
 
@@ -618,7 +620,8 @@ PACK_DEPTH = 3
 def _pack_parts(
     whole: list[list[Hashable]],
     threads: int,
-    max_tasks: int,
+    held: Callable[[list[Hashable]], int],
+    block_size: int,
     dependencies: Callable[[Hashable], Iterable[Hashable]],
     level: Mapping[Hashable, int],
     sort_key: Callable,
@@ -627,8 +630,10 @@ def _pack_parts(
 
     Parts of one *wave* (:func:`_waves`: no path leads from one to another, so
     no packed group reads itself) and at least :data:`PACK_DEPTH` deep are
-    packed into ``max(threads, their tasks / max_tasks)`` groups, where there
-    are more of them, each within ``max_tasks`` (:func:`_pack`).
+    packed into ``max(threads, their held values / block_size)`` groups, where
+    there are more of them, each holding at most ``block_size`` values
+    (``held(part)``: a group holds the sum of its parts', which share no task) where
+    its parts fit (:func:`_pack`), as a block may.
     """
     if not threads or len(whole) <= threads:  # no more blocks than threads: nothing to do
         return None
@@ -641,8 +646,10 @@ def _pack_parts(
         by_wave.setdefault(wave, []).append(part)
     packed: list[list[Hashable]] = []
     for parts in by_wave.values():
-        bins = max(threads, -(-sum(map(len, parts)) // max_tasks))
-        packed.extend(_pack(parts, bins, sort_key, max_tasks) if len(parts) > bins else parts)
+        bins = max(threads, -(-sum(map(held, parts)) // block_size))
+        if len(parts) > bins:
+            parts = _pack(parts, bins, sort_key, block_size, held)
+        packed.extend(parts)
     if len(packed) == len(deep):
         return None
     chosen = {id(p) for p in deep}
@@ -716,17 +723,27 @@ def _balanced(sizes: list[int], workers: int) -> bool:
 
 
 def _pack(
-    pieces: list[list[Hashable]], workers: int, sort_key: Callable, capacity: int = 0
+    pieces: list[list[Hashable]],
+    workers: int,
+    sort_key: Callable,
+    capacity: int = 0,
+    weight: Callable[[list[Hashable]], int] = len,
 ) -> list[list[Hashable]]:
-    """``pieces`` in ``workers`` bins of about equal size, largest piece first; with a
-    ``capacity``, a piece goes into the emptiest bin it fits in, else into a bin of its own."""
+    """``pieces`` in ``workers`` bins of about equal ``weight`` (default: tasks), the
+    heaviest piece first; with a ``capacity``, a piece goes into the lightest bin it fits
+    in, else into a bin of its own."""
     bins: list[list[Hashable]] = [[] for _ in range(workers)]
-    for piece in sorted(pieces, key=lambda p: (-len(p), min(map(sort_key, p)))):
-        room = [b for b in bins if len(b) + len(piece) <= capacity] if capacity else bins
+    loads = [0] * workers
+    weighed = [(weight(p), min(map(sort_key, p)), p) for p in pieces]
+    for w, _, piece in sorted(weighed, key=lambda t: (-t[0], t[1])):
+        room = [i for i, load in enumerate(loads) if not capacity or load + w <= capacity]
         if room:
-            min(room, key=len).extend(piece)
+            i = min(room, key=loads.__getitem__)
+            bins[i].extend(piece)
+            loads[i] += w
         else:
             bins.append(list(piece))
+            loads.append(w)
     return [b for b in bins if b]
 
 
