@@ -167,6 +167,14 @@ def formed(client):
     return tuple(client.run_on_scheduler(read))
 
 
+def compute_exact(client, outs) -> None:
+    """Compute the tasks of ``outs`` (pairs of a task and its reference) on ``client``;
+    check each value against its reference."""
+    got = client.compute([t for t, _ in outs], sync=True)
+    for value, (_, ref) in zip(got, outs, strict=True):
+        np.testing.assert_array_equal(sim.asnumpy(value), ref)
+
+
 def largest(client):
     """Tasks in the largest block formed so far."""
     return client.run_on_scheduler(
@@ -985,9 +993,7 @@ def test_a_graph_that_holds_few_values_is_one_block_however_many_tasks():
         assert largest(client) == 12
     with cluster(1, config={"gpustreams.block-size": 5}) as client:
         outs = shape("chainlink", np.random.default_rng(3), width=4, depth=6)
-        got = client.compute([t for t, _ in outs], sync=True)
-        for value, (_, ref) in zip(got, outs, strict=True):
-            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        compute_exact(client, outs)
         assert formed(client) == (1, 28)
 
 
@@ -1009,9 +1015,7 @@ def test_blocks_hold_no_more_outputs_than_the_block_size():
     with cluster(1, config={"gpustreams.block-size": 5}) as client:
         sources = persisted(client, 4)
         outs = shape("chainlink", np.random.default_rng(3), width=4, depth=6, sources=sources)
-        got = client.compute([t for t, _ in outs], sync=True)
-        for value, (_, ref) in zip(got, outs, strict=True):
-            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        compute_exact(client, outs)
         blocks, grouped = formed(client)
         assert grouped == 24 and blocks >= 5
         assert largest(client) <= 5
@@ -1026,9 +1030,7 @@ def test_a_block_read_only_by_the_next_reads_straight_from_it_with_no_getters():
         sources = persisted(client, 8)
         before = executed(client)
         outs = shape("chainlink", np.random.default_rng(5), width=8, depth=3, sources=sources)
-        got = client.compute([t for t, _ in outs], sync=True)
-        for value, (_, ref) in zip(got, outs, strict=True):
-            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        compute_exact(client, outs)
         assert formed(client) == (2, 24)
         assert executed(client) - before == 2 + 8
 
@@ -1184,9 +1186,7 @@ def test_blocks_of_root_tasks_are_queued_as_root_tasks():
             for salt in range(2):
                 t, r = delayed(mix)(salt, t, delay=0.001), host_mix(salt, r)
             outs.append((t, r))
-        got = client.compute([t for t, _ in outs], sync=True)
-        for value, (_, ref) in zip(got, outs, strict=True):
-            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        compute_exact(client, outs)
         assert formed(client) == (10, 60)
         seen = records()
         assert sorted(
@@ -1224,9 +1224,7 @@ def test_a_band_of_root_tasks_is_queued_and_later_bands_are_restricted():
 def test_blocks_off_runs_a_task_per_key():
     with cluster(1, config={"gpustreams.blocks": "off"}) as client:
         outs = shape("chainlink", np.random.default_rng(0), width=3, depth=4)
-        got = client.compute([t for t, _ in outs], sync=True)
-        for value, (_, ref) in zip(got, outs, strict=True):
-            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        compute_exact(client, outs)
         assert formed(client) == (0, 0)
         assert executed(client) == 3 * 4 + 3
 
@@ -1238,9 +1236,7 @@ def test_a_worker_without_blocks_auto_keeps_the_cluster_on_task_per_key():
             lambda dask_scheduler: dask_scheduler.plugins["gpustreams-blocks"].set_mode(b, "off")
         )
         outs = shape("linear", np.random.default_rng(1), width=2, depth=3)
-        got = client.compute([t for t, _ in outs], sync=True)
-        for value, (_, ref) in zip(got, outs, strict=True):
-            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        compute_exact(client, outs)
         assert formed(client) == (0, 0)
 
 
