@@ -330,7 +330,7 @@ def test_a_piece_that_fits_no_group_starts_a_group_of_its_own():
     third group, after the others; the groups are new lists (the parts stay as they were:
     the fallback cut reuses them)."""
     pieces = [[1, 2, 3], [4, 5, 6], [7]]
-    groups = _pack(pieces, 2, lambda k: k, 3)
+    groups = _pack(pieces, 2, lambda k: k, (3,), lambda p: (len(p),))
     assert groups == [[1, 2, 3], [4, 5, 6], [7]]
     assert pieces == [[1, 2, 3], [4, 5, 6], [7]]
     assert not any(g is p for g in groups for p in pieces)
@@ -430,8 +430,37 @@ def test_no_block_of_more_tasks_than_the_block_size_holds_more_values(seed):
     for workers, threads in [(1, 0), (1, 1), (2, 4)]:
         groups = _partition(edges, workers, candidates, max_tasks, threads, wanted)
         for g in groups:
-            held = blocks_module._held(g, deps.__getitem__, dependents.__getitem__, wanted)
+            inside = set(g)
+            inputs = {d for k in g for d in deps[k]} - inside
+            outputs = [
+                k for k in g if wanted(k) or not dependents[k] or not inside >= set(dependents[k])
+            ]
+            held = len(inputs) + len(outputs)
             assert len(g) <= max_tasks or held <= max_tasks, (g, held)
+
+
+def test_a_group_that_holds_few_values_is_cut_past_the_task_cap(monkeypatch):
+    """A chain holds one value however long; past ``MAX_BLOCK_TASKS`` tasks it is cut as a
+    group that holds more, into pieces within the cap (a block's run_spec is pickled on the
+    scheduler's event loop, and the block holds a worker thread until it is done)."""
+    chain = [(f"c{i:02}", f"c{i + 1:02}") for i in range(19)]
+    assert list(map(len, _partition(chain, 1))) == [20]
+    monkeypatch.setattr(blocks_module, "MAX_BLOCK_TASKS", 8)
+    pieces = _partition(chain, 1)
+    assert sum(map(len, pieces)) == 20 and max(map(len, pieces)) <= 8, pieces
+
+
+def test_packed_groups_are_balanced_by_tasks():
+    """8 chains on one worker of two threads, of 30 and 3 tasks in turn, each holding one
+    value: two groups of 66 tasks, not 4 chains each whatever their length (one thread then
+    did 120 of the 132 tasks' work)."""
+    edges = [
+        (f"{c}{i:02}", f"{c}{i + 1:02}")
+        for n, c in enumerate("abcdefgh")
+        for i in range(29 if n % 2 else 2)
+    ]
+    groups = _partition(edges, 1, threads=2)
+    assert sorted(map(len, groups)) == [66, 66], groups
 
 
 def test_a_connected_part_too_large_for_one_worker_is_cut_into_bands_of_one_block_a_worker():

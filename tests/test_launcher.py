@@ -988,6 +988,38 @@ def test_host_tasks_waiting_for_a_thread_are_bounded_by_launch_ahead(launcher):
     assert most[0] <= 8, f"{most[0]} chunks of {chunks} alive at once"
 
 
+def test_host_tasks_waiting_for_a_thread_are_bounded_to_a_round(launcher):
+    """A tree of host tasks on host values (no device bytes for launch-ahead to count): a
+    round's width of them waits for the one thread at most, so the sums, ready later and
+    more urgent, run before the leaves still to come, and a few leaves' values are alive at
+    once, not every leaf's (the thread takes its queue in the order it came). Exact."""
+    leaves, lock = 64, threading.Lock()
+    alive, most = [0], [0]
+
+    @host_task
+    def make(i):
+        time.sleep(0.001)  # the host work the task stands for (a read from disk)
+        with lock:
+            alive[0] += 1
+            most[0] = max(most[0], alive[0])
+        return np.full(4, float(i))
+
+    @host_task
+    def add(a, b):
+        time.sleep(0.001)
+        with lock:
+            alive[0] -= 1
+        return a + b
+
+    with launcher(streams=2, **{"host-threads": 1}):
+        level = [delayed(make)(i) for i in range(leaves)]
+        while len(level) > 1:
+            level = [delayed(add)(a, b) for a, b in zip(level[::2], level[1::2], strict=True)]
+        (got,) = dask.compute(level[0], scheduler="gpustreams")
+    np.testing.assert_array_equal(got, np.full(4, float(sum(range(leaves)))))
+    assert most[0] <= 12, f"{most[0]} leaves of {leaves} alive at once"
+
+
 def test_host_task_is_learned_after_two_slow_calls_in_a_row(launcher, caplog):
     """An unmarked blocking function runs twice on the launching thread, then on host threads."""
     host_s = kernel_s = 0.2

@@ -470,10 +470,11 @@ def partition(
     cut = [(g, None) for g in packed or whole] + groups
 
     def bounded(group: list[Hashable], cutter: Callable, *args: Any) -> list[list[Hashable]]:
-        """``group`` whole where it holds at most ``block_size`` values, else ``cutter``'s."""
-        if held(group) <= block_size:
+        """``group`` whole where it holds at most ``block_size`` values (and has at most
+        :data:`MAX_BLOCK_TASKS` tasks), else ``cutter``'s."""
+        if len(group) <= MAX_BLOCK_TASKS and held(group) <= block_size:
             return [group]
-        return cutter(group, block_size, *args)
+        return cutter(group, min(block_size, MAX_BLOCK_TASKS), *args)
 
     shortest = (order, sort_key, dependencies, dependents, level)
     pieces = [(p, tag) for g, tag in cut for p in bounded(g, _cut_shortest, *shortest)]
@@ -615,6 +616,12 @@ def _bands(
 #: packed against 174 ms a block each and the pipeline 1,419 against 1,179, while
 #: small-chunks gained (393 against 488).
 PACK_DEPTH = 3
+#: The most tasks in a block that stays whole for holding few values (``block-size``): past
+#: it, a group is cut as one that holds more. A block's run_spec is pickled on the
+#: scheduler's event loop (about 40 ms at 4,096 tasks, 0.6 s at 100,000), it keeps an event
+#: per task (the event pool keeps 8,192), it holds a worker thread until its device work is
+#: done (dask-cuda gives a worker one), and a failure relaunches it, whole.
+MAX_BLOCK_TASKS = 4096
 
 
 def _pack_parts(
@@ -630,10 +637,12 @@ def _pack_parts(
 
     Parts of one *wave* (:func:`_waves`: no path leads from one to another, so
     no packed group reads itself) and at least :data:`PACK_DEPTH` deep are
-    packed into ``max(threads, their held values / block_size)`` groups, where
-    there are more of them, each holding at most ``block_size`` values
-    (``held(part)``: a group holds the sum of its parts', which share no task) where
-    its parts fit (:func:`_pack`), as a block may.
+    packed into ``max(threads, their held values / block_size)`` groups (more where
+    their tasks pass :data:`MAX_BLOCK_TASKS` a group), where there are more of them,
+    groups of about equal tasks (the work), each holding at most ``block_size``
+    values (``held(part)``: a group holds the sum of its parts', which share no task:
+    an input two parts read counts twice) where its parts fit (:func:`_pack`), as a
+    block may.
     """
     if not threads or len(whole) <= threads:  # no more blocks than threads: nothing to do
         return None
@@ -646,9 +655,14 @@ def _pack_parts(
         by_wave.setdefault(wave, []).append(part)
     packed: list[list[Hashable]] = []
     for parts in by_wave.values():
-        bins = max(threads, -(-sum(map(held, parts)) // block_size))
+        bins = max(
+            threads,
+            -(-sum(map(held, parts)) // block_size),
+            -(-sum(map(len, parts)) // MAX_BLOCK_TASKS),
+        )
         if len(parts) > bins:
-            parts = _pack(parts, bins, sort_key, block_size, held)
+            capacity = (block_size, MAX_BLOCK_TASKS)
+            parts = _pack(parts, bins, sort_key, capacity, lambda p: (held(p), len(p)))
         packed.extend(parts)
     if len(packed) == len(deep):
         return None
@@ -726,24 +740,28 @@ def _pack(
     pieces: list[list[Hashable]],
     workers: int,
     sort_key: Callable,
-    capacity: int = 0,
-    weight: Callable[[list[Hashable]], int] = len,
+    capacity: tuple[int, ...] = (),
+    cost: Callable[[list[Hashable]], tuple[int, ...]] | None = None,
 ) -> list[list[Hashable]]:
-    """``pieces`` in ``workers`` bins of about equal ``weight`` (default: tasks), the
-    heaviest piece first; with a ``capacity``, a piece goes into the lightest bin it fits
-    in, else into a bin of its own."""
+    """``pieces`` in ``workers`` bins of about equal size (tasks), largest piece first; with
+    a ``capacity``, a piece goes into the emptiest bin where each sum of ``cost(piece)``
+    stays within its bound, else into a bin of its own."""
     bins: list[list[Hashable]] = [[] for _ in range(workers)]
-    loads = [0] * workers
-    weighed = [(weight(p), min(map(sort_key, p)), p) for p in pieces]
-    for w, _, piece in sorted(weighed, key=lambda t: (-t[0], t[1])):
-        room = [i for i, load in enumerate(loads) if not capacity or load + w <= capacity]
+    loads = [[0] * len(capacity) for _ in range(workers)]
+    for piece in sorted(pieces, key=lambda p: (-len(p), min(map(sort_key, p)))):
+        c = cost(piece) if cost is not None else ()
+        room = [
+            i
+            for i, load in enumerate(loads)
+            if all(x + y <= bound for x, y, bound in zip(load, c, capacity, strict=True))
+        ]
         if room:
-            i = min(room, key=loads.__getitem__)
+            i = min(room, key=lambda i: len(bins[i]))
             bins[i].extend(piece)
-            loads[i] += w
+            loads[i] = [x + y for x, y in zip(loads[i], c, strict=True)]
         else:
             bins.append(list(piece))
-            loads.append(w)
+            loads.append(list(c))
     return [b for b in bins if b]
 
 

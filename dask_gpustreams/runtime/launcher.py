@@ -15,10 +15,11 @@ updated in place as Dagger's gemm tiles are, is no new output), and
 or learned by :class:`~dask_gpustreams.runtime.hosttasks.HostTasks`) run on
 the runtime's host threads after a host wait for their inputs' events, so
 they never stall launches that do not depend on them, unless more of them are
-in flight than there are threads (so some wait for one) and the device inputs
-of those in flight add up to over ``config.launch_ahead``: then the launcher
-waits for one to end before its next round (a round may pass the bound by its
-width), since each keeps its inputs alive meanwhile. An intermediate is
+in flight than there are threads (so some wait for one) and either the device
+inputs of those in flight add up to over ``config.launch_ahead`` or a round's
+width of them wait: then the launcher waits for one to end before its next round
+(a round may pass either bound by its width), since each keeps its inputs alive
+meanwhile, and the threads take them in the order they came, not by priority. An intermediate is
 dropped once all its consumers are launched; the pool holds it until their
 events complete, but for consumers on the stream that its task allocated it on
 (``AllocationMeter.made_on``): once freed, its block is reused only in that
@@ -362,9 +363,13 @@ class GraphLauncher:
                     if self._error is not None:
                         break
                     continue  # the last host task may have finished the graph
-                if not ready or (outcomes.inputs > limit and outcomes.running > threads):
+                waiting = outcomes.running - threads  # host tasks waiting for a thread
+                if not ready or (waiting > 0 and (outcomes.inputs > limit or waiting >= width)):
                     # Host tasks waiting for a thread hold their inputs: launching on would
-                    # run ahead of them without the launch-ahead's bound.
+                    # run ahead of them without the launch-ahead's bound; and a round's worth
+                    # of them waiting is enough (their host thread's queue runs in the order
+                    # they came: more would run ahead of urgent tasks ready later, as a tree's
+                    # leaves ahead of the sums that would free them).
                     outcomes.wait()
                     continue
                 # The `width` most urgent ready tasks, then those they made ready: independent
