@@ -214,8 +214,8 @@ class StreamsConfig:
     #: not (YAML reads a bare ``off`` as False, which means ``off`` too).
     blocks: str = "auto"
     #: The most values (inputs from outside, outputs) a stream block holds until it ends; a
-    #: group that holds more is cut into blocks of at most this many tasks. From 2 to
-    #: :data:`MAX_BLOCK_SIZE`.
+    #: group that holds more is cut into blocks of at most this many tasks (and at most
+    #: ``MAX_BLOCK_TASKS``, 4,096). From 2 to :data:`MAX_BLOCK_SIZE`.
     block_size: int = 64
 
     def __post_init__(self) -> None:

@@ -439,15 +439,16 @@ def test_no_block_of_more_tasks_than_the_block_size_holds_more_values(seed):
             assert len(g) <= max_tasks or held <= max_tasks, (g, held)
 
 
-def test_a_group_that_holds_few_values_is_cut_past_the_task_cap(monkeypatch):
-    """A chain holds one value however long; past ``MAX_BLOCK_TASKS`` tasks it is cut as a
-    group that holds more, into pieces within the cap (a block's run_spec is pickled on the
-    scheduler's event loop, and the block holds a worker thread until it is done)."""
+def test_a_group_that_holds_few_values_is_cut_into_pieces_of_the_task_cap(monkeypatch):
+    """A chain holds one value however long; past ``MAX_BLOCK_TASKS`` tasks it is cut into
+    pieces of the cap (a block's run_spec is pickled on the scheduler's event loop, and the
+    block holds a worker thread until it is done), not of the block size: 3 pieces of a
+    chain of 20 at a cap of 8 and a block size of 4, where 4-task pieces made 5."""
     chain = [(f"c{i:02}", f"c{i + 1:02}") for i in range(19)]
-    assert list(map(len, _partition(chain, 1))) == [20]
+    assert list(map(len, _partition(chain, 1, max_tasks=4))) == [20]
     monkeypatch.setattr(blocks_module, "MAX_BLOCK_TASKS", 8)
-    pieces = _partition(chain, 1)
-    assert sum(map(len, pieces)) == 20 and max(map(len, pieces)) <= 8, pieces
+    pieces = _partition(chain, 1, max_tasks=4)
+    assert sorted(map(len, pieces)) == [6, 7, 7], pieces
 
 
 def test_packed_groups_are_balanced_by_tasks():

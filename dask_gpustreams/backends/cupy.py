@@ -339,8 +339,9 @@ class _SharedArena:
             cupy.get_default_memory_pool().free_all_blocks(stream=self._stream)
 
 
-#: ``torch._C``'s current device, current stream and stream setter (what ``torch.cuda`` calls).
-ENTRIES = ("_cuda_getDevice", "_cuda_getCurrentStream", "_cuda_setStream")
+#: ``torch._C``'s current device and its setter, a device's current stream and the stream
+#: setter (what ``torch.cuda`` calls).
+_ENTRIES = ("_cuda_getDevice", "_cuda_setDevice", "_cuda_getCurrentStream", "_cuda_setStream")
 
 
 def _stream_ids(current: Any) -> bool:
@@ -352,27 +353,27 @@ def _stream_ids(current: Any) -> bool:
 class _TorchStreamCalls:
     """How PyTorch's current stream is read and set, once PyTorch has started CUDA.
 
-    ``get(device())`` gives what ``set(*...)`` takes to restore PyTorch's current
-    stream (of its current device, which setting a stream of another device changes,
-    as ``torch.cuda.set_stream`` does). Through ``torch._C``'s entry points where they
-    take and give the stream's ids ``(stream_id, device_index, device_type)``, as
-    ``torch.cuda.current_stream`` and ``set_stream`` call them, without making a
-    ``torch.cuda.Stream`` at each call (entering a stream that way cost 14.5 us a task
-    on the H200, against 1.1 us without PyTorch); else through those public functions.
+    ``get(device_id)`` gives what ``set(*...)`` takes to make it ``device_id``'s current
+    stream again; setting a stream also makes its device PyTorch's current one, which
+    ``device()`` and ``set_device`` read and restore. Through ``torch._C``'s entry points
+    where they take and give the stream's ids ``(stream_id, device_index, device_type)``,
+    as ``torch.cuda.current_stream`` and ``set_stream`` call them, without making a
+    ``torch.cuda.Stream`` at each call (entering a stream that way cost 14.5 us a task on
+    the H200, against 1.1 us without PyTorch); else through the public functions.
     """
 
-    __slots__ = ("_cuda", "_ids", "device", "device_id", "get", "set")
+    __slots__ = ("_cuda", "_ids", "device", "device_id", "get", "set", "set_device")
 
     def __init__(self, torch: Any, device_id: int) -> None:
         cuda = torch.cuda
         self._cuda = cuda
         self.device_id = device_id
-        entries = [getattr(torch._C, name, None) for name in ENTRIES]
-        self._ids = None not in entries and _stream_ids(entries[1](entries[0]()))
+        entries = [getattr(torch._C, name, None) for name in _ENTRIES]
+        self._ids = None not in entries and _stream_ids(entries[2](device_id))
         if self._ids:
-            self.device, self.get, self.set = entries
+            self.device, self.set_device, self.get, self.set = entries
         else:  # older PyTorch: a packed stream, or no such entry points
-            self.device = lambda: None  # current_stream(None): the current device's
+            self.device, self.set_device = cuda.current_device, cuda.set_device
             self.get = lambda index: (cuda.current_stream(index),)
             self.set = cuda.set_stream
 
@@ -392,20 +393,22 @@ class _TorchAndCupyStream:
     libraries keep the current stream per thread and device.
     """
 
-    __slots__ = ("_calls", "_previous", "_stream", "_target")
+    __slots__ = ("_calls", "_device", "_previous", "_stream", "_target")
 
     def __init__(self, stream: cupy.cuda.Stream, target: tuple, calls: _TorchStreamCalls) -> None:
         self._stream = stream
         self._target = target
         self._calls = calls
         self._previous: tuple = ()
+        self._device = calls.device_id
 
     def __enter__(self) -> cupy.cuda.Stream:
         stream = self._stream
         stream.__enter__()
         try:
             calls = self._calls
-            self._previous = calls.get(calls.device())
+            self._device = calls.device()
+            self._previous = calls.get(calls.device_id)
             calls.set(*self._target)
         except BaseException:
             stream.__exit__(None, None, None)
@@ -413,8 +416,11 @@ class _TorchAndCupyStream:
         return stream
 
     def __exit__(self, *exc: object) -> None:
+        calls = self._calls
         try:
-            self._calls.set(*self._previous)
+            calls.set(*self._previous)  # the backend's device's stream, as it was
+            if self._device != calls.device_id:
+                calls.set_device(self._device)  # and PyTorch's current device
         finally:
             self._previous = ()
             self._stream.__exit__(*exc)

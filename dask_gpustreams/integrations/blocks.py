@@ -469,29 +469,48 @@ def partition(
     packed = _pack_parts(whole, threads, held, block_size, dependencies, level, sort_key)
     cut = [(g, None) for g in packed or whole] + groups
 
-    def bounded(group: list[Hashable], cutter: Callable, *args: Any) -> list[list[Hashable]]:
-        """``group`` whole where it holds at most ``block_size`` values (and has at most
-        :data:`MAX_BLOCK_TASKS` tasks), else ``cutter``'s."""
-        if len(group) <= MAX_BLOCK_TASKS and held(group) <= block_size:
-            return [group]
-        return cutter(group, min(block_size, MAX_BLOCK_TASKS), *args)
-
+    bounded = partial(_bounded, held=held, block_size=block_size)
     shortest = (order, sort_key, dependencies, dependents, level)
-    pieces = [(p, tag) for g, tag in cut for p in bounded(g, _cut_shortest, *shortest)]
+    pieces = [(p, tag) for g, tag in cut for p in bounded(g, _cut_shortest, shortest)]
     acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
     for fallback in (order, sort_key) if order is not None else ():
         if acyclic:
             break
-        pieces = [(p, tag) for g, tag in cut for p in bounded(g, _cut, fallback)]
+        pieces = [(p, tag) for g, tag in cut for p in bounded(g, _cut, (fallback,))]
         acyclic = _acyclic([p for p, _ in pieces], level, dependencies)
     if not acyclic:
         chains = [
             c for part in parts.values() for c in _chains(part, members, dependencies, dependents)
         ]
-        pieces = [(p, None) for c in chains for p in bounded(c, _cut, sort_key)]
+        pieces = [(p, None) for c in chains for p in bounded(c, _cut, (sort_key,))]
     if bands is not None:
         bands.extend(tag for _, tag in pieces)
     return [p for p, _ in pieces]
+
+
+def _bounded(
+    group: list[Hashable],
+    cutter: Callable,
+    args: tuple,
+    held: Callable[[list[Hashable]], int],
+    block_size: int,
+) -> list[list[Hashable]]:
+    """``group`` in the pieces it is a block as (``cutter(group, max_tasks, *args)`` cuts).
+
+    Whole where it holds at most ``block_size`` values and has at most
+    :data:`MAX_BLOCK_TASKS` tasks; where it holds that few with more tasks, in pieces
+    of :data:`MAX_BLOCK_TASKS` (a piece that then holds more, in pieces of
+    ``block_size``); where it holds more, in pieces of ``block_size`` tasks.
+    """
+    if held(group) > block_size:
+        return cutter(group, min(block_size, MAX_BLOCK_TASKS), *args)
+    if len(group) <= MAX_BLOCK_TASKS:
+        return [group]
+    return [
+        q
+        for p in cutter(group, MAX_BLOCK_TASKS, *args)
+        for q in ([p] if held(p) <= block_size else cutter(p, block_size, *args))
+    ]
 
 
 def _held(
@@ -616,11 +635,11 @@ def _bands(
 #: packed against 174 ms a block each and the pipeline 1,419 against 1,179, while
 #: small-chunks gained (393 against 488).
 PACK_DEPTH = 3
-#: The most tasks in a block that stays whole for holding few values (``block-size``): past
-#: it, a group is cut as one that holds more. A block's run_spec is pickled on the
-#: scheduler's event loop (about 40 ms at 4,096 tasks, 0.6 s at 100,000), it keeps an event
-#: per task (the event pool keeps 8,192), it holds a worker thread until its device work is
-#: done (dask-cuda gives a worker one), and a failure relaunches it, whole.
+#: The most tasks in a block that holds few values (``block-size``); a larger group of few
+#: values is cut into pieces of this many. A block's run_spec is pickled on the scheduler's
+#: event loop (helper-56 measured 0.4 ms at 63 tasks, 94 ms at 9,999, 0.62 s at 99,999), it
+#: keeps an event per task (the event pool keeps 8,192), it holds a worker thread until its
+#: device work is done (dask-cuda gives a worker one), and a failure relaunches it, whole.
 MAX_BLOCK_TASKS = 4096
 
 
@@ -744,8 +763,10 @@ def _pack(
     cost: Callable[[list[Hashable]], tuple[int, ...]] | None = None,
 ) -> list[list[Hashable]]:
     """``pieces`` in ``workers`` bins of about equal size (tasks), largest piece first; with
-    a ``capacity``, a piece goes into the emptiest bin where each sum of ``cost(piece)``
-    stays within its bound, else into a bin of its own."""
+    a ``capacity`` (and its ``cost``), a piece goes into the emptiest bin where each sum of
+    ``cost(piece)`` stays within its bound, else into a bin of its own."""
+    if capacity and cost is None:
+        raise ValueError("_pack: a capacity needs the cost of a piece")
     bins: list[list[Hashable]] = [[] for _ in range(workers)]
     loads = [[0] * len(capacity) for _ in range(workers)]
     for piece in sorted(pieces, key=lambda p: (-len(p), min(map(sort_key, p)))):
