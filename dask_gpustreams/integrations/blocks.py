@@ -408,12 +408,12 @@ def partition(
     ``block_size`` bounds what a block holds until it ends (:func:`_held`): its
     distinct inputs from outside and its outputs (keys read outside it, those
     that ``wanted(key)`` says a client wants, and those that nothing reads).
-    A group that holds at most ``block_size`` values stays whole, however many
-    tasks it has: inside, intermediates go as their readers launch. A group
-    that holds more, and has more than ``block_size`` tasks, is cut into
-    pieces of at most ``block_size`` tasks. So no block holds more than
-    ``block_size`` outputs, and a block of more tasks holds at most
-    ``block_size`` values in all. The pieces are of about equal size, in the
+    A group that holds at most ``block_size`` values stays whole, up to
+    :data:`MAX_BLOCK_TASKS` tasks: inside, intermediates go as their readers
+    launch (:func:`_bounded`). A group that holds more, and has more than
+    ``block_size`` tasks, is cut into pieces of at most ``block_size`` tasks. So
+    no block holds more than ``block_size`` outputs, and a block of more tasks
+    holds at most ``block_size`` values in all. The pieces are of about equal size, in the
     order of ``order(key)`` (the
     scheduler's priority, dask.order's: it runs the pieces of a reduction
     just before what combines them, so a piece keeps few outputs for later

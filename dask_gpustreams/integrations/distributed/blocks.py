@@ -17,8 +17,9 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
 - The other keys of the group are forgotten: nothing outside needs them.
 - ``gpustreams.block-size`` (the smallest that the workers say) bounds what
   a block holds until it ends: a group whose inputs from outside and outputs
-  number at most that stays one block, however many tasks it has; a larger
-  one is cut into blocks of at most that many tasks. So no block holds more
+  number at most that stays one block, up to 4,096 tasks
+  (``MAX_BLOCK_TASKS``); a larger one is cut into blocks of at most that many
+  tasks. So no block holds more
   outputs than that.
 
 The block is then an ordinary task: work stealing, retries (the most of its
