@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -627,6 +628,21 @@ def test_client_get_of_a_low_level_graph_forms_blocks():
         assert formed(client) == (1, 4)
         # One block task and one getter per output; s and b were never separate tasks.
         assert executed(client) == 3
+
+
+def test_getters_run_on_the_workers_event_loop_not_in_its_threads():
+    """A getter only picks a value out of its block's tuple: it takes no worker thread (a
+    hop there and back per output), so a block's outputs come out while its threads work."""
+    with cluster(1) as client:
+        dsk = {"s": (source, 2, 0.003), "a": (mix, 1, "s"), "b": (mix, 2, "a"), "c": (mix, 3, "b")}
+        futures = client.get(dsk, ["c", "a"], sync=False)  # held: the worker keeps its record
+        got = client.gather(futures)
+        a = host_mix(1, np.arange(N) + 2.0)
+        np.testing.assert_array_equal(sim.asnumpy(got[1]), a)
+        np.testing.assert_array_equal(sim.asnumpy(got[0]), host_mix(3, host_mix(2, a)))
+        (loop,) = client.run(threading.get_ident).values()
+        (threads,) = client.run(lambda dask_worker: dict(dask_worker.threads)).values()
+        assert threads["a"] == threads["c"] == loop
 
 
 def test_keys_inside_a_block_can_be_gathered_and_an_intermediate_persisted():

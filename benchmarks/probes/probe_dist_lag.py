@@ -5,7 +5,10 @@
 hand launch. This probe runs each wide shape through ``client.get`` on an in-process
 ``LocalCluster`` (one worker, ``--threads`` threads, the plugin with ``--streams`` streams
 and blocks ``auto``) and marks, in ms from the call (medians of ``--reps`` after a
-warm-up): when the scheduler's ``StreamBlocks.update_graph`` starts and ends, when the
+warm-up): when the client hands the graph to its batched stream (``update-graph``), when
+the scheduler materializes and orders it (distributed's ``_materialize_graph`` and
+``dask.order.order``, each offloaded to a thread), when ``StreamBlocks.update_graph`` starts
+and ends, when the
 blocks and the other tasks (getters, tasks left out of blocks) start executing and reach
 memory on the worker, when the blocks' launchers start and end, and when ``client.get``
 has returned and the device is idle (in-process, a result arrives without a copy: with
@@ -26,7 +29,9 @@ import time
 from collections import defaultdict
 from unittest import mock
 
+import dask.order
 import distributed
+import distributed.scheduler
 from distributed import WorkerPlugin
 
 from benchmarks import bench_shapes, kernels
@@ -41,6 +46,18 @@ MARKS: dict[str, list[float]] = defaultdict(list)
 
 def mark(name: str) -> None:
     MARKS[name].append(time.perf_counter())
+
+
+def sent(owner, op: str, label: str):
+    """``owner._send_to_scheduler`` marking ``label`` when it is handed a message ``op``."""
+    original = owner._send_to_scheduler
+
+    def wrapper(self, msg, *args, **kwargs):
+        if msg.get("op") == op:
+            mark(label)
+        return original(self, msg, *args, **kwargs)
+
+    return mock.patch.object(owner, "_send_to_scheduler", wrapper)
 
 
 def spans(owner, name: str, label: str):
@@ -105,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             client.register_plugin(StreamsPlugin(backend=args.backend, streams=args.streams))
         client.register_plugin(Transitions())
         with (
+            sent(distributed.Client, "update-graph", "client sends graph"),
+            spans(distributed.scheduler, "_materialize_graph", "materialize"),
+            spans(dask.order, "order", "order"),
             spans(StreamBlocks, "update_graph", "update_graph"),
             spans(StreamBlock, "launch", "block launch"),
             spans(GraphLauncher, "run", "launcher"),

@@ -320,6 +320,17 @@ def block_output(values: Sequence[Any], i: int) -> Any:
     return value
 
 
+async def get_output(values: tuple, i: int) -> Any:
+    """A getter task's function on distributed: :func:`block_output`, as a coroutine.
+
+    The worker runs a coroutine on its event loop: a getter only indexes a tuple,
+    and the block checked its outputs' work before it returned, so there is nothing to
+    wait for. Run in a worker thread, each getter paid the hop there and back: tangled's
+    24 getters took 15 ms after its block on the H200 at 1298916.
+    """
+    return block_output(values, i)
+
+
 def _fresh(error: BaseException) -> BaseException:
     """A copy of ``error`` to raise, with its cause and context: the shared one stays
     frameless. Raised itself, it would keep the frames of each raise, and their values (a

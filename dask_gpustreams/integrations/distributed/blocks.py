@@ -13,7 +13,9 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
   the group reads) becomes that key's task: no extra task at all.
 - A group with several outputs becomes a task of its own
   (``gpustreams-block-<token>``), and each output a getter task that picks
-  its value out of the block's tuple, under the output's own key.
+  its value out of the block's tuple, under the output's own key. A getter
+  is a coroutine (:func:`get_output`): it runs on the worker's event loop,
+  with no hop to a worker thread and back.
 - The other keys of the group are forgotten: nothing outside needs them.
 - ``gpustreams.block-size`` (the smallest that the workers say) bounds what
   a block holds until it ends: a group whose inputs from outside and outputs
@@ -55,7 +57,7 @@ from dask._task_spec import Alias, Task, TaskRef
 from distributed import SchedulerPlugin
 
 from dask_gpustreams.config import StreamsConfig
-from dask_gpustreams.integrations.blocks import StreamBlock, block_output, partition
+from dask_gpustreams.integrations.blocks import StreamBlock, block_output, get_output, partition
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -557,7 +559,7 @@ def _block_plan(
         for i, ts in enumerate(outputs):
             readers = (block_of.get(x) for x in ts.dependents)
             if ts.who_wants or any(c != index and (c, ts) not in direct for c in readers):
-                getters.append(Task(ts.key, block_output, TaskRef(key), i))
+                getters.append(Task(ts.key, get_output, TaskRef(key), i))
             else:
                 getters.append(None)
                 gone.append(ts)
