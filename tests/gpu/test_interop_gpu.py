@@ -76,6 +76,33 @@ def test_torch_current_stream_is_the_task_stream(torch, route):
     assert torch.cuda.current_stream().cuda_stream == before  # restored after the tasks
 
 
+def test_torch_current_stream_through_the_public_functions(torch, monkeypatch):
+    """A PyTorch without the id entry points (older versions): the pool stream becomes
+    PyTorch's current one through ``torch.cuda.set_stream``, and the stream before is put
+    back after each task."""
+    from dask_gpustreams.backends import cupy as cupy_backend
+
+    monkeypatch.setattr(cupy_backend, "_stream_ids", lambda current: False)
+    calls = []
+    set_stream = torch.cuda.set_stream
+
+    def counted(stream):
+        calls.append(stream.cuda_stream)
+        set_stream(stream)
+
+    monkeypatch.setattr(torch.cuda, "set_stream", counted)
+    before = torch.cuda.current_stream().cuda_stream
+    streams = STREAMS - 1  # a runtime of its own, whose backend finds PyTorch's calls now
+    with dask.config.set({**BASE, "gpustreams.streams": streams}):
+        tasks = [delayed(streams_seen)(i) for i in range(4 * streams)]
+        seen = dask.compute(*tasks, scheduler="gpustreams")
+    assert all(cupy_ptr == torch_ptr != 0 for cupy_ptr, torch_ptr in seen), seen
+    assert len({ptr for ptr, _ in seen}) > 1
+    assert {ptr for ptr, _ in seen} <= set(calls)  # set through the public function
+    assert calls.count(before) >= len(seen)  # and the stream before, put back each time
+    assert torch.cuda.current_stream().cuda_stream == before
+
+
 def torch_affine(x, k, ms):
     """``x * k + 1`` by PyTorch on a tensor that shares ``x``'s memory (DLPack), after a
     PyTorch kernel of ``ms``; returned as a CuPy array over PyTorch's memory."""
