@@ -15,8 +15,8 @@ recorded run; its results are checked exactly against the NumPy reference.
 Each record's worker is named ``w<i>`` and its device is the worker's physical GPU (the
 first entry of the ``CUDA_VISIBLE_DEVICES`` that dask-cuda gives each worker; on the sim the
 worker's index), so the Gantt rows read ``w0 dev 0 stream 3``. Per shape and GPU it prints
-the keys and records (a stream block with several outputs adds a getter task of about
-0 ms under each output's key), their device time and the share of the run's span during
+the keys and records (a stream block's getters run on the worker's event loop and leave
+no record), their device time and the share of the run's span during
 which that GPU was busy, and how long both GPUs were busy at once. A graph whose tasks all
 ran on one GPU is reported ``SERIALIZED``, one with more than 90% of its task time on one
 GPU ``ONE-SIDED``; the exit status is then 1 (2 for a wrong result).

@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--reps", type=int, default=6)
-    p.add_argument("--off", action="store_true", help="the plugin off: only the end is marked")
+    p.add_argument(
+        "--off",
+        action="store_true",
+        help="the plugin off: the client's send, materialize, order, the tasks and the end",
+    )
     args = p.parse_args(argv)
     sargs = bench_shapes.parse_args(
         ["--families", "wide", "--schedulers", "threaded", "--kernel-ms", args.kernel_ms]

@@ -325,8 +325,9 @@ async def get_output(values: tuple, i: int) -> Any:
 
     The worker runs a coroutine on its event loop: a getter only indexes a tuple,
     and the block checked its outputs' work before it returned, so there is nothing to
-    wait for. Run in a worker thread, each getter paid the hop there and back: tangled's
-    24 getters took 15 ms after its block on the H200 at 1298916.
+    wait for. Run in a worker thread, each getter paid the hop there and back; on the
+    H200, tangled's wide shape at 8 ms (24 getters) went from 64.9 / 68.8% of the ideal
+    to 71.6 / 72.9% (80d227e).
     """
     return block_output(values, i)
 
