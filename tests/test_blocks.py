@@ -25,7 +25,9 @@ import numpy as np
 import pytest
 from dask import delayed
 from dask._task_spec import Task, TaskRef
-from distributed import Client, LocalCluster, Reschedule, SchedulerPlugin, get_worker, wait
+from dask.delayed import Delayed
+from dask.highlevelgraph import HighLevelGraph
+from distributed import Client, Event, LocalCluster, Reschedule, SchedulerPlugin, get_worker, wait
 
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, host_task, sim
 from dask_gpustreams.integrations import blocks as blocks_module
@@ -949,11 +951,27 @@ class Collisions(logging.Handler):
             self.messages.append(record.getMessage())
 
 
+def keys_once_released(client, timeout=10.0):
+    """The scheduler's keys once it holds none or ``timeout`` has passed: the client's
+    releases of dropped futures reach it in their own time."""
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while True:
+        keys = client.run_on_scheduler(
+            lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks))
+        )
+        if not keys or time.monotonic() > deadline:
+            return keys
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("wanted", [["c2"], ["c2", "c1"]])
 def test_a_graph_submitted_again_while_its_block_lives_is_quiet_and_leaves_no_tasks(wanted):
     """Its outputs are the block's tasks (one output), or getters (two): the keys collide.
-    The scheduler keeps them; the block's inner keys come back as tasks nothing needs,
-    which are forgotten; distributed's warning of the collision is not logged."""
+    The scheduler keeps them; the block's inner keys, which a hold keeps while the block
+    lives, come back with their definitions, and nothing runs them. No other task is left,
+    none once the results are dropped, and distributed's warning of the collision is not
+    logged."""
     collisions = Collisions()
     scheduler_log = logging.getLogger("distributed.scheduler")
     scheduler_log.addHandler(collisions)
@@ -976,11 +994,54 @@ def test_a_graph_submitted_again_while_its_block_lives_is_quiet_and_leaves_no_ta
                     str(k) for k in dask_scheduler.tasks if "gpustreams-block" not in str(k)
                 )
             )
-            assert left == sorted(["src", *wanted])
+            assert left == ["c0", "c1", "c2", "src"]
             assert formed(client) == (1, 3)
+            del s, chain, outs, first, again
+            assert keys_once_released(client) == []
     finally:
         scheduler_log.removeHandler(collisions)
     assert collisions.messages == []
+
+
+def gated(a, started, gate):
+    """``a``, once ``gate`` is set; sets ``started`` first (distributed Events, by name)."""
+    Event(started).set()
+    Event(gate).wait(30)
+    return a
+
+
+@pytest.mark.parametrize("wanted", [["c2"], ["c2", "c1"]])
+def test_a_later_graph_holding_a_blocks_definitions_that_it_does_not_reach_runs_exactly(wanted):
+    """A graph may hold definitions of keys that its own keys do not reach (a dask.array
+    graph whose persisted layer comes as futures but whose layers below it stay: the
+    fuzzer's DAG 3494 of seed 4701). The scheduler links each such key that it holds to
+    the dependencies its definition names: for a block's output, inner keys that the block
+    replaced. A hold keeps them on the scheduler while the block lives (before, they were
+    forgotten and that graph failed with a KeyError, leaving tasks of no priority behind,
+    which broke the scheduler's state), and those links go: the outputs, still waiting for
+    the block, run from it. Nothing is left once the results are dropped."""
+    with cluster(1) as client:
+        started, gate = Event("started", client=client), Event("gate", client=client)
+        src = delayed(source)(0, 0.0, dask_key_name="src")
+        chain = [delayed(gated)(src, "started", "gate", dask_key_name="c0")]
+        refs = [np.arange(N) + 0.0]
+        for i in (1, 2):
+            chain.append(delayed(mix)(i, chain[-1], dask_key_name=f"c{i}"))
+            refs.append(host_mix(i, refs[-1]))
+        try:
+            first = client.compute([chain[int(k[1])] for k in wanted])
+            assert started.wait(30)  # regrouped, and its block runs
+            other = delayed(source)(5, 0.0, dask_key_name="other")
+            graph = HighLevelGraph.merge(other.dask, chain[2].dask)
+            second = client.compute(Delayed("other", graph), optimize_graph=False)
+            np.testing.assert_array_equal(sim.asnumpy(second.result()), np.arange(N) + 5.0)
+        finally:
+            gate.set()
+        for value, k in zip(client.gather(first), wanted, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), refs[int(k[1])])
+        assert formed(client) == (1, 4)
+        del first, second
+        assert keys_once_released(client) == []
 
 
 def test_independent_chains_on_a_worker_of_one_thread_run_at_once():

@@ -16,7 +16,14 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
   its value out of the block's tuple, under the output's own key. A getter
   is a coroutine (:func:`get_output`): it runs on the worker's event loop,
   with no hop to a worker thread and back.
-- The other keys of the group are forgotten: nothing outside needs them.
+- The other keys of the group stay on the scheduler with no run_spec and no links, but
+  for a hold: a task that never runs (``gpustreams-block-hold-<uuid>``), which depends
+  on them, so that the scheduler keeps them, with no value, until the block's task is
+  forgotten. A later graph may name them: the scheduler links every key it holds that a
+  later graph defines, reached from that graph's keys or not, to the keys its definition
+  names, and one it does not hold fails the graph (a ``KeyError``, with tasks half made
+  left behind). The links it so gives a block's outputs are undone
+  (:meth:`StreamBlocks.unlink`).
 - ``gpustreams.block-size`` (the smallest that the workers say) bounds what
   a block holds until it ends: a group whose inputs from outside and outputs
   number at most that stays one block, up to 4,096 tasks
@@ -91,6 +98,10 @@ class StreamBlocks(SchedulerPlugin):
         self.blocks_formed = 0
         self.tasks_grouped = 0
         self.largest = 0  # tasks in the largest block formed
+        #: A live block's key (its task's, or its one output's) -> its hold's key.
+        self.holds: dict[Hashable, Hashable] = {}
+        #: The outputs of live blocks, by key (see :meth:`unlink`).
+        self.outputs: dict[Hashable, Any] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -133,7 +144,8 @@ class StreamBlocks(SchedulerPlugin):
     def transition(
         self, key: Hashable, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any
     ) -> None:
-        """Count a block's reschedules in its ``StreamBlock`` (on the event loop, every transition).
+        """Forget a forgotten block's hold; count a block's reschedules in its ``StreamBlock``
+        (on the event loop, every transition).
 
         A block skipped by other tasks' failures raises ``BlockSkipped``, and
         its worker ``Reschedule`` (the scheduler hears it as a ``processing ->
@@ -143,6 +155,12 @@ class StreamBlocks(SchedulerPlugin):
         of being rescheduled once more, forever. Work stealing and worker loss
         (other stimuli) do not count.
         """
+        if finish == "forgotten":
+            self.outputs.pop(key, None)
+            hold = self.holds.pop(key, None)
+            if hold is not None:
+                self.scheduler.transitions({hold: "forgotten"}, stimulus_id)
+            return
         if start == "processing" and finish == "released" and stimulus_id.startswith("reschedule"):
             ts = self.scheduler.tasks.get(key)
             spec = None if ts is None else ts.run_spec
@@ -164,6 +182,7 @@ class StreamBlocks(SchedulerPlugin):
     def update_graph(
         self, scheduler: Any, *, client: str, tasks: list, stimulus_id: str, **kwargs: Any
     ) -> None:
+        self.unlink()
         if not self.active():
             return
         try:
@@ -180,6 +199,24 @@ class StreamBlocks(SchedulerPlugin):
             return
         self._apply(plan, stimulus_id)
 
+    def unlink(self) -> None:
+        """Unlink the outputs of live blocks from the dependencies their run_spec does not name.
+
+        A graph may define keys that its own keys do not reach (a dask.array graph whose
+        persisted layer comes as futures, but whose layers below it stay). The scheduler
+        links each such key it holds to the dependencies of that definition: for a block's
+        output, inner keys (which never run) or inputs of its block, which it would wait
+        for. This runs before the scheduler transitions any of the graph's tasks. Such
+        links are the only ones an output gains, so one with no more dependencies than its
+        run_spec names has none.
+        """
+        for ts in self.outputs.values():
+            named = () if ts.run_spec is None else ts.run_spec.dependencies
+            if len(ts.dependencies) > len(named):
+                for d in [d for d in ts.dependencies if d.key not in named]:
+                    ts.dependencies.discard(d)
+                    d.dependents.discard(ts)
+
     # --- the regrouping: a plan (which changes nothing), then its application -------------
 
     def _candidate(self, ts: Any, client: str, apart: dict[int, bool]) -> bool:
@@ -192,6 +229,8 @@ class StreamBlocks(SchedulerPlugin):
         spec = ts.run_spec
         if ts.state != "released" or ts.actor or ts.waiters:
             return False
+        if any(d.run_spec is None for d in ts.dependents):
+            return False  # a block's inner key (held): a block would make it an output
         if isinstance(spec, Task):
             func = spec.func
             own = apart.get(id(func))
@@ -214,8 +253,9 @@ class StreamBlocks(SchedulerPlugin):
         tasks = self.scheduler.tasks
         touched = [ts for k in keys if (ts := tasks.get(k)) is not None]
         # A key submitted again while its block lives collides: the scheduler keeps the
-        # block's task and links nothing to the key's new dependencies, the block's inner
-        # keys, which come back as tasks that nothing needs. They are forgotten (and what
+        # block's task and links nothing to the key's new dependencies. The block's inner
+        # keys among them are held (see _hold); others that the block's graph did not have
+        # (fused there, say) come as tasks that nothing needs. They are forgotten (and what
         # only they need, which the scheduler forgets with them), as plain Dask, whose
         # tasks collide with their own kind, never has them.
         orphans = [ts for ts in touched if _unneeded(ts)]
@@ -315,7 +355,7 @@ class StreamBlocks(SchedulerPlugin):
         return places
 
     def _apply(self, plan: _Plan, stimulus_id: str) -> None:
-        """Make ``plan``'s blocks, then forget the keys they replace.
+        """Make ``plan``'s blocks, then hold the keys they replace (:meth:`_hold`).
 
         The relinking is undone if any of it raises, so the graph is either
         regrouped whole or left as submitted (and runs task per key).
@@ -342,14 +382,15 @@ class StreamBlocks(SchedulerPlugin):
                 exc_info=True,
             )
             return
-        forget: dict[Hashable, str] = {}
+        tasks = self.scheduler.tasks
         for block in plan.blocks:
             self.blocks_formed += 1
             self.tasks_grouped += len(block.members)
             self.largest = max(self.largest, len(block.members))
-            forget.update(block.forget)
-        if forget:
-            self.scheduler.transitions(forget, stimulus_id)
+            self.outputs.update((ts.key, ts) for ts in block.outputs if ts.key not in block.inner)
+            if block.inner:
+                head = block.outputs[0] if block.key is None else tasks[block.key]
+                self.holds[head.key] = self._hold(head, [tasks[k] for k in block.inner])
 
     def _form(self, block: _BlockPlan, undo: list[Callable[[], None]]) -> None:
         """Relink the scheduler's tasks as ``block`` says; append to ``undo`` what reverts it."""
@@ -381,6 +422,25 @@ class StreamBlocks(SchedulerPlugin):
             head.loose_restrictions = True
         for d in block.inputs:
             head.add_dependency(d)
+
+    def _hold(self, head: Any, inner: list) -> Hashable:
+        """The key of a new hold of ``inner`` (TaskStates, unlinked by :meth:`_form`), the
+        keys that ``head``'s block replaces: a task with no run_spec that depends on them.
+
+        Nothing waits for a hold, so it never runs, nor do they (no run_spec); but the
+        scheduler forgets no task that another depends on (see the module's docstring). A
+        later graph that defines one of them gives it back its run_spec and links, and runs
+        it if it needs it: its value is released as any other.
+        """
+        hold = self.scheduler.new_task(
+            (f"{BLOCK_PREFIX}-hold-{uuid.uuid4().hex}", 0), None, "released", self._computation()
+        )
+        hold.priority = head.priority  # the scheduler sorts a task's dependents by priority
+        self._join_span(hold, head)
+        for ts in inner:
+            ts.run_spec = None
+            hold.add_dependency(ts)
+        return hold.key
 
     def _drop_task(self, ts: Any) -> None:
         """Undo: forget ``ts``, a block task made by :meth:`_form` (its links are undone first)."""
@@ -419,7 +479,7 @@ class _BlockPlan:
     getters: list  # the outputs' run_specs (several outputs; None: no getter needed)
     priority: Any
     retries: int
-    forget: dict = field(default_factory=dict)  # the members no one outside needs
+    inner: set = field(default_factory=set)  # keys of the members no one outside needs
     worker: str | None = None  # the worker a bin of a band is meant for
     reads: list = field(default_factory=list)  # keys of the blocks it reads straight from
 
@@ -573,7 +633,7 @@ def _block_plan(
         getters,
         members[0].priority,
         max(ts.retries for ts in members),
-        {ts.key: "forgotten" for ts in members if ts not in kept},
+        {ts.key for ts in members if ts not in kept},
         worker,
         sorted({src[0] for src in sources.values()}, key=str),
     )
