@@ -7,6 +7,7 @@ visibly wrong value. Every result is compared exactly with NumPy's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import weakref
 
 import cloudpickle
@@ -27,7 +29,17 @@ from dask import delayed
 from dask._task_spec import Task, TaskRef
 from dask.delayed import Delayed
 from dask.highlevelgraph import HighLevelGraph
-from distributed import Client, Event, LocalCluster, Reschedule, SchedulerPlugin, get_worker, wait
+from distributed import (
+    Client,
+    Event,
+    Future,
+    LocalCluster,
+    Reschedule,
+    SchedulerPlugin,
+    get_worker,
+    wait,
+)
+from distributed.client import FutureCancelledError
 
 from dask_gpustreams import KernelError, StreamsPlugin, get_runtime, host_task, sim
 from dask_gpustreams.integrations import blocks as blocks_module
@@ -40,6 +52,7 @@ from dask_gpustreams.integrations.blocks import (
     block_output,
     partition,
 )
+from dask_gpustreams.integrations.distributed.blocks import StreamBlocks
 from dask_gpustreams.runtime.context import active_task
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -967,11 +980,10 @@ def keys_once_released(client, timeout=10.0):
 
 @pytest.mark.parametrize("wanted", [["c2"], ["c2", "c1"]])
 def test_a_graph_submitted_again_while_its_block_lives_is_quiet_and_leaves_no_tasks(wanted):
-    """Its outputs are the block's tasks (one output), or getters (two): the keys collide.
-    The scheduler keeps them; the block's inner keys, which a hold keeps while the block
-    lives, come back with their definitions, and nothing runs them. No other task is left,
-    none once the results are dropped, and distributed's warning of the collision is not
-    logged."""
+    """Its outputs are the block's tasks (one output), or getters (two): the scheduler
+    keeps them and takes the graph as holding futures of them, so the block's inner keys
+    do not come back. No other task is left, none once the results are dropped, and
+    distributed's warning of a collision is not logged."""
     collisions = Collisions()
     scheduler_log = logging.getLogger("distributed.scheduler")
     scheduler_log.addHandler(collisions)
@@ -994,7 +1006,7 @@ def test_a_graph_submitted_again_while_its_block_lives_is_quiet_and_leaves_no_ta
                     str(k) for k in dask_scheduler.tasks if "gpustreams-block" not in str(k)
                 )
             )
-            assert left == ["c0", "c1", "c2", "src"]
+            assert left == sorted(["src", *wanted])
             assert formed(client) == (1, 3)
             del s, chain, outs, first, again
             assert keys_once_released(client) == []
@@ -1016,10 +1028,10 @@ def test_a_later_graph_holding_a_blocks_definitions_that_it_does_not_reach_runs_
     graph whose persisted layer comes as futures but whose layers below it stay: the
     fuzzer's DAG 3494 of seed 4701). The scheduler links each such key that it holds to
     the dependencies its definition names: for a block's output, inner keys that the block
-    replaced. A hold keeps them on the scheduler while the block lives (before, they were
-    forgotten and that graph failed with a KeyError, leaving tasks of no priority behind,
-    which broke the scheduler's state), and those links go: the outputs, still waiting for
-    the block, run from it. Nothing is left once the results are dropped."""
+    replaced and forgot (that graph failed with a KeyError, leaving tasks of no priority
+    behind, which broke the scheduler's state). The definitions of live outputs are taken
+    out of such a graph: the outputs, still waiting for the block, run from it. Nothing is
+    left once the results are dropped."""
     with cluster(1) as client:
         started, gate = Event("started", client=client), Event("gate", client=client)
         src = delayed(source)(0, 0.0, dask_key_name="src")
@@ -1042,6 +1054,108 @@ def test_a_later_graph_holding_a_blocks_definitions_that_it_does_not_reach_runs_
         assert formed(client) == (1, 4)
         del first, second
         assert keys_once_released(client) == []
+
+
+def later_graph(client, route, chain):
+    """Futures of a later graph that names ``c2`` (a block's inner key that reads its
+    output ``c1``) by ``route``; ``chain`` holds ``src``, ``c0`` ... ``c3`` (Delayed)."""
+    if route == "again":  # the same keys computed again
+        return client.compute([chain[2], chain[4]])
+    if route == "unreached":  # a graph that carries c2's definition and does not reach it
+        other = delayed(source)(5, 0.0, dask_key_name="other")
+        graph = HighLevelGraph.merge(other.dask, chain[4].dask)
+        return [client.compute(Delayed("other", graph), optimize_graph=False)]
+    return [client.compute(chain[3])]  # the inner key itself
+
+
+@pytest.mark.parametrize("route", ["again", "unreached", "inner"])
+def test_a_later_graph_naming_a_blocks_inner_key_downstream_of_its_output_leaves_nothing(
+    route,
+):
+    """src -> c0 -> c1 -> c2 -> c3 with c1 and c3 wanted: one block, whose inner key c2
+    reads its output c1. A later graph names c2 while the first results are held (computes
+    the same keys again, carries c2's definition unreached, or computes c2): exact values,
+    and no task left on the scheduler once every result is dropped. When the block held its
+    inner keys on the scheduler, each left a cycle of 6 tasks (hold -> c2 -> c1 -> block ->
+    hold) that no release reached, and ``client.restart()`` raised an AssertionError."""
+    with cluster(1) as client:
+        chain, refs = [delayed(source)(0, 0.0, dask_key_name="src")], [np.arange(N) + 0.0]
+        for i in range(4):
+            chain.append(delayed(mix)(i, chain[-1], dask_key_name=f"c{i}"))
+            refs.append(host_mix(i, refs[-1]))
+        first = client.compute([chain[2], chain[4]])
+        for value, i in zip(client.gather(first), (2, 4), strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), refs[i])
+        second = later_graph(client, route, chain)
+        expected = {"again": [refs[2], refs[4]], "unreached": [np.arange(N) + 5.0]}
+        for value, ref in zip(client.gather(second), expected.get(route, [refs[3]]), strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert formed(client)[0] == 1
+        del first, second
+        assert keys_once_released(client) == []
+
+
+def test_a_future_of_a_blocks_inner_key_is_cancelled_as_lost():
+    """A block forgets its inner keys: a task submitted with a future of one (by its key)
+    is cancelled as distributed cancels any that reads lost data, not a failed assertion
+    in the scheduler."""
+    with cluster(1) as client:
+        chain = [delayed(source)(0, 0.0, dask_key_name="src")]
+        for i in range(3):
+            chain.append(delayed(mix)(i, chain[-1], dask_key_name=f"c{i}"))
+        result = client.compute(chain[3])
+        result.result()
+        assert formed(client) == (1, 4)
+        late = client.submit(mix, 9, Future("c1", client=client), key="late")
+        with pytest.raises(FutureCancelledError, match="lost dependencies"):
+            late.result(timeout=30)
+
+
+def live_outputs(client):
+    """The keys of the outputs whose definitions the scheduler's plugin takes out of graphs."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: sorted(dask_scheduler.plugins["gpustreams-blocks"].outputs)
+    )
+
+
+def test_a_restart_leaves_the_plugin_no_outputs_and_blocks_form_again():
+    """``client.restart()`` forgets every task without a transition: the plugin keeps none
+    of them, and the same keys computed again (once the new worker says ``blocks: auto``)
+    form a block again, exact."""
+    with cluster(1, processes=True, threads_per_worker=1) as client:
+        chain, refs = [delayed(source)(0, 0.0, dask_key_name="src")], [np.arange(N) + 0.0]
+        for i in range(4):
+            chain.append(delayed(mix)(i, chain[-1], dask_key_name=f"c{i}"))
+            refs.append(host_mix(i, refs[-1]))
+        first = client.compute([chain[2], chain[4]])
+        client.gather(first)
+        assert live_outputs(client) == ["c1", "c3"]
+        client.restart()
+        assert live_outputs(client) == []
+        # the restarted worker's plugin tells the scheduler its mode in its own time
+        deadline = time.monotonic() + 30
+        while not client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["gpustreams-blocks"].active()
+        ):
+            assert time.monotonic() < deadline, "the restarted worker never said blocks: auto"
+            time.sleep(0.05)
+        again = client.gather(client.compute([chain[2], chain[4]]))
+        for value, i in zip(again, (2, 4), strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), refs[i])
+        assert formed(client)[0] == 2
+
+
+def test_blocks_stay_off_where_distributed_lacks_the_hook_they_need(caplog):
+    """A scheduler without ``_generate_taskstates`` (a later distributed may rename it):
+    the plugin says so and forms no block, rather than leave a graph's links to
+    forgotten keys."""
+    plugin = StreamBlocks()
+    scheduler = types.SimpleNamespace(handlers={}, workers={"w": None})
+    with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+        asyncio.run(plugin.start(scheduler))
+    plugin.set_mode("w", "auto")
+    assert not plugin.active()
+    assert "has no _generate_taskstates; stream blocks are off" in caplog.text
 
 
 def test_independent_chains_on_a_worker_of_one_thread_run_at_once():

@@ -16,14 +16,12 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
   its value out of the block's tuple, under the output's own key. A getter
   is a coroutine (:func:`get_output`): it runs on the worker's event loop,
   with no hop to a worker thread and back.
-- The other keys of the group stay on the scheduler with no run_spec and no links, but
-  for a hold: a task that never runs (``gpustreams-block-hold-<uuid>``), which depends
-  on them, so that the scheduler keeps them, with no value, until the block's task is
-  forgotten. A later graph may name them: the scheduler links every key it holds that a
-  later graph defines, reached from that graph's keys or not, to the keys its definition
-  names, and one it does not hold fails the graph (a ``KeyError``, with tasks half made
-  left behind). The links it so gives a block's outputs are undone
-  (:meth:`StreamBlocks.unlink`).
+- The other keys of the group are forgotten: nothing outside needs them. A later
+  graph that defines a live block's output (the same keys computed again, or a
+  graph whose keys do not reach that definition) takes it as a future of that
+  key: the definitions of live outputs are taken out of submitted graphs
+  (:meth:`StreamBlocks._taskstates`), else the scheduler would link the output
+  to the forgotten keys.
 - ``gpustreams.block-size`` (the smallest that the workers say) bounds what
   a block holds until it ends: a group whose inputs from outside and outputs
   number at most that stays one block, up to 4,096 tasks
@@ -98,15 +96,49 @@ class StreamBlocks(SchedulerPlugin):
         self.blocks_formed = 0
         self.tasks_grouped = 0
         self.largest = 0  # tasks in the largest block formed
-        #: A live block's key (its task's, or its one output's) -> its hold's key.
-        self.holds: dict[Hashable, Hashable] = {}
-        #: The outputs of live blocks, by key (see :meth:`unlink`).
+        #: The outputs of live blocks (key -> TaskState), which :meth:`_taskstates` hides.
         self.outputs: dict[Hashable, Any] = {}
+        #: Whether this distributed lacks the hook that blocks need (they stay off).
+        self.unsupported = False
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.handlers["gpustreams_blocks"] = self.set_mode
-        logging.getLogger("distributed.scheduler").addFilter(_quiet_block_collisions)
+        generate = getattr(scheduler, "_generate_taskstates", None)
+        if generate is None:
+            logger.warning(
+                "gpustreams: this distributed's Scheduler has no _generate_taskstates; "
+                "stream blocks are off (gpustreams.blocks: auto is ignored)"
+            )
+            self.unsupported = True
+        elif getattr(generate, "func", None) is not self._taskstates:
+            scheduler._generate_taskstates = functools.partial(self._taskstates, generate)
+
+    def _taskstates(self, generate: Callable[..., tuple], *args: Any, **kwargs: Any) -> tuple:
+        """The scheduler's ``_generate_taskstates`` (``generate``), with the definitions of
+        live blocks' outputs taken out of its graph (``dsk``) first.
+
+        The scheduler links every key it holds that a graph defines, reached from
+        that graph's keys or not, to the keys its definition names. A block's inner
+        keys are forgotten: linked to one, an output would wait for a task that never
+        runs, and one the scheduler does not hold fails the graph with a ``KeyError``,
+        tasks half made left behind (the same keys computed again, or a ``dask.array``
+        graph whose persisted layer comes as futures but whose layers below it stay).
+        Taken out, a live output is what a future in a graph is: a key the scheduler
+        holds, which the graph's keys that read it wait for.
+        """
+        outputs = self.outputs
+        dsk = kwargs.get("dsk")
+        if outputs and dsk:
+            tasks = self.scheduler.tasks
+            for key in outputs.keys() & dsk.keys():  # walks the smaller of the two
+                if tasks.get(key) is outputs[key]:
+                    del dsk[key]
+        return generate(*args, **kwargs)
+
+    def restart(self, scheduler: Any) -> None:
+        """The scheduler forgets every task at once (no transitions): so do the outputs."""
+        self.outputs.clear()
 
     def set_mode(
         self,
@@ -144,7 +176,7 @@ class StreamBlocks(SchedulerPlugin):
     def transition(
         self, key: Hashable, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any
     ) -> None:
-        """Forget a forgotten block's hold; count a block's reschedules in its ``StreamBlock``
+        """Forget a forgotten output; count a block's reschedules in its ``StreamBlock``
         (on the event loop, every transition).
 
         A block skipped by other tasks' failures raises ``BlockSkipped``, and
@@ -157,9 +189,6 @@ class StreamBlocks(SchedulerPlugin):
         """
         if finish == "forgotten":
             self.outputs.pop(key, None)
-            hold = self.holds.pop(key, None)
-            if hold is not None:
-                self.scheduler.transitions({hold: "forgotten"}, stimulus_id)
             return
         if start == "processing" and finish == "released" and stimulus_id.startswith("reschedule"):
             ts = self.scheduler.tasks.get(key)
@@ -177,12 +206,13 @@ class StreamBlocks(SchedulerPlugin):
         """Whether blocks are formed now: every worker has the plugin with ``blocks: auto``."""
         workers = self.scheduler.workers
         modes = self.modes
-        return bool(workers) and all(modes.get(w) == "auto" for w in workers)
+        return (
+            not self.unsupported and bool(workers) and all(modes.get(w) == "auto" for w in workers)
+        )
 
     def update_graph(
         self, scheduler: Any, *, client: str, tasks: list, stimulus_id: str, **kwargs: Any
     ) -> None:
-        self.unlink()
         if not self.active():
             return
         try:
@@ -199,24 +229,6 @@ class StreamBlocks(SchedulerPlugin):
             return
         self._apply(plan, stimulus_id)
 
-    def unlink(self) -> None:
-        """Unlink the outputs of live blocks from the dependencies their run_spec does not name.
-
-        A graph may define keys that its own keys do not reach (a dask.array graph whose
-        persisted layer comes as futures, but whose layers below it stay). The scheduler
-        links each such key it holds to the dependencies of that definition: for a block's
-        output, inner keys (which never run) or inputs of its block, which it would wait
-        for. This runs before the scheduler transitions any of the graph's tasks. Such
-        links are the only ones an output gains, so one with no more dependencies than its
-        run_spec names has none.
-        """
-        for ts in self.outputs.values():
-            named = () if ts.run_spec is None else ts.run_spec.dependencies
-            if len(ts.dependencies) > len(named):
-                for d in [d for d in ts.dependencies if d.key not in named]:
-                    ts.dependencies.discard(d)
-                    d.dependents.discard(ts)
-
     # --- the regrouping: a plan (which changes nothing), then its application -------------
 
     def _candidate(self, ts: Any, client: str, apart: dict[int, bool]) -> bool:
@@ -229,8 +241,6 @@ class StreamBlocks(SchedulerPlugin):
         spec = ts.run_spec
         if ts.state != "released" or ts.actor or ts.waiters:
             return False
-        if any(d.run_spec is None for d in ts.dependents):
-            return False  # a block's inner key (held): a block would make it an output
         if isinstance(spec, Task):
             func = spec.func
             own = apart.get(id(func))
@@ -248,26 +258,15 @@ class StreamBlocks(SchedulerPlugin):
             return False
         return all(d.exception_blame is None for d in ts.dependencies)
 
-    def _plan(self, client: str, keys: list) -> _Plan:
+    def _plan(self, client: str, keys: list) -> list[_BlockPlan]:
         """What regrouping the graph of ``keys`` would do; reads the scheduler, changes nothing."""
         tasks = self.scheduler.tasks
         touched = [ts for k in keys if (ts := tasks.get(k)) is not None]
-        # A key submitted again while its block lives collides: the scheduler keeps the
-        # block's task and links nothing to the key's new dependencies. The block's inner
-        # keys among them are held (see _hold); others that the block's graph did not have
-        # (fused there, say) come as tasks that nothing needs. They are forgotten (and what
-        # only they need, which the scheduler forgets with them), as plain Dask, whose
-        # tasks collide with their own kind, never has them.
-        orphans = [ts for ts in touched if _unneeded(ts)]
-        dead = _forgotten_with(orphans)
-        if dead:
-            touched = [ts for ts in touched if ts not in dead]
-        plan = _Plan({ts.key: "forgotten" for ts in orphans}, [])
         new = {ts.key for ts in touched if ts.state == "released"}
         apart: dict[int, bool] = {}
         candidates = [ts.key for ts in touched if self._candidate(ts, client, apart)]
         if len(candidates) < 2:
-            return plan
+            return []
         level = _levels(touched, new)
         bands: list = []
         workers = self.scheduler.workers
@@ -294,11 +293,10 @@ class StreamBlocks(SchedulerPlugin):
         layouts = [_layout([tasks[k] for k in group]) for group in groups]
         block_of = {ts: b for b, layout in enumerate(layouts) for ts in layout.members}
         direct = _direct_reads(layouts, places, len(self.scheduler.workers) == 1, block_of)
-        plan.blocks = [
+        return [
             _block_plan(layout, place, root, direct, b, block_of)
             for b, (layout, place, root) in enumerate(zip(layouts, places, rootish, strict=True))
         ]
-        return plan
 
     def _spread(self, groups: list[list], bands: list, rootish: list[bool]) -> list[str | None]:
         """The worker each group of a band is meant for (None: distributed decides).
@@ -354,20 +352,18 @@ class StreamBlocks(SchedulerPlugin):
                     where.update(dict.fromkeys(groups[i], best))
         return places
 
-    def _apply(self, plan: _Plan, stimulus_id: str) -> None:
-        """Make ``plan``'s blocks, then hold the keys they replace (:meth:`_hold`).
+    def _apply(self, plan: list[_BlockPlan], stimulus_id: str) -> None:
+        """Make the blocks of ``plan``, then forget the keys they replace.
 
         The relinking is undone if any of it raises, so the graph is either
         regrouped whole or left as submitted (and runs task per key).
         """
-        if plan.orphans:
-            self.scheduler.transitions(dict(plan.orphans), stimulus_id)
         undo: list[Callable[[], None]] = []
         try:
-            for block in plan.blocks:
+            for block in plan:
                 self._form(block, undo)
             tasks = self.scheduler.tasks
-            for block in plan.blocks:  # every block task exists now: link the direct reads
+            for block in plan:  # every block task exists now: link the direct reads
                 head = block.outputs[0] if block.key is None else tasks[block.key]
                 for key in block.reads:
                     head.add_dependency(tasks[key])
@@ -382,15 +378,15 @@ class StreamBlocks(SchedulerPlugin):
                 exc_info=True,
             )
             return
-        tasks = self.scheduler.tasks
-        for block in plan.blocks:
+        forget: dict[Hashable, str] = {}
+        for block in plan:
             self.blocks_formed += 1
             self.tasks_grouped += len(block.members)
             self.largest = max(self.largest, len(block.members))
-            self.outputs.update((ts.key, ts) for ts in block.outputs if ts.key not in block.inner)
-            if block.inner:
-                head = block.outputs[0] if block.key is None else tasks[block.key]
-                self.holds[head.key] = self._hold(head, [tasks[k] for k in block.inner])
+            forget.update(block.forget)
+            self.outputs.update((ts.key, ts) for ts in block.outputs if ts.key not in block.forget)
+        if forget:
+            self.scheduler.transitions(forget, stimulus_id)
 
     def _form(self, block: _BlockPlan, undo: list[Callable[[], None]]) -> None:
         """Relink the scheduler's tasks as ``block`` says; append to ``undo`` what reverts it."""
@@ -422,25 +418,6 @@ class StreamBlocks(SchedulerPlugin):
             head.loose_restrictions = True
         for d in block.inputs:
             head.add_dependency(d)
-
-    def _hold(self, head: Any, inner: list) -> Hashable:
-        """The key of a new hold of ``inner`` (TaskStates, unlinked by :meth:`_form`), the
-        keys that ``head``'s block replaces: a task with no run_spec that depends on them.
-
-        Nothing waits for a hold, so it never runs, nor do they (no run_spec); but the
-        scheduler forgets no task that another depends on (see the module's docstring). A
-        later graph that defines one of them gives it back its run_spec and links, and runs
-        it if it needs it: its value is released as any other.
-        """
-        hold = self.scheduler.new_task(
-            (f"{BLOCK_PREFIX}-hold-{uuid.uuid4().hex}", 0), None, "released", self._computation()
-        )
-        hold.priority = head.priority  # the scheduler sorts a task's dependents by priority
-        self._join_span(hold, head)
-        for ts in inner:
-            ts.run_spec = None
-            hold.add_dependency(ts)
-        return hold.key
 
     def _drop_task(self, ts: Any) -> None:
         """Undo: forget ``ts``, a block task made by :meth:`_form` (its links are undone first)."""
@@ -479,7 +456,7 @@ class _BlockPlan:
     getters: list  # the outputs' run_specs (several outputs; None: no getter needed)
     priority: Any
     retries: int
-    inner: set = field(default_factory=set)  # keys of the members no one outside needs
+    forget: dict = field(default_factory=dict)  # the members no one outside needs
     worker: str | None = None  # the worker a bin of a band is meant for
     reads: list = field(default_factory=list)  # keys of the blocks it reads straight from
 
@@ -491,12 +468,6 @@ class _Layout(NamedTuple):
     inputs: list  # TaskStates outside the block that its tasks read
     outputs: list  # members a client wants or a task outside reads
     key: Hashable | None
-
-
-@dataclass
-class _Plan:
-    orphans: dict  # key -> "forgotten": tasks submitted again that nothing needs
-    blocks: list[_BlockPlan]
 
 
 def dependency_order(members: list) -> list:
@@ -633,7 +604,7 @@ def _block_plan(
         getters,
         members[0].priority,
         max(ts.retries for ts in members),
-        {ts.key for ts in members if ts not in kept},
+        {ts.key: "forgotten" for ts in members if ts not in kept},
         worker,
         sorted({src[0] for src in sources.values()}, key=str),
     )
@@ -660,52 +631,8 @@ def _restore(
     ts.worker_restrictions, ts.loose_restrictions = restrictions, loose
 
 
-def _forgotten_with(orphans: list) -> set:
-    """``orphans`` and the tasks the scheduler forgets with them (nothing else needs them)."""
-    dead = set(orphans)
-    stack = list(orphans)
-    while stack:
-        ts = stack.pop()
-        for d in ts.dependencies:
-            if d not in dead and not d.who_wants and all(x in dead for x in d.dependents):
-                dead.add(d)
-                stack.append(d)
-    return dead
-
-
 def _module(func: Any) -> str:
     return getattr(func, "__module__", None) or ""
-
-
-def _unneeded(ts: Any) -> bool:
-    """Whether ``ts``, just submitted, is a task that no client and no other task needs."""
-    return (
-        ts.state == "released"
-        and ts.run_spec is not None
-        and not ts.who_wants
-        and not ts.dependents
-        and not ts.waiters
-    )
-
-
-class QuietBlockCollisions(logging.Filter):
-    """Drops the scheduler's warning of a key submitted again while its block lives.
-
-    Its task then has the block's run_spec and dependencies, not those of the
-    graph submitted again, so distributed warns that they differ (dask/dask#9888)
-    and keeps the block's task, which computes the same value. Warnings about
-    other keys pass.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.msg
-        if not (isinstance(msg, str) and msg.startswith("Detected different `run_spec`")):
-            return True
-        old = msg.partition("old run_spec: ")[2].partition("\n")[0]
-        return not ("StreamBlock(" in old or f"'{BLOCK_PREFIX}-" in old)
-
-
-_quiet_block_collisions = QuietBlockCollisions()
 
 
 def _levels(touched: list, new: set) -> dict[Hashable, int]:
