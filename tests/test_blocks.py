@@ -1256,16 +1256,12 @@ def test_a_block_read_only_by_the_next_reads_straight_from_it_with_no_getters():
         assert executed(client) - before == 2 + 8
 
 
-@pytest.mark.parametrize("retries, runs", [(0, 2), (3, 3)])
-def test_a_failure_read_straight_from_another_block_names_the_inner_key(retries, runs):
+def test_a_failure_read_straight_from_another_block_names_the_inner_key():
     """Blocks of 4: ``src, a, inner-failure, g`` (outputs ``inner-failure`` and ``g``, read
     by ``b`` only) and ``b, c0, c1, c2`` (each reads a source held outside: the 8 tasks
-    hold 5 values, more than 4). Without retries, the second reads the first's
-    failed output straight from its tuple and raises the ``KernelError`` naming the inner
-    key; no getter runs (2 tasks run). With ``retries=3`` on the second block's tasks, it
-    reads through the getters: read from the tuple, the failure would fail the reader
-    itself, run again for each retry, where the erred getter errs it without a run (the
-    first block and 2 getters run)."""
+    hold 5 values, more than 4). The second reads the first's failed output straight from
+    its tuple and raises the ``KernelError`` naming the inner key; no getter runs (2 tasks
+    run)."""
     with cluster(1, config={"gpustreams.block-size": 4}) as client:
         outside = [d for d, _ in persisted(client, 4)]
         before = executed(client)
@@ -1273,16 +1269,48 @@ def test_a_failure_read_straight_from_another_block_names_the_inner_key(retries,
         a = delayed(mix)(1, s, dask_key_name="a")
         k = delayed(bad)(a, dask_key_name="inner-failure")
         g = delayed(mix)(2, a, dask_key_name="g")
-        with dask.annotate(**({"retries": retries} if retries else {})):
-            t = delayed(mix)(3, k, g, outside[0], dask_key_name="b")
-            for i in range(3):
-                t = delayed(mix)(4 + i, t, outside[1 + i], dask_key_name=f"c{i}")
+        t = delayed(mix)(3, k, g, outside[0], dask_key_name="b")
+        for i in range(3):
+            t = delayed(mix)(4 + i, t, outside[1 + i], dask_key_name=f"c{i}")
         future = client.compute(t)
         with pytest.raises(KernelError, match="boom in a block") as info:
             future.result(timeout=30)
         assert info.value.key == "inner-failure"
         assert formed(client) == (2, 8)
-        assert executed(client) - before == runs
+        assert executed(client) - before == 2
+
+
+FLAKY_CALLS: dict[str, int] = {}
+
+
+def flaky(a, name):
+    """``mix(7, a)``, but its first call (by ``name``, in this process) raises ValueError."""
+    FLAKY_CALLS[name] = FLAKY_CALLS.get(name, 0) + 1
+    if FLAKY_CALLS[name] == 1:
+        raise ValueError(f"{name}: transient")
+    return mix(7, a)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_a_task_with_retries_that_fails_once_gives_its_value(mode):
+    """``f`` (retries=2) fails on its first call. Task per key, the scheduler runs it again
+    and every key gets its value. In a block of several outputs, the failure erred the
+    outputs that derive from it at once (no task of theirs had retries left to use): a
+    task with retries now stays out of blocks, and the others still form one."""
+    name = f"flaky-{mode}"
+    with cluster(1, config={"gpustreams.blocks": mode}) as client:
+        s = delayed(source)(0, 0.0, dask_key_name="src")
+        a = delayed(mix)(1, s, dask_key_name="a")
+        with dask.annotate(retries=2):
+            f = delayed(flaky)(a, name, dask_key_name="f")
+        g = delayed(mix)(2, f, dask_key_name="g")
+        h = delayed(mix)(3, a, dask_key_name="h")
+        ref_a = host_mix(1, np.arange(N) + 0.0)
+        refs = [host_mix(2, host_mix(7, ref_a)), host_mix(3, ref_a), ref_a]
+        for value, ref in zip(client.gather(client.compute([g, h, a])), refs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        assert FLAKY_CALLS[name] == 2
+        assert formed(client) == ((1, 3) if mode == "auto" else (0, 0))
 
 
 def test_a_failure_read_from_a_tuple_keeps_none_of_the_readers_inputs_alive():

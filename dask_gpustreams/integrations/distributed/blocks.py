@@ -29,12 +29,14 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
   tasks. So no block holds more
   outputs than that.
 
-The block is then an ordinary task: work stealing, retries (the most of its
-tasks'), worker loss (it is recomputed whole) and errors (a task's exception,
-or its kernel failure with the ``KernelError`` naming the inner key, errs the
-outputs that derive from it) behave as for any task. Only new
-tasks in ``released`` state, with no restrictions, no annotations that
-change where or how they run and no erred inputs, are grouped. The
+The block is then an ordinary task: work stealing, worker loss (it is
+recomputed whole) and errors (a task's exception, or its kernel failure with
+the ``KernelError`` naming the inner key, errs the outputs that derive from
+it) behave as for any task. Only new tasks in ``released`` state, with no
+retries, no restrictions, no annotations that change where or how they run
+and no erred inputs, are grouped: a task with retries runs again alone where
+it fails, and inside a block its failure would err the outputs that derive
+from it at once. The
 scheduler cannot tell a GPU task from one that blocks the host: inside a
 block, the launcher learns such task groups (more than 5 ms of host time a
 call) and runs them on its host threads.
@@ -239,7 +241,7 @@ class StreamBlocks(SchedulerPlugin):
         tasks of a graph share a few functions, and ``is_coro`` inspects each.
         """
         spec = ts.run_spec
-        if ts.state != "released" or ts.actor or ts.waiters:
+        if ts.state != "released" or ts.actor or ts.waiters or ts.retries:
             return False
         if isinstance(spec, Task):
             func = spec.func
@@ -391,7 +393,7 @@ class StreamBlocks(SchedulerPlugin):
     def _form(self, block: _BlockPlan, undo: list[Callable[[], None]]) -> None:
         """Relink the scheduler's tasks as ``block`` says; append to ``undo`` what reverts it."""
         for ts in block.members:
-            old = (ts.run_spec, ts.priority, ts.retries, ts.worker_restrictions)
+            old = (ts.run_spec, ts.priority, ts.worker_restrictions)
             old_deps, loose = set(ts.dependencies), ts.loose_restrictions
             undo.append(functools.partial(_restore, ts, old_deps, *old, loose))
             for d in old_deps:
@@ -409,7 +411,6 @@ class StreamBlocks(SchedulerPlugin):
                     ts.run_spec = getter
                     ts.add_dependency(head)
         head.priority = block.priority
-        head.retries = block.retries
         # A bin of a band: meant for this worker, else any. Never a root-ish block (one
         # holding a task the scheduler would queue, see _plan): a restriction would skip
         # root-task queuing (is_rootish is false for a restricted task).
@@ -455,7 +456,6 @@ class _BlockPlan:
     key: Hashable | None  # the block task's own key (several outputs), or None
     getters: list  # the outputs' run_specs (several outputs; None: no getter needed)
     priority: Any
-    retries: int
     forget: dict = field(default_factory=dict)  # the members no one outside needs
     worker: str | None = None  # the worker a bin of a band is meant for
     reads: list = field(default_factory=list)  # keys of the blocks it reads straight from
@@ -522,10 +522,7 @@ def _direct_reads(
     a block (a client may want them): the tuple then lives as long as getters'
     values would (a block holds its inputs until it ends), and no longer. Only
     where both run on one worker (the cluster has one, or both are meant for
-    the same): the whole tuple would move to read one output elsewhere. And
-    only for a reader without retries: a failed output read from the tuple
-    fails the reader itself, which would run again for each retry, where an
-    erred getter errs it without a run.
+    the same): the whole tuple would move to read one output elsewhere.
     """
     direct = {}
     for b, layout in enumerate(layouts):
@@ -536,8 +533,6 @@ def _direct_reads(
             continue
         [c] = readers
         if not (one_worker or (places[b] is not None and places[b] == places[c])):
-            continue
-        if any(ts.retries for ts in layouts[c].members):
             continue
         for i, ts in enumerate(layout.outputs):
             if any(block_of.get(x) == c for x in ts.dependents):
@@ -603,7 +598,6 @@ def _block_plan(
         key,
         getters,
         members[0].priority,
-        max(ts.retries for ts in members),
         {ts.key: "forgotten" for ts in members if ts not in kept},
         worker,
         sorted({src[0] for src in sources.values()}, key=str),
@@ -615,19 +609,18 @@ def _restore(
     dependencies: set,
     run_spec: Any,
     priority: Any,
-    retries: int,
     restrictions: set | None,
     loose: bool,
 ) -> None:
-    """Undo: give ``ts`` back the dependencies, run_spec, priority, retries and
-    worker restrictions it had."""
+    """Undo: give ``ts`` back the dependencies, run_spec, priority and worker
+    restrictions it had."""
     for d in list(ts.dependencies):
         ts.dependencies.discard(d)
         d.dependents.discard(ts)
     for d in dependencies:
         ts.dependencies.add(d)
         d.dependents.add(ts)
-    ts.run_spec, ts.priority, ts.retries = run_spec, priority, retries
+    ts.run_spec, ts.priority = run_spec, priority
     ts.worker_restrictions, ts.loose_restrictions = restrictions, loose
 
 
