@@ -145,6 +145,47 @@ def profile_loops(client, prepare, reps: int) -> None:
         print(text)
 
 
+def _prepare_profile_start(dask_worker):
+    """Profile (cProfile) ``Execution.prepare`` alone: what it calls, per task, on this worker."""
+    import cProfile
+
+    from dask_gpustreams.integrations.distributed.execution import Execution
+
+    profile = dask_worker._prepare_profile = cProfile.Profile()
+    original = Execution.prepare
+
+    def prepare(self, key):
+        profile.enable()
+        try:
+            return original(self, key)
+        finally:
+            profile.disable()
+
+    dask_worker._prepare_patch = mock.patch.object(Execution, "prepare", prepare)
+    dask_worker._prepare_patch.start()
+
+
+def _prepare_profile_stop(dask_worker) -> str:
+    import io
+    import pstats
+
+    dask_worker._prepare_patch.stop()
+    out = io.StringIO()
+    stats = pstats.Stats(dask_worker._prepare_profile, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def profile_prepare(client, prepare, reps: int) -> None:
+    """``--profile-prepare``: where ``Execution.prepare``'s time goes, by function."""
+    prepare(("warm",))()
+    client.run(_prepare_profile_start)
+    for rep in range(reps):
+        prepare(("prepare-profiled", rep))()
+    print("==== Execution.prepare (cProfile inside it only) ====")
+    print(next(iter(client.run(_prepare_profile_stop).values())))
+
+
 def _install_hook_timers(dask_worker, hook: bool):
     """Wrap the plugin's hook (``hook``), else the calls inside it and the task's, with timers.
 
@@ -308,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=8, help="threads of the worker")
     p.add_argument("--profile-loop", action="store_true")
     p.add_argument("--hook-times", action="store_true")
+    p.add_argument("--profile-prepare", action="store_true")
     p.add_argument("--switch", type=float, default=0.005, help="worker's GIL switch interval")
     p.add_argument(
         "--blocks", default="off", choices=("auto", "off"), help="stream blocks (default: off)"
@@ -331,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             client.run(_set_worker, batch=None, profile=True, switch=0.005)
             dist.close()
+        return 0
+    if a.profile_prepare:
+        for name in a.shapes.split(","):
+            profile_prepare(client, dist.prepare(loads.get("distributed", "wide", name)), a.reps)
+        dist.close()
         return 0
     if a.profile_loop:
         for name in a.shapes.split(","):
