@@ -420,6 +420,18 @@ def test_arrays_stay_hashable_picklable_and_iterable():
     assert dask.base.tokenize(x) == dask.base.tokenize(x) != dask.base.tokenize(x + 0)
 
 
+def test_slices_are_new_arrays_with_no_base_as_cupy_reports_for_a_copy():
+    """``base`` is None: a slice is a new array, never a view (distributed's P2P rechunk
+    reads ``shard.base`` to decide whether to copy a shard, then needs a host buffer, which
+    neither a SimArray nor a cupy.ndarray is)."""
+    x = sim.asarray(np.arange(6.0).reshape(2, 3))
+    y = x[:, 1:]
+    assert x.base is None and y.base is None
+    np.testing.assert_array_equal(y.get(), [[1, 2], [4, 5]])
+    with pytest.raises(TypeError, match="bytes-like object is required"):
+        memoryview(y)
+
+
 def test_empty_arrays_take_no_pool_memory_and_launch_nothing():
     pool = sim.get_default_memory_pool()
     used = pool.used_bytes()

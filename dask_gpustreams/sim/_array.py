@@ -135,6 +135,9 @@ class SimArray(NDArrayOperatorsMixin):
     def nbytes(self) -> int:
         return self._view.nbytes
 
+    #: The array a view is of: always None, as results are new arrays, never views
+    #: (``cupy.ndarray.base``; distributed's P2P rechunk copies a shard that has one).
+    base = None
     ndim = property(lambda self: len(self.shape))
     size = property(lambda self: self._view.size)
 
