@@ -1111,6 +1111,28 @@ def test_a_future_of_a_blocks_inner_key_is_cancelled_as_lost():
             late.result(timeout=30)
 
 
+def test_a_key_submitted_again_with_other_dependencies_leaves_no_task():
+    """``K`` computed alone (no block), then again with other dependencies under a new
+    graph: distributed keeps ``K``'s task and links it to none of them (a collision,
+    dask/dask#9888), so ``X1``-``X3`` come as tasks that nothing needs. They are forgotten;
+    grouped, they made a block with no output, a task left forever (helper-61's review)."""
+    with cluster(1) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        first = client.compute(delayed(mix)(1, s, dask_key_name="K"))
+        np.testing.assert_array_equal(sim.asnumpy(first.result()), host_mix(1, np.arange(N)))
+        x = delayed(source)(7, 0.0, dask_key_name="X1")
+        for i in (2, 3):
+            x = delayed(mix)(i, x, dask_key_name=f"X{i}")
+        k = delayed(mix)(2, x, dask_key_name="K")
+        top = delayed(mix)(6, delayed(mix)(5, k, dask_key_name="top"), dask_key_name="top2")
+        second = client.compute(top)
+        ref = host_mix(6, host_mix(5, host_mix(1, np.arange(N))))  # the K held: the first
+        np.testing.assert_array_equal(sim.asnumpy(second.result()), ref)
+        assert formed(client) == (1, 2)
+        del s, first, second
+        assert keys_once_released(client) == []
+
+
 def live_outputs(client):
     """The keys of the outputs whose definitions the scheduler's plugin takes out of graphs."""
     return client.run_on_scheduler(

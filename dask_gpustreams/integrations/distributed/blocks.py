@@ -113,7 +113,7 @@ class StreamBlocks(SchedulerPlugin):
                 "stream blocks are off (gpustreams.blocks: auto is ignored)"
             )
             self.unsupported = True
-        elif getattr(generate, "func", None) is not self._taskstates:
+        elif getattr(generate, "func", None) != self._taskstates:  # (a bound method is new)
             scheduler._generate_taskstates = functools.partial(self._taskstates, generate)
 
     def _taskstates(self, generate: Callable[..., tuple], *args: Any, **kwargs: Any) -> tuple:
@@ -130,7 +130,7 @@ class StreamBlocks(SchedulerPlugin):
         holds, which the graph's keys that read it wait for.
         """
         outputs = self.outputs
-        dsk = kwargs.get("dsk")
+        dsk = kwargs["dsk"] if "dsk" in kwargs else args[1] if len(args) > 1 else None
         if outputs and dsk:
             tasks = self.scheduler.tasks
             for key in outputs.keys() & dsk.keys():  # walks the smaller of the two
@@ -218,7 +218,7 @@ class StreamBlocks(SchedulerPlugin):
         if not self.active():
             return
         try:
-            plan = self._plan(client, tasks)
+            orphans, plan = self._plan(client, tasks)
         except Exception as e:  # nothing is changed yet: the graph runs task per key
             logger.warning(
                 "gpustreams: stream blocks not formed for a graph of %d tasks (%s: %s); "
@@ -229,6 +229,8 @@ class StreamBlocks(SchedulerPlugin):
                 exc_info=True,
             )
             return
+        if orphans:  # tasks a collision left that nothing needs (see _plan)
+            self.scheduler.transitions(orphans, stimulus_id)
         self._apply(plan, stimulus_id)
 
     # --- the regrouping: a plan (which changes nothing), then its application -------------
@@ -260,15 +262,27 @@ class StreamBlocks(SchedulerPlugin):
             return False
         return all(d.exception_blame is None for d in ts.dependencies)
 
-    def _plan(self, client: str, keys: list) -> list[_BlockPlan]:
-        """What regrouping the graph of ``keys`` would do; reads the scheduler, changes nothing."""
+    def _plan(self, client: str, keys: list) -> tuple[dict, list[_BlockPlan]]:
+        """The tasks to forget and the blocks to form for the graph of ``keys``; reads the
+        scheduler, changes nothing.
+
+        A key submitted again with other dependencies (one that no block holds: a
+        collision, dask/dask#9888) keeps its task, which the scheduler links to none
+        of them: those that nothing else needs come as tasks nothing needs. Grouped,
+        they made a block with no output, a task left forever; they are forgotten.
+        """
         tasks = self.scheduler.tasks
         touched = [ts for k in keys if (ts := tasks.get(k)) is not None]
+        orphans = [ts for ts in touched if _unneeded(ts)]
+        if orphans:
+            dead = _forgotten_with(orphans)
+            touched = [ts for ts in touched if ts not in dead]
+        forget = {ts.key: "forgotten" for ts in orphans}
         new = {ts.key for ts in touched if ts.state == "released"}
         apart: dict[int, bool] = {}
         candidates = [ts.key for ts in touched if self._candidate(ts, client, apart)]
         if len(candidates) < 2:
-            return []
+            return forget, []
         level = _levels(touched, new)
         bands: list = []
         workers = self.scheduler.workers
@@ -295,7 +309,7 @@ class StreamBlocks(SchedulerPlugin):
         layouts = [_layout([tasks[k] for k in group]) for group in groups]
         block_of = {ts: b for b, layout in enumerate(layouts) for ts in layout.members}
         direct = _direct_reads(layouts, places, len(self.scheduler.workers) == 1, block_of)
-        return [
+        return forget, [
             _block_plan(layout, place, root, direct, b, block_of)
             for b, (layout, place, root) in enumerate(zip(layouts, places, rootish, strict=True))
         ]
@@ -622,6 +636,30 @@ def _restore(
         d.dependents.add(ts)
     ts.run_spec, ts.priority = run_spec, priority
     ts.worker_restrictions, ts.loose_restrictions = restrictions, loose
+
+
+def _forgotten_with(orphans: list) -> set:
+    """``orphans`` and the tasks the scheduler forgets with them (nothing else needs them)."""
+    dead = set(orphans)
+    stack = list(orphans)
+    while stack:
+        ts = stack.pop()
+        for d in ts.dependencies:
+            if d not in dead and not d.who_wants and all(x in dead for x in d.dependents):
+                dead.add(d)
+                stack.append(d)
+    return dead
+
+
+def _unneeded(ts: Any) -> bool:
+    """Whether ``ts``, just submitted, is a task that no client and no other task needs."""
+    return (
+        ts.state == "released"
+        and ts.run_spec is not None
+        and not ts.who_wants
+        and not ts.dependents
+        and not ts.waiters
+    )
 
 
 def _module(func: Any) -> str:
