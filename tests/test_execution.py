@@ -8,6 +8,7 @@ and kept while that function lives.
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,14 +97,92 @@ def test_uploads_are_rewritten_from_the_first_task_on(execution):
     assert [s.node.func is to_device for s in specs] == [True, True, True]
 
 
-def test_equal_callables_shipped_anew_with_each_task_are_decided_once(execution, decided):
+def test_instances_of_one_class_shipped_anew_with_each_task_are_decided_once(execution, decided):
+    """A worker process unpickles each task's callable from its own message: by its class,
+    with no ``__hash__`` or ``__eq__`` call (``_Counted`` below counts them)."""
     execution, tasks = execution
     first = _Step(1)
     specs = [_prepare(execution, tasks, i, _Step(1) if i else first, i) for i in range(3)]
     assert all(isinstance(s, StreamTask) for s in specs)
     assert decided == [0, 0]  # the first task (before and after the runtime started) only
-    _prepare(execution, tasks, "other", _Step(2), 0)
-    assert decided == [0, 0, "other"]
+    assert isinstance(_prepare(execution, tasks, "other", _Step(2), 0), StreamTask)
+    assert decided == [0, 0]
+    counted = [_Counted() for _ in range(3)]
+    for i, f in enumerate(counted):
+        _prepare(execution, tasks, ("counted", i), f, 0)
+    assert [f.calls for f in counted] == [1, 0, 0]  # the first: its hash, into _kinds
+
+
+def test_an_instance_with_a_module_or_a_coroutine_mark_of_its_own_is_decided_for_itself(
+    execution,
+):
+    """The class decides only where :meth:`Execution._kind` would read the same: an
+    instance named to a host-side module runs on the host side, one marked a coroutine
+    (tornado's mark) runs as it is."""
+    execution, tasks = execution
+    assert isinstance(_prepare(execution, tasks, "plain", _Plain(), 0), StreamTask)
+    host = _Plain()
+    host.__module__ = "hostside_for_tests"  # the fixture's host_modules
+    assert type(_prepare(execution, tasks, "host", host, 0)) is Task  # not wrapped
+    marked = _Plain()
+    marked.__tornado_coroutine__ = True
+    assert type(_prepare(execution, tasks, "marked", marked, 0)) is Task
+    assert isinstance(_prepare(execution, tasks, "again", _Plain(), 0), StreamTask)
+
+
+class _Plain:
+    """A callable instance with attributes of its own allowed (a ``__dict__``)."""
+
+    def __call__(self, x):
+        return x
+
+
+def _inc(x):
+    return x + 1
+
+
+async def _co(x):
+    return x
+
+
+def test_partials_shipped_anew_with_each_task_are_decided_once_by_what_they_wrap(
+    execution, decided
+):
+    """A partial has no ``__eq__``: found by the function it wraps, not by itself (a new
+    entry per task before, each deciding anew); a partial of a coroutine function runs as
+    it is; one with attributes of its own is decided for itself."""
+    execution, tasks = execution
+    specs = [_prepare(execution, tasks, i, functools.partial(_inc), i) for i in range(3)]
+    assert all(isinstance(s, StreamTask) for s in specs)
+    assert decided == [0, 0]
+    assert type(_prepare(execution, tasks, "co", functools.partial(_co), 0)) is Task
+    assert decided == [0, 0, "co"]
+    odd = functools.partial(_inc)
+    odd.__tornado_coroutine__ = True  # a mark of its own: tornado reads the partial's
+    assert type(_prepare(execution, tasks, "odd", odd, 0)) is Task
+    assert decided == [0, 0, "co", "odd"]
+
+
+class _Partial(functools.partial):
+    """A partial of a class of its own, with a Python ``__call__``."""
+
+    def __call__(self, *args):
+        return super().__call__(*args)
+
+
+def test_partials_of_a_subclass_are_decided_by_what_they_wrap_not_by_their_class(execution):
+    execution, tasks = execution
+    assert isinstance(_prepare(execution, tasks, "sync", _Partial(_inc), 0), StreamTask)
+    assert type(_prepare(execution, tasks, "co", _Partial(_co), 0)) is Task  # not wrapped
+
+
+def test_the_entries_of_dead_functions_wrapped_in_partials_do_not_pile_up(execution):
+    """Each task brings a partial of a new closure that dies with it: swept, not kept."""
+    execution, tasks = execution
+    for i in range(500):
+        _prepare(execution, tasks, i, functools.partial(_closure(None)), i)
+        del tasks[i]
+    assert len(execution._partial_kinds) <= 64
 
 
 class _Base:
@@ -136,13 +215,17 @@ def test_an_equal_callable_of_another_type_is_decided_for_itself(execution):
 
 
 class _Touchy:
-    """A callable whose equality raises, and whose instances all share a hash."""
+    """A callable whose equality raises, and whose instances all share a hash; its
+    attribute reads go through a ``__getattr__`` (so its class does not decide)."""
 
     def __eq__(self, other):
         raise ValueError("no comparing")
 
     def __hash__(self):
         return 1
+
+    def __getattr__(self, name):
+        raise AttributeError(name)
 
     def __call__(self, x):
         return x

@@ -10,6 +10,7 @@ machine's load, and it rises with any per-task work added to the hook.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import sys
 import time
@@ -30,7 +31,9 @@ CONFIG = {"gpustreams.backend": "sim", "gpustreams.streams": 4, "gpustreams.bloc
 #: thread. The hook made 41 before it was first made cheap, then 22 (8 of them
 #: ``Task.is_coro``), then 12.0 (before the wrapping decision was kept per function); with a
 #: dataclass as the task function, 12.0 until the function of the last task was found by
-#: identity (not by its ``__hash__`` and ``__eq__``, 2 calls per task).
+#: identity (not by its ``__hash__`` and ``__eq__``, 2 calls per task). With a new object per
+#: task, as a worker process gets them: a dataclass 12.0 and a partial 22.0 until they were
+#: found by class and by the function wrapped, 10.03 since.
 MAX_CALLS_PER_TASK = 10.5
 #: Python calls per transition, the hook's own included, by finish state. ``executing``: the
 #: hook, ``Execution.prepare`` and ``StreamTask.__init__``, and the rare task with a transfer
@@ -98,15 +101,24 @@ class CallCounter:
 
 def _chains(width: int, depth: int, tag: str, func=_inc):
     """``width`` chains of ``depth`` dependent ``func`` tasks on one sim array (its record is
-    an input)."""
+    an input). ``func`` may be a ``_New`` factory: each task then has its own object, as a
+    worker process unpickles each task's function from its own message."""
     x = dask.delayed(sim.asarray, name=f"hook-source-{tag}")(np.zeros(4))
     outs = []
     for j in range(width):
         y = x
         for i in range(depth):
-            y = dask.delayed(func, name=f"hook-{tag}-{j}-{i}")(y)
+            f = func.make() if isinstance(func, _New) else func
+            y = dask.delayed(f, name=f"hook-{tag}-{j}-{i}")(y)
         outs.append(y)
     return outs
+
+
+@dataclass(frozen=True)
+class _New:
+    """Each task's function made anew by ``make`` (``_chains``)."""
+
+    make: object
 
 
 def _wait_until_idle(client, timeout=10.0):
@@ -132,7 +144,11 @@ def counted(monkeypatch):
         yield client, counter
 
 
-@pytest.mark.parametrize("func", [_inc, _Add(1)], ids=["function", "dataclass"])
+@pytest.mark.parametrize(
+    "func",
+    [_inc, _Add(1), _New(lambda: _Add(1)), _New(lambda: functools.partial(_inc))],
+    ids=["function", "dataclass", "dataclass-per-task", "partial-per-task"],
+)
 def test_hook_makes_few_python_calls_per_task(counted, func):
     client, counter = counted
     dask.compute(*_chains(4, 10, "warm", func))  # the runtime and the caches exist from here

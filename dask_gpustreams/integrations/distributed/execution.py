@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Hashable, Mapping
+from functools import partial
+from types import FunctionType
 from typing import Any
 
 from dask._task_spec import GraphNode, Task, TaskRef, _execute_subgraph
@@ -150,6 +152,22 @@ _AS_IS, _HOST, _STREAM, _REWRITE = 0, 1, 2, 3
 _SWEEP_AT_LEAST = 64
 
 
+def _class_decides(func: Any) -> bool:
+    """Whether ``func``'s tasks run as its class says (:attr:`Execution._class_kinds`): an
+    instance of a class with a Python ``__call__`` and plain attribute reads, with no
+    coroutine mark of its own (``Task.is_coro`` reads the marks, not ``__call__``), and no
+    partial (whether one is a coroutine is its function's)."""
+    cls = type(func)
+    return (
+        type(cls.__call__) is FunctionType  # (a task function is callable)
+        and not isinstance(func, partial)
+        and getattr(cls, "__getattr__", None) is None
+        and cls.__getattribute__ is object.__getattribute__
+        and getattr(func, "_is_coroutine_marker", None) is None
+        and not getattr(func, "__tornado_coroutine__", False)
+    )
+
+
 def _held_by_its_module(func: Any) -> bool:
     """Whether ``func`` is what its module holds under its name (a singleton: ``numpy.add``)."""
     module = sys.modules.get(getattr(func, "__module__", None) or "")
@@ -189,6 +207,17 @@ class Execution:
         #: for a dataclass, about 2 us of the event loop's time).
         self._last_func: weakref.ref | None = None
         self._last_kind = _AS_IS
+        #: A worker process gets each task's function anew, unpickled from its own message: a
+        #: partial (no ``__eq__``) or an instance. A partial with no attributes of its own
+        #: runs as what it wraps says (its module is ``functools``; whether it is a coroutine
+        #: is its function's), so its kind is kept by that function, weakly (as
+        #: :attr:`_kinds`): no Python call per task, where :attr:`_kinds` missed every time.
+        self._partial_kinds: dict[Any, tuple[type, int]] = {}
+        #: An instance of a Python class (a ``__call__`` of its own: a dataclass, toolz's
+        #: ``Compose``) runs as its class says, if it has its class's module, no coroutine
+        #: mark of its own and is no transfer function (what :meth:`_kind` reads): class ->
+        #: (its module, the kind), with no ``__hash__`` or ``__eq__`` call per task.
+        self._class_kinds: dict[type, tuple[Any, int]] = {}
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
         # What each task reads of the provenance, bound once (no call per task): the failure
@@ -233,6 +262,25 @@ class Execution:
                 last = self._last_func  # by identity first: a graph's tasks share their function
                 if last is not None and last() is func:
                     kind = self._last_kind
+                elif (  # by its class: what _kind reads, with no Python call
+                    by_class := self._class_kinds.get(cls := type(func))
+                ) is not None and (
+                    getattr(func, "__module__", None) is by_class[0]
+                    and getattr(func, "_is_coroutine_marker", None) is None
+                    and not getattr(func, "__tornado_coroutine__", False)
+                    and id(func) not in self._rewrites
+                ):
+                    kind = by_class[1]
+                elif cls is partial and not func.__dict__:  # by the function it wraps
+                    inner = func.func
+                    try:
+                        known = self._partial_kinds.get(weakref.ref(inner))
+                    except Exception:  # no weak reference to it (a ufunc), or no hash
+                        known = None
+                    if known is not None and known[0] is type(inner):
+                        kind = known[1]
+                    else:
+                        kind = self._partial_kind(node, inner)
                 else:
                     try:  # by equality (a callable shipped by value arrives as a new, equal object)
                         last = weakref.ref(func)
@@ -300,10 +348,13 @@ class Execution:
         return _STREAM
 
     def _remember(self, node: Task) -> int:
-        """:meth:`_kind` of a plain task, kept while its function lives (if it can be)."""
+        """:meth:`_kind` of a plain task, kept while its function lives (if it can be), and
+        for its class where the class decides (:attr:`_class_kinds`)."""
         kind = self._kind(node)
         func = node.func
-        if len(self._kinds) >= self._sweep_at:
+        if _class_decides(func):
+            self._class_kinds[type(func)] = (getattr(func, "__module__", None), kind)
+        if len(self._kinds) + len(self._partial_kinds) >= self._sweep_at:
             self._sweep()
         try:
             key = weakref.ref(func)
@@ -317,6 +368,19 @@ class Execution:
             return kind
         return kind
 
+    def _partial_kind(self, node: Task, inner: Any) -> int:
+        """:meth:`_kind` of ``node``, a task of a partial of ``inner`` with no attributes of
+        its own, kept by ``inner`` while it lives (one with no weak reference, a ufunc, or
+        no hash is decided per task)."""
+        kind = self._kind(node)
+        if len(self._kinds) + len(self._partial_kinds) >= self._sweep_at:
+            self._sweep()
+        try:  # a try, not contextlib.suppress (two calls): this runs for each new function
+            self._partial_kinds[weakref.ref(inner)] = (type(inner), kind)
+        except Exception:  # no weak reference to it, or its __hash__ raised
+            return kind
+        return kind
+
     def _known_strongly(self, func: Any) -> tuple[type, int] | None:
         """The entry of ``func`` as its own key (no weak reference to it), if any."""
         try:
@@ -327,10 +391,10 @@ class Execution:
     def _sweep(self) -> None:
         """Drop the entries of dead functions: dead references, equal hashes among them,
         would lengthen every lookup. The next sweep is due when the live entries doubled."""
-        kinds = self._kinds
-        for key in [k for k in kinds if type(k) is weakref.ref and k() is None]:
-            del kinds[key]
-        self._sweep_at = 2 * len(kinds) + _SWEEP_AT_LEAST
+        for kinds in (self._kinds, self._partial_kinds):
+            for key in [k for k in kinds if type(k) is weakref.ref and k() is None]:
+                del kinds[key]
+        self._sweep_at = 2 * (len(self._kinds) + len(self._partial_kinds)) + _SWEEP_AT_LEAST
 
     def _start_runtime(self) -> StreamRuntime:
         """The worker's runtime (made at its first task), and what is per runtime."""
