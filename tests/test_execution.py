@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from dask._task_spec import Task
 from distributed.core import Status
 
 from dask_gpustreams import StreamsConfig, sim
+from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.distributed.execution import Execution
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
@@ -286,3 +288,69 @@ def test_the_tasks_of_one_function_object_neither_hash_nor_compare_it(execution,
     assert all(isinstance(s, StreamTask) for s in specs)
     assert earlier.calls + f.calls == first
     assert decided == ["earlier", "earlier"]  # f's kind: found by equality at its first task
+
+
+class _FunctionLike:
+    """A callable that copies a function's attributes: ``inspect`` reads it as that function."""
+
+    def __init__(self, f):
+        for name in ("__code__", "__name__", "__defaults__", "__kwdefaults__", "__annotations__"):
+            setattr(self, name, getattr(f, name))
+        self.f = f
+
+    def __call__(self, *args):
+        return self.f(*args)
+
+
+def test_a_function_like_instance_is_decided_for_itself(execution):
+    """``Task.is_coro`` reads the code flags of an instance with a ``__code__`` of its own."""
+    execution, tasks = execution
+    assert isinstance(_prepare(execution, tasks, "sync", _FunctionLike(_inc), 0), StreamTask)
+    assert type(_prepare(execution, tasks, "co", _FunctionLike(_co), 0)) is Task
+
+
+def test_classes_shipped_by_value_with_each_graph_are_not_kept(execution):
+    """A class made per graph (cloudpickle makes one per class it ships by value) dies with
+    its instances, and what its methods close over with it."""
+    execution, tasks = execution
+    payloads = []
+    for i in range(3 * 64):
+        payload = _Payload()
+        payloads.append(weakref.ref(payload))
+
+        class Step:
+            def __call__(self, x, payload=payload):
+                return x
+
+        _prepare(execution, tasks, i, Step(), 0)
+        del tasks[i], payload, Step
+    execution._last_func = None
+    gc.collect()
+    execution._sweep()
+    gc.collect()
+    assert sum(p() is not None for p in payloads) == 0
+    assert len(execution._class_kinds) < 64
+
+
+class _RaisingMark:
+    @property
+    def __tornado_coroutine__(self):
+        raise RuntimeError("not configured")
+
+    def __call__(self, x):
+        return x
+
+
+def test_a_raising_attribute_read_does_not_fail_the_task(execution):
+    """``Task.is_coro`` takes a raising read for no coroutine; so does the class's entry."""
+    execution, tasks = execution
+    assert isinstance(_prepare(execution, tasks, "r", _RaisingMark(), 0), StreamTask)
+
+
+def test_a_backends_transfer_partial_is_rewritten(execution, monkeypatch):
+    """A partial that is a backend's upload function is staged, not found by what it wraps."""
+    upload = functools.partial(sim.asarray)
+    monkeypatch.setattr(SimBackend, "upload_functions", (sim.asarray, upload))
+    execution, tasks = execution
+    _prepare(execution, tasks, "user", functools.partial(sim.asarray), np.ones(2))
+    assert _prepare(execution, tasks, "up", upload, np.ones(2)).node.func is to_device

@@ -165,6 +165,7 @@ def _class_decides(func: Any) -> bool:
         and cls.__getattribute__ is object.__getattribute__
         and getattr(func, "_is_coroutine_marker", None) is None
         and not getattr(func, "__tornado_coroutine__", False)
+        and getattr(func, "__code__", None) is None  # function-like: is_coro reads its flags
     )
 
 
@@ -216,8 +217,10 @@ class Execution:
         #: An instance of a Python class (a ``__call__`` of its own: a dataclass, toolz's
         #: ``Compose``) runs as its class says, if it has its class's module, no coroutine
         #: mark of its own and is no transfer function (what :meth:`_kind` reads): class ->
-        #: (its module, the kind), with no ``__hash__`` or ``__eq__`` call per task.
-        self._class_kinds: dict[type, tuple[Any, int]] = {}
+        #: (its module, the kind), with no ``__hash__`` or ``__eq__`` call per task. Keyed by a
+        #: weak reference to the class (swept with the others): a class shipped by value
+        #: (cloudpickle) is new with each graph, and its methods may close over device arrays.
+        self._class_kinds: dict[weakref.ref, tuple[Any, int]] = {}
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
         # What each task reads of the provenance, bound once (no call per task): the failure
@@ -263,15 +266,18 @@ class Execution:
                 if last is not None and last() is func:
                     kind = self._last_kind
                 elif (  # by its class: what _kind reads, with no Python call
-                    by_class := self._class_kinds.get(cls := type(func))
+                    by_class := self._class_kinds.get(weakref.ref(cls := type(func)))
                 ) is not None and (
                     getattr(func, "__module__", None) is by_class[0]
                     and getattr(func, "_is_coroutine_marker", None) is None
                     and not getattr(func, "__tornado_coroutine__", False)
+                    and getattr(func, "__code__", None) is None
                     and id(func) not in self._rewrites
                 ):
                     kind = by_class[1]
-                elif cls is partial and not func.__dict__:  # by the function it wraps
+                elif (  # by the function it wraps
+                    cls is partial and not func.__dict__ and id(func) not in self._rewrites
+                ):
                     inner = func.func
                     try:
                         known = self._partial_kinds.get(weakref.ref(inner))
@@ -352,9 +358,13 @@ class Execution:
         for its class where the class decides (:attr:`_class_kinds`)."""
         kind = self._kind(node)
         func = node.func
-        if _class_decides(func):
-            self._class_kinds[type(func)] = (getattr(func, "__module__", None), kind)
-        if len(self._kinds) + len(self._partial_kinds) >= self._sweep_at:
+        try:  # (an attribute read can raise: Task.is_coro took that as no coroutine)
+            if id(func) not in self._rewrites and _class_decides(func):
+                entry = (getattr(func, "__module__", None), kind)
+                self._class_kinds[weakref.ref(type(func))] = entry
+        except Exception:
+            pass
+        if len(self._kinds) + len(self._partial_kinds) + len(self._class_kinds) >= self._sweep_at:
             self._sweep()
         try:
             key = weakref.ref(func)
@@ -373,7 +383,7 @@ class Execution:
         its own, kept by ``inner`` while it lives (one with no weak reference, a ufunc, or
         no hash is decided per task)."""
         kind = self._kind(node)
-        if len(self._kinds) + len(self._partial_kinds) >= self._sweep_at:
+        if len(self._kinds) + len(self._partial_kinds) + len(self._class_kinds) >= self._sweep_at:
             self._sweep()
         try:  # a try, not contextlib.suppress (two calls): this runs for each new function
             self._partial_kinds[weakref.ref(inner)] = (type(inner), kind)
@@ -391,10 +401,11 @@ class Execution:
     def _sweep(self) -> None:
         """Drop the entries of dead functions: dead references, equal hashes among them,
         would lengthen every lookup. The next sweep is due when the live entries doubled."""
-        for kinds in (self._kinds, self._partial_kinds):
+        for kinds in (self._kinds, self._partial_kinds, self._class_kinds):
             for key in [k for k in kinds if type(k) is weakref.ref and k() is None]:
                 del kinds[key]
-        self._sweep_at = 2 * (len(self._kinds) + len(self._partial_kinds)) + _SWEEP_AT_LEAST
+        live = len(self._kinds) + len(self._partial_kinds) + len(self._class_kinds)
+        self._sweep_at = 2 * live + _SWEEP_AT_LEAST
 
     def _start_runtime(self) -> StreamRuntime:
         """The worker's runtime (made at its first task), and what is per runtime."""
