@@ -15,7 +15,7 @@ device chunks (elementwise ops, reductions, ``@``, ``rechunk``, slicing,
 transposes, concatenation, sleeping kernels). Each has its own stream count
 (1-8), policy, kernel delays (``Device.kernel_delay`` and kernels that sleep,
 0-2 ms), 1-3 outputs, and sometimes a ``persist`` of intermediates first; on a
-cluster, a fifth of them are computed twice (the same collections again while the
+cluster, a tenth of them are computed twice (the same collections again while the
 first futures live, as a notebook cell run again: same keys, their definitions again).
 Values are integers below ``P`` (every op ends ``% P``), so float64 results are
 exact in any order of evaluation; they are compared with ``==`` to the same
@@ -40,8 +40,8 @@ it must raise that error, and every other one its exact value or that error.
 On a cluster, a leak: once every future and persisted collection of the DAG is dropped,
 a task that was not on the scheduler when the DAG started is still there after
 ``LEAK_WAIT`` s (2; the scheduler is polled, and garbage cycles here collected first). It
-is checked once the next DAG's compute returned (that graph travels after the releases
-in the client's batched stream, so no wait), the last DAG of a cluster at its close.
+is checked when the DAG after next starts (the next DAG's graph travels after the
+releases in the client's batched stream, so no wait), the last of a cluster at its close.
 Leaks count in their own column, the DAG printed with its command; leaks, like wrong
 values, hangs and unexpected errors, make the exit status 1.
 A DAG that takes longer than ``--timeout`` without hanging (a cluster that kept
@@ -720,7 +720,7 @@ def make_dag(seed: int, route: str, index: int, backend: str, failures: bool = T
         dag.split = int(rng.integers(1, len(dag.nodes)))
         later = {j for node in dag.nodes[dag.split :] for j in node.inputs}
         dag.persist = sorted(j for j in range(dag.split) if j in later or j in dag.outputs)
-    dag.again = bool(rng.random() < 0.2)  # drawn last: the DAGs of earlier commits stay
+    dag.again = bool(rng.random() < 0.1)  # drawn last: the DAGs of earlier commits stay
     return dag
 
 
@@ -934,11 +934,16 @@ def scheduler_keys(
 
 @dataclass
 class Pending:
-    """A DAG whose leak check waits for the next DAG on the cluster, whose graph travels
-    after this one's releases in the client's batched stream (its callbacks in order on
-    the client's loop): once the next DAG's compute returned, the scheduler has handled
-    those releases, so the check needs no wait (10 ms, on the stream's interval, a
-    fifth of a DAG's time); the last DAG of a cluster is checked at its close."""
+    """A DAG whose leak check waits for the next two DAGs on the cluster.
+
+    The next DAG's graph travels after this one's releases in the client's batched
+    stream (callbacks in order on the client's loop): once its compute returned, the
+    scheduler has handled them. So the tasks of this DAG still there when the next DAG
+    starts (``keys``) must be gone when the one after starts; each DAG's start looks at
+    the scheduler once (``before``), and the check costs nothing more, where waiting for
+    the releases took 10 ms (the stream's interval) of a DAG's 40. The last DAGs of a
+    cluster are checked at its close (``settle``).
+    """
 
     dag: Dag
     before: frozenset  # the scheduler's tasks when the DAG started
@@ -964,7 +969,7 @@ class DistributedRoute:
         self.client: Any = None
         self.cluster: Any = None
         self._config: Any = None  # the dask.config.set of the cluster's settings
-        self.pending: Pending | None = None
+        self.pending: list[Pending] = []  # at most the two DAGs before
         #: DAGs whose tasks stayed on the scheduler, and what stayed (run_route takes them)
         self.leaks: list[tuple[Dag, str]] = []
 
@@ -1027,7 +1032,7 @@ class DistributedRoute:
             return
         with contextlib.suppress(Exception):  # a hung cluster's scheduler answers, mostly
             self.settle()
-        self.pending = None
+        self.pending = []
         for closing in (self.client, self.cluster):  # a hung one may not close: left behind
             with contextlib.suppress(Exception):
                 closing.close(timeout=self.timeout)
@@ -1045,14 +1050,15 @@ class DistributedRoute:
             self.start(batch)
         dag.streams, dag.policy = self.streams, self.policy
         before = frozenset(self.client.run_on_scheduler(scheduler_keys))
-        previous, self.pending = self.pending, None
-        if previous is not None:  # its tasks not released yet when this DAG starts
-            previous.keys = before - previous.before
-            self.pending = previous  # settled by close() if this DAG hangs
+        for pending in list(self.pending):
+            if pending.keys is None:  # the DAG just before: its tasks not released yet
+                pending.keys = before - pending.before
+            else:  # the DAG after it ran to its end: its releases were handled
+                self.pending.remove(pending)
+                self.check_leak(pending, pending.keys & before)
         outcome = self.compute(dag)  # returns with every future of the DAG dropped
-        if previous is not None and self.client is not None:
-            self.settle()
-        self.pending = Pending(dag, before) if outcome[0] != "hang" else None
+        if outcome[0] != "hang":  # else the cluster is closed, the pending DAGs checked
+            self.pending.append(Pending(dag, before))
         return outcome
 
     def compute(self, dag: Dag) -> tuple[str, str]:
@@ -1080,13 +1086,17 @@ class DistributedRoute:
             return outcome, detail and f"computed again: {detail}"
 
     def settle(self) -> None:
-        """The leak check of the pending DAG (if any): a leak goes to ``leaks``."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        if pending.keys is None:  # no DAG since: its tasks are all that is new
-            pending.keys = frozenset(self.client.run_on_scheduler(scheduler_keys, pending.before))
-        leak = self.leak(pending.keys)
+        """The leak checks of the pending DAGs, now."""
+        pendings, self.pending = self.pending, []
+        for pending in pendings:
+            if pending.keys is None:  # no DAG since: its tasks are all that is new
+                keys = self.client.run_on_scheduler(scheduler_keys, pending.before)
+                pending.keys = frozenset(keys)
+            self.check_leak(pending, pending.keys)
+
+    def check_leak(self, pending: Pending, keys: frozenset) -> None:
+        """A leak of ``pending`` (its tasks ``keys``, if any, stay) goes to ``leaks``."""
+        leak = self.leak(keys)
         if leak is not None:
             self.leaks.append((pending.dag, leak))
 
