@@ -14,7 +14,9 @@ work; in a fifth of them one kernel fails) or a ``dask.array`` expression over
 device chunks (elementwise ops, reductions, ``@``, ``rechunk``, slicing,
 transposes, concatenation, sleeping kernels). Each has its own stream count
 (1-8), policy, kernel delays (``Device.kernel_delay`` and kernels that sleep,
-0-2 ms), 1-3 outputs, and sometimes a ``persist`` of intermediates first.
+0-2 ms), 1-3 outputs, and sometimes a ``persist`` of intermediates first; on a
+cluster, a tenth of them are computed twice (the same collections again while the
+first futures live, as a notebook cell run again: same keys, their definitions again).
 Values are integers below ``P`` (every op ends ``% P``), so float64 results are
 exact in any order of evaluation; they are compared with ``==`` to the same
 functions run on NumPy values (NaN, the sim's poison, never compares equal).
@@ -35,6 +37,13 @@ with fresh runtimes or a fresh cluster); an unexpected error (any exception, or
 a ``KernelError`` naming another key). With a failing kernel, a local compute must raise the
 ``KernelError`` of the failing key; on distributed, each output derived from
 it must raise that error, and every other one its exact value or that error.
+On a cluster, a leak: once every future and persisted collection of the DAG is dropped,
+a task that was not on the scheduler when the DAG started is still there after
+``LEAK_WAIT`` s (2; the scheduler is polled, and garbage cycles here collected first). It
+is checked when the DAG after next starts (the next DAG's graph travels after the
+releases in the client's batched stream, so no wait), the last of a cluster at its close.
+Leaks count in their own column, the DAG printed with its command; leaks, like wrong
+values, hangs and unexpected errors, make the exit status 1.
 A DAG that takes longer than ``--timeout`` without hanging (a cluster that kept
 finishing tasks) counts as slow, printed with its command, not as a problem.
 
@@ -62,6 +71,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import logging
 import queue
 import threading
@@ -104,6 +114,10 @@ SPILL = {"distributed.worker.memory.target": 1e-6}  # of 32 MiB: every result is
 #: On a cluster, an output still pending after this many ``--timeout``s is a hang even
 #: while tasks keep finishing (a livelock, or a DAG too slow to fuzz).
 LIVELOCK = 10
+#: On a cluster, how long (s, at most ``--timeout``) the tasks of a DAG may stay on the
+#: scheduler once the fuzzer dropped its futures (the releases travel in the client's
+#: batched stream, every 10 ms): still there after it, they are a leak.
+LEAK_WAIT = 2.0
 CLUSTER_CONFIG = {  # only target-based spilling; the process-memory monitor stays out
     "distributed.worker.memory.spill": False,
     "distributed.worker.memory.pause": False,
@@ -506,6 +520,7 @@ class Dag:
     split: int = 0
     failing: int | None = None
     fail_key: str = ""
+    again: bool = False  # on a cluster: computed a second time while the first futures live
 
     def tainted(self) -> list[bool]:
         """Per node: whether its value derives from the failing kernel."""
@@ -526,8 +541,10 @@ class Dag:
         )
         persist = f" persist {self.persist} before {self.split}" if self.persist else ""
         threads = f" threads={self.threads} chunksize={self.chunksize}"
+        again = " computed twice" if self.again and self.route in DISTRIBUTED else ""
         return (
-            f"{self.route} dag {self.index} ({self.kind}): {ops}; outputs {self.outputs}{persist};"
+            f"{self.route} dag {self.index} ({self.kind}): {ops}; outputs {self.outputs}{persist}"
+            f"{again};"
             f" streams={self.streams} policy={self.policy} kernel_delay={self.delay}"
             f" optimize_graph={self.optimize}" + (threads if self.route == "threaded" else "")
         )
@@ -703,6 +720,7 @@ def make_dag(seed: int, route: str, index: int, backend: str, failures: bool = T
         dag.split = int(rng.integers(1, len(dag.nodes)))
         later = {j for node in dag.nodes[dag.split :] for j in node.inputs}
         dag.persist = sorted(j for j in range(dag.split) if j in later or j in dag.outputs)
+    dag.again = bool(rng.random() < 0.1)  # drawn last: the DAGs of earlier commits stay
     return dag
 
 
@@ -904,6 +922,34 @@ class Finished(SchedulerPlugin):
             self.count += 1
 
 
+def scheduler_keys(
+    before: frozenset = frozenset(), within: frozenset | None = None, *, dask_scheduler: Any
+) -> dict[Any, str]:
+    """The scheduler's tasks (``within`` those keys) not in ``before``: key to state."""
+    tasks = dask_scheduler.tasks
+    if within is not None:
+        return {k: tasks[k].state for k in within if k in tasks and k not in before}
+    return {k: ts.state for k, ts in tasks.items() if k not in before}
+
+
+@dataclass
+class Pending:
+    """A DAG whose leak check waits for the next two DAGs on the cluster.
+
+    The next DAG's graph travels after this one's releases in the client's batched
+    stream (callbacks in order on the client's loop): once its compute returned, the
+    scheduler has handled them. So the tasks of this DAG still there when the next DAG
+    starts (``keys``) must be gone when the one after starts; each DAG's start looks at
+    the scheduler once (``before``), and the check costs nothing more, where waiting for
+    the releases took 10 ms (the stream's interval) of a DAG's 40. The last DAGs of a
+    cluster are checked at its close (``settle``).
+    """
+
+    dag: Dag
+    before: frozenset  # the scheduler's tasks when the DAG started
+    keys: frozenset | None = None  # its tasks still there when the next DAG started
+
+
 def has_plugin(dask_worker: Any) -> bool:
     """Whether ``dask_worker`` has the gpustreams plugin (run on each worker)."""
     return dask_gpustreams.StreamsPlugin.name in dask_worker.plugins
@@ -923,6 +969,9 @@ class DistributedRoute:
         self.client: Any = None
         self.cluster: Any = None
         self._config: Any = None  # the dask.config.set of the cluster's settings
+        self.pending: list[Pending] = []  # at most the two DAGs before
+        #: DAGs whose tasks stayed on the scheduler, and what stayed (run_route takes them)
+        self.leaks: list[tuple[Dag, str]] = []
 
     def __enter__(self) -> DistributedRoute:
         return self
@@ -981,6 +1030,9 @@ class DistributedRoute:
         """Close the cluster, giving up after the timeout (a hung worker may never close)."""
         if self.client is None:
             return
+        with contextlib.suppress(Exception):  # a hung cluster's scheduler answers, mostly
+            self.settle()
+        self.pending = []
         for closing in (self.client, self.cluster):  # a hung one may not close: left behind
             with contextlib.suppress(Exception):
                 closing.close(timeout=self.timeout)
@@ -988,12 +1040,29 @@ class DistributedRoute:
         self.client = self.cluster = self.batch = None
 
     def run(self, dag: Dag) -> tuple[str, str]:
-        """Compute ``dag``; gather its outputs one by one in a random order."""
+        """Compute ``dag``; gather its outputs one by one in a random order.
+
+        Its leak check waits for the next DAG (or ``settle``): see ``Pending``.
+        """
         batch = dag.index // CLUSTER_DAGS
         if batch != self.batch:
             self.close()
             self.start(batch)
         dag.streams, dag.policy = self.streams, self.policy
+        before = frozenset(self.client.run_on_scheduler(scheduler_keys))
+        for pending in list(self.pending):
+            if pending.keys is None:  # the DAG just before: its tasks not released yet
+                pending.keys = before - pending.before
+            else:  # the DAG after it ran to its end: its releases were handled
+                self.pending.remove(pending)
+                self.check_leak(pending, pending.keys & before)
+        outcome = self.compute(dag)  # returns with every future of the DAG dropped
+        if outcome[0] != "hang":  # else the cluster is closed, the pending DAGs checked
+            self.pending.append(Pending(dag, before))
+        return outcome
+
+    def compute(self, dag: Dag) -> tuple[str, str]:
+        """Compute ``dag`` and check it; its futures and collections die on return."""
         client = self.client
         with kernel_delay(dag.delay, self.backend):
             # Futures are released by dropping them: Client.cancel of a persisted key whose
@@ -1004,7 +1073,65 @@ class DistributedRoute:
                 futures = client.compute(outs, **options)
             except Exception as e:  # noqa: BLE001 - every exception is an outcome
                 return _blame(e, dag)
-            return self.check(dag, futures)
+            outcome = self.check(dag, futures)
+            if outcome != OK or not dag.again:
+                return outcome
+            # The same keys again while the first futures live (a notebook cell run twice):
+            # the graph carries definitions of keys the scheduler already has.
+            try:
+                again = client.compute(outs, **options)
+            except Exception as e:  # noqa: BLE001 - every exception is an outcome
+                return _blame(e, dag)
+            outcome, detail = self.check(dag, again)
+            return outcome, detail and f"computed again: {detail}"
+
+    def settle(self) -> None:
+        """The leak checks of the pending DAGs, now."""
+        pendings, self.pending = self.pending, []
+        for pending in pendings:
+            if pending.keys is None:  # no DAG since: its tasks are all that is new
+                keys = self.client.run_on_scheduler(scheduler_keys, pending.before)
+                pending.keys = frozenset(keys)
+            self.check_leak(pending, pending.keys)
+
+    def check_leak(self, pending: Pending, keys: frozenset) -> None:
+        """A leak of ``pending`` (its tasks ``keys``, if any, stay) goes to ``leaks``."""
+        leak = self.leak(keys)
+        if leak is not None:
+            self.leaks.append((pending.dag, leak))
+
+    def leak(self, keys: frozenset) -> str | None:
+        """None once the scheduler holds none of ``keys``; else what stays after
+        ``LEAK_WAIT`` s (at most ``--timeout``).
+
+        The first look is mostly the last: see ``Pending``. Else the releases may still
+        be on their way: a poll. A future of the DAG still alive in this process (the
+        client's ``futures`` keeps its key) is in a garbage cycle: distributed's
+        ``Client._gather`` leaves one (its frame in an ``AllExit`` traceback) when an
+        output errs while gathered. Then the young generations are collected, then all:
+        a cycle is not a leak.
+        """
+        start = time.monotonic()
+        wait_for = min(LEAK_WAIT, self.timeout)
+        generations = iter((1, 2))
+        pause = 0.002
+        while keys and (left := self.client.run_on_scheduler(scheduler_keys, within=keys)):
+            waited = time.monotonic() - start
+            if waited >= wait_for:
+                shown = ", ".join(f"{k} ({s})" for k, s in sorted(left.items(), key=str)[:4])
+                more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+                return (
+                    f"{len(left)} tasks stay on the scheduler {waited:.1f} s after every"
+                    f" future was dropped: {shown}{more}"
+                )
+            if (self.client.futures and waited >= 0.02) or waited >= 0.1:
+                generation = next(generations, None)
+                if generation is not None:
+                    gc.collect(generation)
+                    continue
+            time.sleep(pause)  # a poll: the releases are on their way
+            pause = min(2 * pause, 0.05)
+        return None
 
     def check(self, dag: Dag, futures: list) -> tuple[str, str]:
         """Each output exact or the failing kernel's error; those derived from it the error."""
@@ -1019,6 +1146,10 @@ class DistributedRoute:
                 self.close()
                 return "hang", f"output {i} pending: {e}"
             except Exception as e:  # noqa: BLE001 - every exception is an outcome
+                # The future's state keeps this very exception (in-process cluster), and
+                # raising it appended these frames to its traceback: the futures would stay
+                # reachable from the client's ``futures`` and never be released.
+                e.__traceback__ = None
                 outcome = _blame(e, dag)
                 if outcome != OK:
                     return outcome
@@ -1072,6 +1203,7 @@ class Tally:
     wrong: int = 0
     hangs: int = 0
     errors: int = 0
+    leaks: int = 0  # on a cluster: DAGs whose tasks stayed once their futures were dropped
     slow: int = 0  # not hung, yet over --timeout: not a problem, but never silent
     seconds: float = 0.0
 
@@ -1085,7 +1217,7 @@ class Tally:
         self.seconds += seconds
 
     def bad(self) -> int:
-        return self.wrong + self.hangs + self.errors
+        return self.wrong + self.hangs + self.errors + self.leaks
 
 
 def run_route(
@@ -1099,11 +1231,30 @@ def run_route(
     """DAGs ``args.start, ...`` on ``route`` until ``quota`` DAGs, ``seconds`` or ``until``.
 
     ``failures``: some DAGs have a failing kernel. Problems are printed with the
-    command that runs their DAG again, except in a self-check (``until`` set).
+    command that runs their DAG again, except in a self-check (``until`` set). On a
+    cluster, a DAG's leak is found while the next DAG runs, or at the end.
     """
     tally = Tally()
     deadline = time.monotonic() + seconds if seconds is not None else None
     index = args.start
+
+    def report(dag: Dag, outcome: str, detail: str, problem: bool) -> None:
+        if args.verbose or (problem and until is None):
+            print(f"{outcome.upper()} {detail}\n  {dag.describe()}", flush=True)
+            if problem:
+                print(
+                    f"  again: python -m benchmarks.fuzz --seed {args.seed} --routes {route.name}"
+                    f" --start {dag.index} --dags 1 --backend {args.backend}",
+                    flush=True,
+                )
+
+    def leaks() -> None:
+        for dag, detail in getattr(route, "leaks", ()):
+            tally.leaks += 1
+            report(dag, "leak", detail, True)
+        if hasattr(route, "leaks"):
+            route.leaks.clear()
+
     while (quota is None or tally.dags < quota) and (
         deadline is None or time.monotonic() < deadline
     ):
@@ -1115,17 +1266,14 @@ def run_route(
         tally.add(dag, outcome, elapsed, slow)
         if slow:
             detail = f"{detail} (slow: {elapsed:.1f} s, over --timeout {args.timeout} s)".lstrip()
-        if args.verbose or ((outcome != "ok" or slow) and until is None):
-            print(f"{outcome.upper()} {detail}\n  {dag.describe()}", flush=True)
-            if outcome != "ok" or slow:
-                print(
-                    f"  again: python -m benchmarks.fuzz --seed {args.seed} --routes {route.name}"
-                    f" --start {index} --dags 1 --backend {args.backend}",
-                    flush=True,
-                )
+        report(dag, outcome, detail, outcome != "ok" or slow)
+        leaks()
         if until is not None and until(tally):
             break
         index += 1
+    if hasattr(route, "settle"):
+        route.settle()
+        leaks()
     return tally
 
 
@@ -1133,19 +1281,20 @@ def print_tallies(tallies: dict[str, Tally], seconds: float) -> Tally:
     """The per-route table and the summary line; returns the sum over the routes."""
     print(
         f"{'route':<18} {'DAGs':>7} {'failing':>7} {'wrong':>5} {'hangs':>5} {'errors':>6}"
-        f" {'slow':>5} {'s':>7}"
+        f" {'leaks':>5} {'slow':>5} {'s':>7}"
     )
     total = Tally()
     for name, t in tallies.items():
         print(
             f"{name:<18} {t.dags:>7} {t.failing:>7} {t.wrong:>5} {t.hangs:>5} {t.errors:>6}"
-            f" {t.slow:>5} {t.seconds:>7.1f}"
+            f" {t.leaks:>5} {t.slow:>5} {t.seconds:>7.1f}"
         )
-        for f in ("dags", "failing", "wrong", "hangs", "errors", "slow"):
+        for f in ("dags", "failing", "wrong", "hangs", "errors", "leaks", "slow"):
             setattr(total, f, getattr(total, f) + getattr(t, f))
     print(
         f"fuzz: {total.dags} DAGs ({total.failing} with a failing kernel), {total.wrong} wrong,"
-        f" {total.hangs} hangs, {total.errors} unexpected errors, {total.slow} slow (over"
+        f" {total.hangs} hangs, {total.errors} unexpected errors, {total.leaks} leaks,"
+        f" {total.slow} slow (over"
         f" --timeout, not hung), {seconds:.1f} s",
         flush=True,
     )
@@ -1282,7 +1431,7 @@ def self_check(args: argparse.Namespace) -> int:
                 runtimes.forget()  # made while broken
                 print(
                     f"  {name} on {route_name}: {tally.wrong} wrong, {tally.hangs} hangs,"
-                    f" {tally.errors} unexpected errors in {tally.dags} DAGs",
+                    f" {tally.errors} unexpected errors, {tally.leaks} leaks in {tally.dags} DAGs",
                     flush=True,
                 )
                 found += mechanism.found(tally)
@@ -1363,7 +1512,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the fuzzer (or its self-check); 1 if anything was wrong, hung or raised."""
+    """Run the fuzzer (or its self-check); 1 if anything was wrong, hung, raised or leaked."""
     args = parse_args(argv)
     return self_check(args) if args.self_check else fuzz(args)
 

@@ -10,17 +10,18 @@ import threading
 import dask
 import numpy as np
 import pytest
+from distributed.diagnostics.plugin import SchedulerPlugin
 
 from benchmarks import fuzz
 
 SUMMARY = re.compile(
     r"^fuzz: (\d+) DAGs \((\d+) with a failing kernel\), (\d+) wrong, (\d+) hangs,"
-    r" (\d+) unexpected errors, (\d+) slow \(over --timeout, not hung\), [\d.]+ s$"
+    r" (\d+) unexpected errors, (\d+) leaks, (\d+) slow \(over --timeout, not hung\), [\d.]+ s$"
 )
 
 
 def summary(out: str) -> tuple[int, ...]:
-    """DAGs, failing, wrong, hangs, errors, slow of the summary line, which comes last."""
+    """DAGs, failing, wrong, hangs, errors, leaks, slow of the summary line, which comes last."""
     match = SUMMARY.match(out.strip().splitlines()[-1])
     assert match, out
     return tuple(int(g) for g in match.groups())
@@ -33,10 +34,10 @@ def test_fixed_seed_run_is_exact(capsys, routes, dags):
     """Seed 6 has failing kernels, persists and array expressions on every route."""
     assert fuzz.main(["--seed", "6", "--dags", str(dags), "--routes", routes]) == 0
     out = capsys.readouterr().out
-    n, failing, wrong, hangs, errors, _ = summary(out)
-    assert (n, wrong, hangs, errors) == (dags, 0, 0, 0), out
+    n, failing, wrong, hangs, errors, leaks, _ = summary(out)
+    assert (n, wrong, hangs, errors, leaks) == (dags, 0, 0, 0, 0), out
     for route in routes.split(","):
-        row = re.search(rf"^{route} +(\d+) +(\d+) +0 +0 +0 ", out, re.M)
+        row = re.search(rf"^{route} +(\d+) +(\d+) +0 +0 +0 +0 ", out, re.M)
         assert row and int(row[1]) == dags // 2 and int(row[2]) >= 1, out
 
 
@@ -154,3 +155,48 @@ def test_a_cluster_where_no_task_finishes_is_hung(cluster_route):
     finally:
         RELEASE.set()
     assert future.result(timeout=30) == 1
+
+
+class Keeper(SchedulerPlugin):
+    """Wants one key of each graph on the scheduler for a client that never lets go."""
+
+    name = "fuzz-test-keeper"
+
+    def __init__(self) -> None:
+        self.kept: list = []
+
+    def update_graph(self, scheduler, *, keys, **kwargs) -> None:
+        key = sorted(keys, key=str)[0]
+        scheduler.client_desires_keys([key], client=self.name)
+        self.kept.append(key)
+
+
+def test_a_task_the_scheduler_keeps_is_a_leak(cluster_route, monkeypatch, capsys):
+    """Once the fuzzer dropped a DAG's futures, a task still there is a leak: counted,
+    printed with the command that runs the DAG again, and a problem."""
+    monkeypatch.setattr(fuzz, "LEAK_WAIT", 0.3)
+    keeper = Keeper()
+    scheduler = cluster_route.cluster.scheduler
+
+    async def add() -> None:
+        scheduler.add_plugin(keeper)
+
+    async def remove() -> None:
+        scheduler.remove_plugin(name=keeper.name)
+        scheduler.client_releases_keys(keeper.kept, keeper.name)
+
+    cluster_route.cluster.sync(add)
+    try:
+        args = fuzz.parse_args(["--seed", "6", "--routes", "distributed", "--timeout", "30"])
+        tally = fuzz.run_route(cluster_route, args, quota=2, seconds=None)
+    finally:
+        cluster_route.cluster.sync(remove)
+    out = capsys.readouterr().out
+    assert (tally.dags, tally.leaks, tally.bad()) == (2, 2, 2), out
+    for index in (0, 1):
+        leak = (
+            r"^LEAK [1-9]\d* tasks stay on the scheduler [\d.]+ s after every future was"
+            rf" dropped: .*\n  distributed dag {index} .*\n  again: python -m benchmarks.fuzz"
+            rf" --seed 6 --routes distributed --start {index} --dags 1 --backend sim$"
+        )
+        assert re.search(leak, out, re.M), out
