@@ -23,6 +23,7 @@ import weakref
 
 import cloudpickle
 import dask
+import dask.array as da
 import numpy as np
 import pytest
 from dask import delayed
@@ -1130,6 +1131,27 @@ def test_a_key_submitted_again_with_other_dependencies_leaves_no_task():
         np.testing.assert_array_equal(sim.asnumpy(second.result()), ref)
         assert formed(client) == (1, 2)
         del s, first, second
+        assert keys_once_released(client) == []
+
+
+def test_an_array_computed_again_while_its_first_results_live_runs_exactly():
+    """``x`` (sim chunks of a host array) and ``x.T.rechunk``, unoptimized, computed twice
+    while the first futures are held (re-running a notebook cell): the second graph reaches
+    the first's released chunks again. A block took them as outputs, with a block's
+    dependencies where a worker still knew their first ones (a worker never drops a key's
+    dependencies): the worker waited for a key it could not get, forever (the fuzzer's DAG
+    2323 of seed 4711, helper-62). Only the tasks a graph makes join a block now."""
+    with cluster(2) as client:
+        a = np.arange(99.0).reshape(9, 11)
+        x = da.from_array(a, chunks=(4, 7)).map_blocks(sim.asarray, dtype="f8")
+        r = x.T.rechunk((2, 6))
+        first = client.compute([x, r], optimize_graph=False)
+        wait(first, timeout=30)
+        again = client.compute([x, r], optimize_graph=False)
+        wait(again, timeout=15)
+        for value, ref in zip(client.gather(again), [a, a.T], strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        del first, again
         assert keys_once_released(client) == []
 
 

@@ -102,6 +102,11 @@ class StreamBlocks(SchedulerPlugin):
         self.outputs: dict[Hashable, Any] = {}
         #: Whether this distributed lacks the hook that blocks need (they stay off).
         self.unsupported = False
+        #: The keys of the tasks that the graph being submitted made (:meth:`_taskstates`),
+        #: read by its ``update_graph``: only those may join a block. A task that was there
+        #: before may be known to a worker with the dependencies of its definition, which
+        #: a worker never drops: given a block's, it would wait there for one it cannot get.
+        self._created: set = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -136,7 +141,11 @@ class StreamBlocks(SchedulerPlugin):
             for key in outputs.keys() & dsk.keys():  # walks the smaller of the two
                 if tasks.get(key) is outputs[key]:
                     del dsk[key]
-        return generate(*args, **kwargs)
+        result = generate(*args, **kwargs)
+        # The tasks this graph made (its new TaskStates), which alone a block may take.
+        new = result[1] if type(result) is tuple and len(result) > 1 else ()
+        self._created = {ts.key for ts in new}
+        return result
 
     def restart(self, scheduler: Any) -> None:
         """The scheduler forgets every task at once (no transitions): so do the outputs."""
@@ -215,10 +224,11 @@ class StreamBlocks(SchedulerPlugin):
     def update_graph(
         self, scheduler: Any, *, client: str, tasks: list, stimulus_id: str, **kwargs: Any
     ) -> None:
+        created, self._created = self._created, set()
         if not self.active():
             return
         try:
-            orphans, plan = self._plan(client, tasks)
+            orphans, plan = self._plan(client, tasks, created)
         except Exception as e:  # nothing is changed yet: the graph runs task per key
             logger.warning(
                 "gpustreams: stream blocks not formed for a graph of %d tasks (%s: %s); "
@@ -262,7 +272,7 @@ class StreamBlocks(SchedulerPlugin):
             return False
         return all(d.exception_blame is None for d in ts.dependencies)
 
-    def _plan(self, client: str, keys: list) -> tuple[dict, list[_BlockPlan]]:
+    def _plan(self, client: str, keys: list, created: set) -> tuple[dict, list[_BlockPlan]]:
         """The tasks to forget and the blocks to form for the graph of ``keys``; reads the
         scheduler, changes nothing.
 
@@ -270,6 +280,7 @@ class StreamBlocks(SchedulerPlugin):
         collision, dask/dask#9888) keeps its task, which the scheduler links to none
         of them: those that nothing else needs come as tasks nothing needs. Grouped,
         they made a block with no output, a task left forever; they are forgotten.
+        Only tasks the graph made (``created``) may join a block (see :attr:`_created`).
         """
         tasks = self.scheduler.tasks
         touched = [ts for k in keys if (ts := tasks.get(k)) is not None]
@@ -280,7 +291,9 @@ class StreamBlocks(SchedulerPlugin):
         forget = {ts.key: "forgotten" for ts in orphans}
         new = {ts.key for ts in touched if ts.state == "released"}
         apart: dict[int, bool] = {}
-        candidates = [ts.key for ts in touched if self._candidate(ts, client, apart)]
+        candidates = [
+            ts.key for ts in touched if ts.key in created and self._candidate(ts, client, apart)
+        ]
         if len(candidates) < 2:
             return forget, []
         level = _levels(touched, new)
