@@ -1155,6 +1155,49 @@ def test_an_array_computed_again_while_its_first_results_live_runs_exactly():
         assert keys_once_released(client) == []
 
 
+def worker_tasks(client):
+    """The one worker's keys: (state, sorted dependencies)."""
+    [held] = client.run(
+        lambda dask_worker: {
+            str(k): (ts.state, sorted(str(d.key) for d in ts.dependencies))
+            for k, ts in dask_worker.state.tasks.items()
+        }
+    ).values()
+    return held
+
+
+def test_a_key_made_again_in_a_block_while_a_worker_holds_its_first_definition_runs():
+    """``J -> K -> Y``, task per key (retries keep them out of blocks), released while ``Y``
+    runs: the scheduler forgets all three, the worker keeps ``K`` (released, with its
+    dependency ``J``) for the ``Y`` it still runs. ``K`` made again, now the output of a
+    block, is new to the scheduler; the worker dropped none of ``K``'s first dependencies
+    and waited for ``J``, forever (helper-64's review). It drops those the scheduler no
+    longer names."""
+    with cluster(1) as client:
+        started, gate = Event("started", client=client), Event("gate", client=client)
+        try:
+            with dask.annotate(retries=1):
+                j = delayed(source)(0, 0.0, dask_key_name="J")
+                k = delayed(mix)(1, j, dask_key_name="K")
+                y = client.compute(delayed(gated)(k, "started", "gate", dask_key_name="Y"))
+            assert started.wait(30)
+            del y
+            assert keys_once_released(client) == []
+            assert worker_tasks(client)["K"] == ("released", ["J"])
+            j = delayed(source)(0, 0.0, dask_key_name="J")
+            k = delayed(mix)(1, j, dask_key_name="K")
+            outs = client.compute([k, delayed(mix)(2, k, dask_key_name="Z")])
+            wait(outs, timeout=15)
+        finally:
+            gate.set()
+        assert formed(client) == (1, 3)
+        ref = host_mix(1, np.arange(N))
+        for value, want in zip(client.gather(outs), [ref, host_mix(2, ref)], strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), want)
+        del outs
+        assert keys_once_released(client) == []
+
+
 def live_outputs(client):
     """The keys of the outputs whose definitions the scheduler's plugin takes out of graphs."""
     return client.run_on_scheduler(

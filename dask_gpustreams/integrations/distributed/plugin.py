@@ -162,6 +162,7 @@ from dask_gpustreams.integrations.distributed.erred_inputs import ErredInputs
 from dask_gpustreams.integrations.distributed.execution import Execution, fail_task
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
+from dask_gpustreams.integrations.distributed.redefined import drop_stale_dependencies
 from dask_gpustreams.integrations.distributed.withheld import WithheldKeys
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 
@@ -336,6 +337,8 @@ class StreamsPlugin(WorkerPlugin):
             self._tasks = worker.state.tasks
             raise self.error from e
         self._active = True
+        if self.config.blocks == "auto":  # blocks give the keys they make new dependencies
+            drop_stale_dependencies(worker)
         try:
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(ErredInputs()), name=ErredInputs.name, idempotent=True
