@@ -142,9 +142,9 @@ class StreamBlocks(SchedulerPlugin):
                 if tasks.get(key) is outputs[key]:
                     del dsk[key]
         result = generate(*args, **kwargs)
-        # The tasks this graph made (its new TaskStates), which alone a block may take.
-        new = result[1] if type(result) is tuple and len(result) > 1 else ()
-        self._created = {ts.key for ts in new}
+        if self.active():  # the tasks this graph made (new TaskStates): those a block may take
+            new = result[1] if type(result) is tuple and len(result) > 1 else ()
+            self._created = {ts.key for ts in new}
         return result
 
     def restart(self, scheduler: Any) -> None:
