@@ -364,8 +364,7 @@ class Execution:
                 self._class_kinds[weakref.ref(type(func))] = entry
         except Exception:
             pass
-        if len(self._kinds) + len(self._partial_kinds) + len(self._class_kinds) >= self._sweep_at:
-            self._sweep()
+        self._sweep_if_due()
         try:
             key = weakref.ref(func)
         except TypeError:  # no weak reference to it
@@ -383,8 +382,7 @@ class Execution:
         its own, kept by ``inner`` while it lives (one with no weak reference, a ufunc, or
         no hash is decided per task)."""
         kind = self._kind(node)
-        if len(self._kinds) + len(self._partial_kinds) + len(self._class_kinds) >= self._sweep_at:
-            self._sweep()
+        self._sweep_if_due()
         try:  # a try, not contextlib.suppress (two calls): this runs for each new function
             self._partial_kinds[weakref.ref(inner)] = (type(inner), kind)
         except Exception:  # no weak reference to it, or its __hash__ raised
@@ -398,14 +396,21 @@ class Execution:
         except Exception:  # unhashable, or its __hash__ or __eq__ raised
             return None
 
+    def _entries(self) -> int:
+        return len(self._kinds) + len(self._partial_kinds) + len(self._class_kinds)
+
+    def _sweep_if_due(self) -> None:
+        """:meth:`_sweep` once the entries of the three caches reach ``_sweep_at``."""
+        if self._entries() >= self._sweep_at:
+            self._sweep()
+
     def _sweep(self) -> None:
         """Drop the entries of dead functions: dead references, equal hashes among them,
         would lengthen every lookup. The next sweep is due when the live entries doubled."""
         for kinds in (self._kinds, self._partial_kinds, self._class_kinds):
             for key in [k for k in kinds if type(k) is weakref.ref and k() is None]:
                 del kinds[key]
-        live = len(self._kinds) + len(self._partial_kinds) + len(self._class_kinds)
-        self._sweep_at = 2 * live + _SWEEP_AT_LEAST
+        self._sweep_at = 2 * self._entries() + _SWEEP_AT_LEAST
 
     def _start_runtime(self) -> StreamRuntime:
         """The worker's runtime (made at its first task), and what is per runtime."""
