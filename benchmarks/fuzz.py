@@ -936,6 +936,17 @@ def scheduler_keys(
     return {k: ts.state for k, ts in tasks.items() if k not in before}
 
 
+def holders(keys: frozenset, *, dask_scheduler: Any) -> dict[Any, tuple[list, int]]:
+    """What keeps each of ``keys`` on the scheduler: the clients that want it, and how
+    many tasks depend on it (a leak's detail)."""
+    tasks = dask_scheduler.tasks
+    return {
+        k: (sorted(c.client_key for c in ts.who_wants or ()), len(ts.dependents))
+        for k in keys
+        if (ts := tasks.get(k)) is not None
+    }
+
+
 @dataclass
 class Pending:
     """A DAG whose leak check waits for the next two DAGs on the cluster.
@@ -1122,7 +1133,16 @@ class DistributedRoute:
         while keys and (left := self.client.run_on_scheduler(scheduler_keys, within=keys)):
             waited = time.monotonic() - start
             if waited >= wait_for:
-                shown = ", ".join(f"{k} ({s})" for k, s in sorted(left.items(), key=str)[:4])
+                # The tasks a client wants first, then those that nothing depends on:
+                # what keeps the others.
+                held = self.client.run_on_scheduler(holders, frozenset(left))
+                first = sorted(held, key=lambda k: (not held[k][0], held[k][1], str(k)))[:4]
+                mine = self.client.id
+                shown = ", ".join(
+                    f"{k} ({left[k]}; wanted by {held[k][0]}, {held[k][1]} dependents"
+                    f"{'; a future of this client' if k in self.client.futures else ''})"
+                    for k in first
+                ).replace(repr(mine), "this client")
                 more = f" and {len(left) - 4} more" if len(left) > 4 else ""
                 return (
                     f"{len(left)} tasks stay on the scheduler {waited:.1f} s after every"

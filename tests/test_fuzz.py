@@ -173,7 +173,8 @@ class Keeper(SchedulerPlugin):
 
 def test_a_task_the_scheduler_keeps_is_a_leak(cluster_route, monkeypatch, capsys):
     """Once the fuzzer dropped a DAG's futures, a task still there is a leak: counted,
-    printed with the command that runs the DAG again, and a problem."""
+    printed with what keeps it (the client that wants it) and the command that runs the
+    DAG again, and a problem."""
     cluster_route.settle()  # the DAGs that earlier tests ran on this cluster are not ours
     cluster_route.leaks.clear()
     monkeypatch.setattr(fuzz, "LEAK_WAIT", 0.3)
@@ -198,7 +199,8 @@ def test_a_task_the_scheduler_keeps_is_a_leak(cluster_route, monkeypatch, capsys
     for index in (0, 1):
         leak = (
             r"^LEAK [1-9]\d* tasks stay on the scheduler [\d.]+ s after every future was"
-            rf" dropped: .*\n  distributed dag {index} .*\n  again: python -m benchmarks.fuzz"
+            r" dropped: .*wanted by \['fuzz-test-keeper'\], .*"
+            rf"\n  distributed dag {index} .*\n  again: python -m benchmarks.fuzz"
             rf" --seed 6 --routes distributed --start {index} --dags 1 --backend sim$"
         )
         assert re.search(leak, out, re.M), out
