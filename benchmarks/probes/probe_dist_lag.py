@@ -10,7 +10,8 @@ the scheduler materializes and orders it (distributed's ``_materialize_graph`` a
 ``dask.order.order``, each offloaded to a thread), when ``StreamBlocks.update_graph`` starts
 and ends, when the
 blocks and the other tasks (getters, tasks left out of blocks) start executing and reach
-memory on the worker, when the blocks' launchers start and end, and when ``client.get``
+memory on the worker, when the blocks' launchers start, have launched every task (and
+wait for the device: ``launched, wait``) and end, and when ``client.get``
 has returned and the device is idle (in-process, a result arrives without a copy: with
 the plugin off, ``client.get`` returns while its kernels are still queued; the runs in
 ``results/h200-lag-12492fd/`` marked the return itself). In-process, so every mark
@@ -39,6 +40,7 @@ from dask_gpustreams.integrations.blocks import StreamBlock
 from dask_gpustreams.integrations.distributed import StreamsPlugin
 from dask_gpustreams.integrations.distributed.blocks import StreamBlocks
 from dask_gpustreams.runtime.launcher import GraphLauncher
+from dask_gpustreams.runtime.runtime import StreamRuntime
 
 #: name -> times (perf_counter) of the run going on; read by the plugin below by module.
 MARKS: dict[str, list[float]] = defaultdict(list)
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             spans(StreamBlocks, "update_graph", "update_graph"),
             spans(StreamBlock, "launch", "block launch"),
             spans(GraphLauncher, "run", "launcher"),
+            spans(StreamRuntime, "synchronize", "launched, wait"),
         ):
             for name in args.shapes.split(","):
                 wl = loads.get("threaded", "wide", name)
