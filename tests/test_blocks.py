@@ -1198,6 +1198,54 @@ def test_a_key_made_again_in_a_block_while_a_worker_holds_its_first_definition_r
         assert keys_once_released(client) == []
 
 
+def test_a_key_in_flight_cancelled_then_made_again_in_a_block_drops_its_first_dependencies():
+    """The worker's state machine alone (validated), with the plugin's wrapper: ``K``
+    (``J -> K -> Y``, ``Y`` still running) is known to the worker with its first
+    dependency ``J``; a task ``M`` there then fetches ``K`` from another worker and is
+    released while ``K`` is in flight (``K``: cancelled, from flight). ``K`` made again
+    inside a block (its dependency: the block ``B``) and sent to this worker resumes
+    the transfer; when that transfer fails (the other worker died), ``K`` must wait for
+    ``B`` only. It kept ``J`` (no one sends it: missing, forever) where the wrapper left
+    cancelled tasks alone."""
+    from types import SimpleNamespace
+
+    from distributed.worker_state_machine import (
+        ComputeTaskEvent,
+        ExecuteSuccessEvent,
+        FreeKeysEvent,
+        GatherDepNetworkFailureEvent,
+        WorkerState,
+    )
+
+    from dask_gpustreams.integrations.distributed.redefined import drop_stale_dependencies
+
+    state = WorkerState(address="127.0.0.1:1", nthreads=2, threads={}, validate=True)
+    worker = SimpleNamespace(state=state)
+    worker.handle_stimulus = lambda *stims: state.handle_stimulus(*stims)
+    drop_stale_dependencies(worker)
+    compute, here, other = ComputeTaskEvent.dummy, [state.address], "127.0.0.1:2"
+    worker.handle_stimulus(compute("J", stimulus_id="j"))
+    worker.handle_stimulus(ExecuteSuccessEvent.dummy("J", run_id=0, stimulus_id="j-done"))
+    worker.handle_stimulus(compute("K", who_has={"J": here}, stimulus_id="k"))
+    worker.handle_stimulus(ExecuteSuccessEvent.dummy("K", run_id=0, stimulus_id="k-done"))
+    worker.handle_stimulus(compute("Y", who_has={"K": here}, stimulus_id="y"))  # runs on
+    worker.handle_stimulus(FreeKeysEvent(keys=["Y", "K", "J"], stimulus_id="released"))
+    worker.handle_stimulus(compute("M", who_has={"K": [other]}, stimulus_id="m"))
+    assert state.tasks["K"].state == "flight"
+    worker.handle_stimulus(FreeKeysEvent(keys=["M"], stimulus_id="m-released"))
+    assert (state.tasks["K"].state, state.tasks["K"].previous) == ("cancelled", "flight")
+    worker.handle_stimulus(compute("K", who_has={"B": ["127.0.0.1:3"]}, stimulus_id="k-again"))
+    assert {d.key for d in state.tasks["K"].dependencies} == {"B"}
+    assert "J" not in state.tasks
+    worker.handle_stimulus(
+        GatherDepNetworkFailureEvent(worker=other, total_nbytes=1, stimulus_id="lost")
+    )
+    k = state.tasks["K"]
+    assert k.state == "waiting"
+    assert {d.key for d in k.waiting_for_data} == {"B"}
+    state.validate_state()
+
+
 def live_outputs(client):
     """The keys of the outputs whose definitions the scheduler's plugin takes out of graphs."""
     return client.run_on_scheduler(

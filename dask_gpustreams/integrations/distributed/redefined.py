@@ -17,12 +17,17 @@ from typing import Any
 
 #: Worker states of a task that a compute-task message may give a new definition.
 _REDEFINABLE = frozenset({"released", "error", "fetch", "flight", "missing"})
+#: ... and those of a task whose transfer goes on while nothing needs it (``previous``:
+#: flight). The message resumes the transfer; if it fails, the task computes, and would
+#: wait for the dependencies it had.
+_IN_FLIGHT = frozenset({"cancelled", "resumed"})
 
 
 def drop_stale_dependencies(worker: Any) -> None:
     """Wrap ``worker.handle_stimulus``: a task it is asked to compute loses the dependencies
     it knew that the scheduler no longer names; those then needed by nothing are forgotten.
-    Tasks still executing (cancelled, resumed) are left as they are."""
+    Tasks still executing (cancelled, resumed from executing) are left as they are; a
+    cancelled transfer (from flight) is not, as it computes if the transfer fails."""
     from distributed.worker_state_machine import ComputeTaskEvent
 
     state = worker.state
@@ -35,7 +40,9 @@ def drop_stale_dependencies(worker: Any) -> None:
             if type(ev) is not ComputeTaskEvent:
                 continue
             ts = state.tasks.get(ev.key)
-            if ts is None or ts.state not in _REDEFINABLE:
+            if ts is None or not (
+                ts.state in _REDEFINABLE or (ts.state in _IN_FLIGHT and ts.previous == "flight")
+            ):
                 continue
             forget = {}
             for d in [d for d in ts.dependencies if d.key not in ev.who_has]:
