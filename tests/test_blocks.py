@@ -1166,14 +1166,25 @@ def worker_tasks(client):
     return held
 
 
+def worker_tasks_once_released(client, timeout=10.0):
+    """:func:`worker_tasks` once the worker holds none or ``timeout`` has passed (a
+    cancelled task ends in its own time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = worker_tasks(client)
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
+
+
 def test_a_key_made_again_in_a_block_while_a_worker_holds_its_first_definition_runs():
     """``J -> K -> Y``, task per key (retries keep them out of blocks), released while ``Y``
     runs: the scheduler forgets all three, the worker keeps ``K`` (released, with its
     dependency ``J``) for the ``Y`` it still runs. ``K`` made again, now the output of a
     block, is new to the scheduler; the worker dropped none of ``K``'s first dependencies
     and waited for ``J``, forever (helper-64's review). It drops those the scheduler no
-    longer names."""
-    with cluster(1) as client:
+    longer names. The worker validates its state (no task left there either)."""
+    with cluster(1, config={"distributed.worker.validate": True}) as client:
         started, gate = Event("started", client=client), Event("gate", client=client)
         try:
             with dask.annotate(retries=1):
@@ -1196,6 +1207,8 @@ def test_a_key_made_again_in_a_block_while_a_worker_holds_its_first_definition_r
             np.testing.assert_array_equal(sim.asnumpy(value), want)
         del outs
         assert keys_once_released(client) == []
+        assert worker_tasks_once_released(client) == {}
+        client.run(lambda dask_worker: dask_worker.state.validate_state())
 
 
 def test_a_key_in_flight_cancelled_then_made_again_in_a_block_drops_its_first_dependencies():
