@@ -648,3 +648,66 @@ def test_a_corrupt_key_held_at_teardown_is_neither_read_nor_served(cluster, gate
     assert released()[0][2].startswith(STIMULUS_PREFIX)
     until(lambda: not any(n.startswith("gpustreams-withheld") for n in worker.plugins))
     client.cancel([x, k, d, late])
+
+
+def test_a_closing_workers_get_data_still_waits_for_the_keys_work(cluster, gate):
+    """A closing worker tears its plugin down while it still serves ``get_data``
+    (distributed removes the plugins before it stops listening): a key whose kernel is
+    still queued leaves only once that kernel is done, as before the close."""
+    client, worker = cluster
+    x = client.submit(gated_kernel, 100, 2.0, pure=False)
+    wait(x)  # in the worker's memory; its kernel waits for the gate
+    egress = worker.plugins["gpustreams"].egress
+    served_early = []  # whether the worker's own get_data ran before the kernel could end
+    waits = []
+    own_get_data, wait_for = egress._worker_get_data, egress.wait_for
+
+    async def observed_get_data(*args, **kwargs):
+        served_early.append(not gate.is_set())
+        return await own_get_data(*args, **kwargs)
+
+    async def observed_wait_for(keys):
+        waits.append(list(keys))  # the teardown's, then get_data's
+        return await wait_for(keys)
+
+    egress._worker_get_data, egress.wait_for = observed_get_data, observed_wait_for
+    with ThreadPoolExecutor(2) as threads:
+        try:
+            closing = threads.submit(client.cluster.sync, worker.close)
+            until(lambda: "gpustreams" not in worker.plugins)  # its teardown runs
+            got = threads.submit(
+                client.cluster.sync, get_data_from_worker, worker.rpc, [x.key], worker.address
+            )
+            until(lambda: served_early or len(waits) >= 2)
+            assert not served_early, "the key left the closing worker before its kernel ended"
+        finally:
+            gate.set()
+        response = got.result(timeout=30)
+        closing.result(timeout=30)
+    np.testing.assert_array_equal(values(response["data"][x.key]), np.full(100, 2.0))
+
+
+def test_a_closing_worker_withholds_the_corrupt_keys_its_teardown_finds(cluster, gate, fail_gate):
+    """The teardown of a closing worker finds a key's kernel failed: until the worker has
+    closed, its ``get_data`` leaves that key out (the close waits here for other work)."""
+    client, worker = cluster
+    x = client.submit(produce, 100, 1.0, pure=False)
+    k = client.submit(failing_later, x, pure=False)
+    wait(k)
+    y = client.submit(gated_kernel, 100, 2.0, pure=False)
+    wait(y)
+    y.release()  # its kernel stays queued: the runtime's close waits for it
+    until(lambda: y.key not in worker.data)
+    fail_gate.set()  # k's kernel fails; no sync has seen it yet
+    plugin = worker.plugins["gpustreams"]
+    with ThreadPoolExecutor(1) as threads:
+        try:
+            closing = threads.submit(client.cluster.sync, worker.close)
+            egress = plugin.egress
+            # Until the teardown has unhooked its egress: keys withheld, or get_data restored.
+            until(lambda: egress.withheld or worker.handlers["get_data"] != egress.get_data)
+            got = client.sync(get_data_from_worker, client.rpc, [k.key], worker.address)
+            assert got["data"] == {}
+        finally:
+            gate.set()
+        closing.result(timeout=30)

@@ -373,6 +373,11 @@ class StreamsPlugin(WorkerPlugin):
         The runtime is this plugin's own: closing it (:meth:`.Provenance.close`, in an
         egress thread, as it waits for the work left on the device) ends its streams
         and threads.
+        A closing worker still serves ``get_data`` until its listeners stop (distributed
+        removes its plugins first), so the work of what is in memory is waited for there
+        too, for at most ``close_timeout`` s; its corrupt keys stay withheld until it has
+        closed. (No task adds a result any more: the close cancelled the worker's async
+        instructions before it removed the plugins.)
         A plugin whose settings were bad set nothing up.
         """
         if self.error is not None:
@@ -388,16 +393,24 @@ class StreamsPlugin(WorkerPlugin):
                 await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
             while self.execution.running_wrapped():
                 await asyncio.sleep(0.01)
-            failed = await self.egress.wait_for(list(worker.data))
-            if failed:
-                self.provenance.drop_corrupt(failed)
+        waiting = self.egress.wait_for(list(worker.data))
+        try:
+            failed = await (asyncio.wait_for(waiting, self.close_timeout) if closing else waiting)
+        except TimeoutError:
+            logger.warning(
+                "gpustreams: the work of the results on closing worker %s did not end within"
+                " %s s; they may leave it incomplete",
+                worker.address,
+                self.close_timeout,
+            )
+            failed = {}
+        if failed:
+            self.provenance.drop_corrupt(failed)
         self._collector.stop()
         prometheus.unregister(worker)
         self.egress.uninstall(withheld=self.provenance.held)
         await self.provenance.close(self.close_timeout)
-        if closing:
-            guard.remove()
-        else:
+        if not closing:
             guard.torn_down()
         self._egress_threads.shutdown(wait=False)
 

@@ -367,8 +367,8 @@ class Provenance:
         """Release those of the corrupt ``keys`` still in memory; hold those still needed."""
         worker = self._worker
         if worker.status not in (Status.running, Status.paused):
-            if worker.status == Status.closing_gracefully:  # its peers would copy them: keep
-                for key in keys:  # them held (and withheld) until the worker closes
+            if worker.status in (Status.closing_gracefully, Status.closing):  # its peers
+                for key in keys:  # would copy them: keep them held (and withheld) until it closes
                     ts = worker.state.tasks.get(key)
                     if ts is not None and ts.state == "memory":
                         self._held.setdefault(key, set())
