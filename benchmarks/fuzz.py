@@ -30,7 +30,11 @@ target so small that every result is spilled) and ``dask-cuda`` (the same on
 ``dask_cuda.LocalCUDACluster(n_workers=1)`` with dask-cuda's defaults: one
 worker process, one thread, its ``DeviceHostFile``; only with ``--backend cupy``
 on a machine with a GPU and dask-cuda, and only when named: the default is the
-other four). Outcomes: a wrong value; a hang (a local compute past
+other four), ``distributed-loss`` (only when named: a ``LocalCluster`` of
+``LOSS_WORKERS`` workers x 2 threads of which one, the one with the most tasks in
+flight, is closed 0-``LOSS_MS`` ms after each DAG's compute starts, and a new one
+started: its results and running tasks, blocks among them, are lost and computed
+again). Outcomes: a wrong value; a hang (a local compute past
 ``--timeout``; on a cluster, an output pending while no task finishes there for
 ``--timeout``, or still pending after ``LIVELOCK`` times it; the run goes on
 with fresh runtimes or a fresh cluster); an unexpected error (any exception, or
@@ -100,10 +104,24 @@ from dask_gpustreams.runtime.policies import make_policy, policy_names
 #: Every value is an integer in [0, P): sums of products of them stay exact in float64.
 P = 4093
 #: Every route; a route's index seeds its DAGs, so new routes go at the end.
-ROUTES = ("threaded", "launcher", "distributed", "distributed-spill", "dask-cuda")
+ROUTES = (
+    "threaded",
+    "launcher",
+    "distributed",
+    "distributed-spill",
+    "dask-cuda",
+    "distributed-loss",
+)
 #: The routes that run anywhere, the sim included: the default of ``--routes``.
 SIM_ROUTES = ROUTES[:4]
-DISTRIBUTED = ("distributed", "distributed-spill", "dask-cuda")
+DISTRIBUTED = ("distributed", "distributed-spill", "dask-cuda", "distributed-loss")
+#: On ``distributed-loss``: its workers, and the most ms after a DAG's compute starts at
+#: which one of them is closed (and a new one started).
+LOSS_WORKERS = 3
+LOSS_MS = 20.0
+#: A worker fetching from the one closed retries to connect for distributed's connect
+#: timeout (30 s by default) before it computes the key itself: slow, not wrong.
+LOSS_CONFIG = {"distributed.comm.timeouts.connect": "3s"}
 #: DAGs per distributed cluster (its stream count and policy are drawn per cluster).
 CLUSTER_DAGS = 100
 POLICIES = tuple(
@@ -971,8 +989,9 @@ def has_plugin(dask_worker: Any) -> bool:
 
 
 class DistributedRoute:
-    """``distributed``, ``distributed-spill`` or ``dask-cuda``: a cluster, new every
-    CLUSTER_DAGS DAGs (an in-process LocalCluster, or a LocalCUDACluster)."""
+    """``distributed``, ``distributed-spill``, ``dask-cuda`` or ``distributed-loss``: a
+    cluster, new every CLUSTER_DAGS DAGs (an in-process LocalCluster, or a
+    LocalCUDACluster)."""
 
     def __init__(self, name: str, backend: str, timeout: float, seed: int):
         self.name = name
@@ -983,6 +1002,8 @@ class DistributedRoute:
         self.batch: int | None = None
         self.client: Any = None
         self.cluster: Any = None
+        self.started: list = []  # distributed-loss: the workers started after a loss
+        self.losses = 0  # distributed-loss: the workers closed mid-DAG
         self._config: Any = None  # the dask.config.set of the cluster's settings
         self.pending: list[Pending] = []  # at most the two DAGs before
         #: DAGs whose tasks stayed on the scheduler, and what stayed (run_route takes them)
@@ -1004,6 +1025,7 @@ class DistributedRoute:
         config = {
             **CLUSTER_CONFIG,
             **(SPILL if spill else {}),
+            **(LOSS_CONFIG if self.name == "distributed-loss" else {}),
             "gpustreams.enabled": True,
             "gpustreams.backend": self.backend,
             "gpustreams.streams": self.streams,
@@ -1020,7 +1042,7 @@ class DistributedRoute:
         else:
             self.cluster = LocalCluster(
                 processes=False,
-                n_workers=2,
+                n_workers=LOSS_WORKERS if self.name == "distributed-loss" else 2,
                 threads_per_worker=2,
                 dashboard_address=":0",
                 silence_logs=logging.CRITICAL,
@@ -1048,6 +1070,10 @@ class DistributedRoute:
         with contextlib.suppress(Exception):  # a hung cluster's scheduler answers, mostly
             self.settle()
         self.pending = []
+        for worker in self.started:  # before their scheduler: else they try to reconnect
+            with contextlib.suppress(Exception):
+                self.cluster.sync(worker.close, timeout=self.timeout)
+        self.started = []
         for closing in (self.client, self.cluster):  # a hung one may not close: left behind
             with contextlib.suppress(Exception):
                 closing.close(timeout=self.timeout)
@@ -1083,12 +1109,20 @@ class DistributedRoute:
             # Futures are released by dropping them: Client.cancel of a persisted key whose
             # dependents no client wants fails an assertion in the scheduler (2026.8.0).
             options = {"optimize_graph": dag.optimize}
+            loss = None
             try:
                 outs = build(dag, self.kernels, lambda xs: client.persist(xs, **options))
                 futures = client.compute(outs, **options)
+                if self.name == "distributed-loss":
+                    rng = np.random.default_rng([self.seed, ROUTES.index(self.name), dag.index])
+                    loss = threading.Timer(rng.random() * LOSS_MS / 1e3, self.lose_worker)
+                    loss.start()
+                outcome = self.check(dag, futures)
             except Exception as e:  # noqa: BLE001 - every exception is an outcome
                 return _blame(e, dag)
-            outcome = self.check(dag, futures)
+            finally:
+                if loss is not None:
+                    loss.join()
             if outcome != OK or not dag.again:
                 return outcome
             # The same keys again while the first futures live (a notebook cell run twice):
@@ -1099,6 +1133,26 @@ class DistributedRoute:
                 return _blame(e, dag)
             outcome, detail = self.check(dag, again)
             return outcome, detail and f"computed again: {detail}"
+
+    def lose_worker(self) -> None:
+        """Close the worker with the most tasks in flight (its results and running tasks
+        are lost) and start a new one (``distributed-loss``)."""
+        from distributed import Worker
+
+        cluster = self.cluster
+        scheduler = cluster.scheduler
+
+        async def lose() -> None:
+            states = scheduler.workers.values()
+            busiest = max(states, key=lambda ws: (len(ws.processing), len(ws.has_what)))
+            workers = [*cluster.workers.values(), *self.started]
+            victim = next(w for w in workers if w.address == busiest.address)
+            await victim.close()
+            self.losses += 1
+            self.started = [w for w in self.started if w is not victim]
+            self.started.append(await Worker(scheduler.address, nthreads=2))
+
+        cluster.sync(lose)
 
     def settle(self) -> None:
         """The leak checks of the pending DAGs, now."""
@@ -1124,7 +1178,10 @@ class DistributedRoute:
         client's ``futures`` keeps its key) is in a garbage cycle: distributed's
         ``Client._gather`` leaves one (its frame in an ``AllExit`` traceback) when an
         output errs while gathered. Then the young generations are collected, then all:
-        a cycle is not a leak.
+        a cycle is not a leak. A task that this client still wants on the scheduler but
+        holds no future of any more waits for its release, which the client has sent, up
+        to ``--timeout``: on a loaded machine (two fuzzers on two cores) releases took
+        more than 2 s to be handled.
         """
         start = time.monotonic()
         wait_for = min(LEAK_WAIT, self.timeout)
@@ -1136,8 +1193,12 @@ class DistributedRoute:
                 # The tasks a client wants first, then those that nothing depends on:
                 # what keeps the others.
                 held = self.client.run_on_scheduler(holders, frozenset(left))
-                first = sorted(held, key=lambda k: (not held[k][0], held[k][1], str(k)))[:4]
                 mine = self.client.id
+                released = [k for k in held if mine in held[k][0] and k not in self.client.futures]
+                if released and wait_for < self.timeout:
+                    wait_for = self.timeout
+                    continue
+                first = sorted(held, key=lambda k: (not held[k][0], held[k][1], str(k)))[:4]
                 shown = ", ".join(
                     f"{k} ({left[k]}; wanted by {held[k][0]}, {held[k][1]} dependents"
                     f"{'; a future of this client' if k in self.client.futures else ''})"

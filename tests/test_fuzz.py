@@ -41,6 +41,19 @@ def test_fixed_seed_run_is_exact(capsys, routes, dags):
         assert row and int(row[1]) == dags // 2 and int(row[2]) >= 1, out
 
 
+def test_the_loss_route_closes_a_worker_in_each_dag_and_stays_exact(capsys):
+    """``distributed-loss`` (named only): each DAG loses the worker with the most tasks in
+    flight; its results and running tasks (blocks among them) are computed again."""
+    args = fuzz.parse_args(["--seed", "6", "--routes", "distributed-loss"])
+    assert args.routes == ["distributed-loss"]
+    with fuzz.DistributedRoute("distributed-loss", "sim", timeout=30.0, seed=6) as route:
+        tally = fuzz.run_route(route, args, quota=30, seconds=None)
+        now = set(route.client.run(lambda: None))  # the workers' addresses
+        started = {w.address for w in route.started}  # those started after a loss, alive
+        assert route.losses == 30 and len(now) == fuzz.LOSS_WORKERS and started and started <= now
+    assert (tally.dags, tally.bad(), tally.failing >= 1) == (30, 0, True), capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("mechanisms", "routes"),
     [("wait,hold", "threaded,launcher"), ("egress,spill,failure", "distributed,distributed-spill")],
