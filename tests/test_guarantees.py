@@ -711,3 +711,31 @@ def test_a_closing_worker_withholds_the_corrupt_keys_its_teardown_finds(cluster,
         finally:
             gate.set()
         closing.result(timeout=30)
+
+
+def test_retiring_a_worker_that_holds_a_corrupt_key_ends_and_the_key_raises(fail_gate):
+    """Retiring a worker (``retire_workers``, as adaptive scaling does) copies its results to
+    the others; one whose kernel failed cannot be copied. The retiring worker drops it, as a
+    running worker does, so the retirement ends, and the key raises its KernelError."""
+    with (
+        dask.config.set(CONFIG),
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0")
+        as lc,
+        Client(lc) as client,
+    ):  # fmt: skip
+        client.register_plugin(StreamsPlugin())
+        a, b = sorted(lc.scheduler.workers)
+        [worker_a] = [w for w in lc.workers.values() if w.address == a]
+        x = client.submit(produce, 100, 1.0, workers=[a], pure=False)
+        k = client.submit(failing_later, x, workers=[a], allow_other_workers=True, pure=False)
+        wait(k)  # in a's memory; its kernel waits for the fail gate
+        with ThreadPoolExecutor(1) as threads:
+            retiring = threads.submit(client.retire_workers, [a])
+            until(lambda: worker_a.status == Status.closing_gracefully)
+            fail_gate.set()  # found failed while a retires: its copy to b waits for the kernel
+            until(lambda: retiring.done(), timeout=20)
+        assert list(retiring.result()) == [a] and set(client.nthreads()) == {b}
+        with pytest.raises(KernelError) as info:
+            k.result(timeout=30)
+        assert info.value.key == k.key
+        np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 1.0))

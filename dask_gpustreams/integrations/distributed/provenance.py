@@ -366,9 +366,11 @@ class Provenance:
     def _release(self, keys: Iterable[Hashable]) -> None:
         """Release those of the corrupt ``keys`` still in memory; hold those still needed."""
         worker = self._worker
-        if worker.status not in (Status.running, Status.paused):
-            if worker.status in (Status.closing_gracefully, Status.closing):  # its peers
-                for key in keys:  # would copy them: keep them held (and withheld) until it closes
+        # A retiring worker (closing_gracefully) releases them too: the scheduler copies its
+        # results to other workers before it closes, and would try to copy these forever.
+        if worker.status not in (Status.running, Status.paused, Status.closing_gracefully):
+            if worker.status == Status.closing:  # it still serves get_data: keep them held
+                for key in keys:  # (and withheld) until it has closed
                     ts = worker.state.tasks.get(key)
                     if ts is not None and ts.state == "memory":
                         self._held.setdefault(key, set())
