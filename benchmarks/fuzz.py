@@ -34,7 +34,8 @@ other four), ``distributed-loss`` (only when named: a ``LocalCluster`` of
 ``LOSS_WORKERS`` workers x 2 threads of which one, the one with the most tasks in
 flight, is closed 0-``LOSS_MS`` ms after each DAG's compute starts, and a new one
 started: its results and running tasks, blocks among them, are lost and computed
-again). Outcomes: a wrong value; a hang (a local compute past
+again; in half the DAGs it is retired instead, as adaptive scaling does, its results
+first copied to the others). Outcomes: a wrong value; a hang (a local compute past
 ``--timeout``; on a cluster, an output pending while no task finishes there for
 ``--timeout``, or still pending after ``LIVELOCK`` times it; the run goes on
 with fresh runtimes or a fresh cluster); an unexpected error (any exception, or
@@ -1115,7 +1116,8 @@ class DistributedRoute:
                 futures = client.compute(outs, **options)
                 if self.name == "distributed-loss":
                     rng = np.random.default_rng([self.seed, ROUTES.index(self.name), dag.index])
-                    loss = threading.Timer(rng.random() * LOSS_MS / 1e3, self.lose_worker)
+                    after, retire = rng.random() * LOSS_MS / 1e3, bool(rng.random() < 0.5)
+                    loss = threading.Timer(after, self.lose_worker, (retire,))
                     loss.start()
                 outcome = self.check(dag, futures)
             except Exception as e:  # noqa: BLE001 - every exception is an outcome
@@ -1134,9 +1136,11 @@ class DistributedRoute:
             outcome, detail = self.check(dag, again)
             return outcome, detail and f"computed again: {detail}"
 
-    def lose_worker(self) -> None:
-        """Close the worker with the most tasks in flight (its results and running tasks
-        are lost) and start a new one (``distributed-loss``)."""
+    def lose_worker(self, retire: bool) -> None:
+        """Close the worker with the most tasks in flight and start a new one
+        (``distributed-loss``). Closed, its results and running tasks are lost; retired
+        (``retire``: the scheduler's ``retire_workers``, as adaptive scaling does), its
+        results are first copied to the other workers."""
         from distributed import Worker
 
         cluster = self.cluster
@@ -1147,7 +1151,9 @@ class DistributedRoute:
             busiest = max(states, key=lambda ws: (len(ws.processing), len(ws.has_what)))
             workers = [*cluster.workers.values(), *self.started]
             victim = next(w for w in workers if w.address == busiest.address)
-            await victim.close()
+            if retire:
+                await scheduler.retire_workers([victim.address], close_workers=True)
+            await victim.close()  # retired: closed already (then this returns at once)
             self.losses += 1
             self.started = [w for w in self.started if w is not victim]
             self.started.append(await Worker(scheduler.address, nthreads=2))
