@@ -1199,6 +1199,9 @@ class DistributedRoute:
                 # The tasks a client wants first, then those that nothing depends on:
                 # what keeps the others.
                 held = self.client.run_on_scheduler(holders, frozenset(left))
+                left = {k: state for k, state in left.items() if k in held}
+                if not left:  # released meanwhile
+                    return None
                 mine = self.client.id
                 released = [k for k in held if mine in held[k][0] and k not in self.client.futures]
                 if released and wait_for < self.timeout:
