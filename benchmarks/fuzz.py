@@ -79,8 +79,10 @@ import functools
 import gc
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -848,6 +850,19 @@ def kernel_delay(delay: tuple[float, float], backend: str) -> Iterator[None]:
 # --- routes -----------------------------------------------------------------------------------
 
 
+def busy_stacks(frames: int = 8) -> str:
+    """The innermost ``frames`` frames of each thread that runs the compute, Dask's work
+    or the runtime's (by the file names in its stack): where a hang is."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    shown = []
+    for ident, frame in sys._current_frames().items():
+        stack = traceback.extract_stack(frame)
+        if any(part in f.filename for f in stack for part in ("dask", "fuzz")):
+            lines = "".join(traceback.format_list(stack[-frames:]))
+            shown.append(f"  thread {names.get(ident, ident)}:\n{lines}")
+    return "".join(shown)
+
+
 class ComputeThread:
     """A daemon thread that runs one call at a time, so that a hung call can be left behind."""
 
@@ -918,11 +933,12 @@ class LocalRoute:
         with dask.config.set(self.config(dag)), kernel_delay(dag.delay, self.backend):
             box = self.thread.call(compute, self.timeout)
         if box is None:
+            stacks = busy_stacks()
             # The hung compute keeps its thread and runtime; the next DAG gets fresh ones.
             self.thread.close()
             self.thread = ComputeThread()
             runtimes.forget()
-            return "hang", f"no result after {self.timeout} s"
+            return "hang", f"no result after {self.timeout} s; where the threads were:\n{stacks}"
         return check_local(dag, box.get("result"), box.get("error"))
 
 

@@ -217,3 +217,15 @@ def test_a_task_the_scheduler_keeps_is_a_leak(cluster_route, monkeypatch, capsys
             rf" --seed 6 --routes distributed --start {index} --dags 1 --backend sim$"
         )
         assert re.search(leak, out, re.M), out
+
+
+def test_a_local_hang_says_where_the_compute_thread_was():
+    """A local compute past ``--timeout`` is a hang, printed with the stacks of the threads
+    that run it (here, the host task still sleeping)."""
+    dag = sleep_chain(1, 1.0)
+    dag.route = "launcher"
+    with fuzz.LocalRoute("launcher", "sim", timeout=0.2) as route:
+        outcome, detail = route.run(dag)
+    assert outcome == "hang", detail
+    assert detail.startswith("no result after 0.2 s; where the threads were:\n"), detail
+    assert re.search(r"in host_sleep\n +time\.sleep\(seconds\)", detail), detail
