@@ -16,7 +16,9 @@ transposes, concatenation, sleeping kernels). Each has its own stream count
 (1-8), policy, kernel delays (``Device.kernel_delay`` and kernels that sleep,
 0-2 ms), 1-3 outputs, and sometimes a ``persist`` of intermediates first; on a
 cluster, a tenth of them are computed twice (the same collections again while the
-first futures live, as a notebook cell run again: same keys, their definitions again).
+first futures live, as a notebook cell run again: same keys, their definitions again),
+and in 15% of the ``dask.delayed`` ones a node has ``retries=1`` and raises at its
+first attempt (:class:`FailsOnce`; such tasks stay out of stream blocks).
 Values are integers below ``P`` (every op ends ``% P``), so float64 results are
 exact in any order of evaluation; they are compared with ``==`` to the same
 functions run on NumPy values (NaN, the sim's poison, never compares equal).
@@ -83,6 +85,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -394,6 +397,33 @@ GENERIC = {
 }
 
 
+class FailsOnce:
+    """``func``, except that its first call raises (a retried task: in-process clusters
+    share :data:`ATTEMPTED`, and a copy keeps its token, so a retry anywhere is a second
+    call)."""
+
+    def __init__(self, func: Callable):
+        self.func = func
+        self.token = uuid.uuid4().hex
+
+    def __call__(self, *args: Any) -> Any:
+        with ATTEMPTED_LOCK:
+            first = self.token not in ATTEMPTED
+            ATTEMPTED.add(self.token)
+        if first:
+            raise RetriedError("the first attempt of a retried task fails")
+        return self.func(*args)
+
+
+class RetriedError(RuntimeError):
+    """The first attempt of a :class:`FailsOnce` task."""
+
+
+#: The tokens of the :class:`FailsOnce` tasks attempted in this process.
+ATTEMPTED: set[str] = set()
+ATTEMPTED_LOCK = threading.Lock()
+
+
 def delayed_func(name: str, kernels: Kernels) -> Callable:
     return GENERIC.get(name) or getattr(kernels, name)
 
@@ -546,6 +576,7 @@ class Dag:
     failing: int | None = None
     fail_key: str = ""
     again: bool = False  # on a cluster: computed a second time while the first futures live
+    retried: int | None = None  # on a cluster: a node whose first attempt raises (retries=1)
 
     def tainted(self) -> list[bool]:
         """Per node: whether its value derives from the failing kernel."""
@@ -567,9 +598,10 @@ class Dag:
         persist = f" persist {self.persist} before {self.split}" if self.persist else ""
         threads = f" threads={self.threads} chunksize={self.chunksize}"
         again = " computed twice" if self.again and self.route in DISTRIBUTED else ""
+        retried = "" if self.retried is None else f" node {self.retried} retried"
         return (
             f"{self.route} dag {self.index} ({self.kind}): {ops}; outputs {self.outputs}{persist}"
-            f"{again};"
+            f"{again}{retried};"
             f" streams={self.streams} policy={self.policy} kernel_delay={self.delay}"
             f" optimize_graph={self.optimize}" + (threads if self.route == "threaded" else "")
         )
@@ -746,6 +778,10 @@ def make_dag(seed: int, route: str, index: int, backend: str, failures: bool = T
         later = {j for node in dag.nodes[dag.split :] for j in node.inputs}
         dag.persist = sorted(j for j in range(dag.split) if j in later or j in dag.outputs)
     dag.again = bool(rng.random() < 0.1)  # drawn last: the DAGs of earlier commits stay
+    if route in DISTRIBUTED and dag.kind == "delayed" and rng.random() < 0.15:
+        retried = int(rng.integers(len(dag.nodes)))  # drawn after: as above
+        if retried != dag.failing:
+            dag.retried = retried
     return dag
 
 
@@ -789,6 +825,10 @@ def build(dag: Dag, kernels: Kernels, persist: Callable[[list], list]) -> list:
                 values.append(cupy_random(*node.consts))
             else:
                 values.append(ARRAY_OPS[node.op](graph, *args, *node.consts))
+        elif i == dag.retried:
+            with dask.annotate(retries=1):
+                task = delayed(FailsOnce(delayed_func(node.op, kernels)))
+                values.append(task(*args, *node.consts))
         else:
             name = {"dask_key_name": dag.fail_key} if i == dag.failing else {}
             values.append(delayed(delayed_func(node.op, kernels))(*args, *node.consts, **name))

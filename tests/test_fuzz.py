@@ -229,3 +229,16 @@ def test_a_local_hang_says_where_the_compute_thread_was():
     assert outcome == "hang", detail
     assert detail.startswith("no result after 0.2 s; where the threads were:\n"), detail
     assert re.search(r"in host_sleep\n +time\.sleep\(seconds\)", detail), detail
+
+
+def test_a_retried_node_fails_once_and_its_retry_gives_the_exact_value(cluster_route):
+    """On a cluster, a node with ``retries=1`` whose first attempt raises: its retry runs
+    (its token is attempted) and the outputs are exact."""
+    data = np.arange(8.0)
+    nodes = [fuzz.Node("upload", (), (data,)), fuzz.Node("affine", (0,), (3,))]
+    kw = {"streams": 2, "policy": "round-robin", "delay": (0.0, 0.0), "retried": 1}
+    dag = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[1], **kw)
+    attempted = set(fuzz.ATTEMPTED)
+    assert cluster_route.run(dag) == fuzz.OK
+    assert len(fuzz.ATTEMPTED - attempted) == 1  # the first attempt raised; the retry passed
+    assert "node 1 retried;" in dag.describe()
