@@ -739,3 +739,51 @@ def test_retiring_a_worker_that_holds_a_corrupt_key_ends_and_the_key_raises(fail
             k.result(timeout=30)
         assert info.value.key == k.key
         np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 1.0))
+
+
+def test_retiring_a_worker_whose_corrupt_key_a_queued_dependent_needs_ends(gate, fail_gate):
+    """A retiring worker is paused: a dependent queued there (ready) never runs, so a corrupt
+    key held for it would be held until the worker closes, and retire_workers, which copies
+    it, would never end. The retirement ends, and both keys raise the KernelError."""
+    with (
+        dask.config.set(CONFIG),
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0")
+        as lc,
+        Client(lc) as client,
+    ):  # fmt: skip
+        client.register_plugin(StreamsPlugin())
+        a, b = sorted(lc.scheduler.workers)
+        [worker_a] = [w for w in lc.workers.values() if w.address == a]
+        x = client.submit(produce, 100, 1.0, workers=[a], pure=False)
+        k = client.submit(failing_later, x, workers=[a], allow_other_workers=True, pure=False)
+        wait(k)  # in a's memory; its kernel waits for the fail gate
+        busy = client.submit(holds_its_input, 0, workers=[a], pure=False)
+        assert ENTERED.wait(30)  # a's one thread is taken
+        d = client.submit(reads, k, workers=[a], pure=False)  # not stolen: it stays queued
+        tasks = worker_a.state.tasks
+        until(lambda: d.key in tasks and tasks[d.key].state == "ready")
+        with ThreadPoolExecutor(1) as threads:
+            retiring = threads.submit(client.retire_workers, [a])
+            try:
+                until(lambda: worker_a.status == Status.closing_gracefully)
+                fail_gate.set()  # found failed while a retires; d, queued on a, needs it
+                until(lambda: retiring.done(), timeout=20)
+            finally:
+                gate.set()
+                if not retiring.done():  # end the retirement: a goes
+                    client.cluster.sync(worker_a.close)
+                retiring.result(timeout=30)
+        assert set(client.nthreads()) == {b}
+        story = [e[:2] for e in worker_a.state.story(k.key, d.key)]
+        # The scheduler forgot a's replica and freed d there; d's release released k.
+        freed = story.index(("free-keys", [d.key]))
+        assert story[freed + 1 : freed + 4] == [
+            (d.key, "ready"),
+            (d.key, "released"),
+            (k.key, "remove-replica"),
+        ], story
+        for future in (k, d):
+            with pytest.raises(KernelError) as info:
+                future.result(timeout=30)
+            assert info.value.key == k.key
+        client.cancel([busy])

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from distributed.core import Status
-from distributed.worker_state_machine import RemoveReplicasEvent
+from distributed.worker_state_machine import ReleaseWorkerDataMsg, RemoveReplicasEvent
 
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.errors import KernelError
@@ -377,6 +377,7 @@ class Provenance:
             return
         tasks = worker.state.tasks
         now = []
+        held = []
         for key in keys:
             ts = tasks.get(key)
             if ts is None or ts.state != "memory":
@@ -384,12 +385,20 @@ class Provenance:
             needing = {dep.key for dep in ts.dependents if dep.state in _NEEDS_INPUTS}
             if needing:
                 self._held[key] = needing
+                held.append(key)
                 for dependent in needing:
                     self._needed_by.setdefault(dependent, set()).add(key)
             else:
                 now.append(key)
+        stimulus_id = f"{STIMULUS_PREFIX}-{time.time()}"
+        if held and worker.status == Status.closing_gracefully:
+            # A retiring worker is paused: its dependents queued here never run, so the key
+            # would stay held, and the retirement copy it, forever. The scheduler forgets
+            # this replica instead, and releases those dependents here, which releases it.
+            for key in held:
+                msg = ReleaseWorkerDataMsg(key=key, stimulus_id=stimulus_id)
+                worker.batched_send(msg.to_dict())
         if now:
-            stimulus_id = f"{STIMULUS_PREFIX}-{time.time()}"
             worker.handle_stimulus(RemoveReplicasEvent(keys=now, stimulus_id=stimulus_id))
 
     def transitioned(self, key: Hashable, finish: str) -> None:
