@@ -787,3 +787,27 @@ def test_retiring_a_worker_whose_corrupt_key_a_queued_dependent_needs_ends(gate,
                 future.result(timeout=30)
             assert info.value.key == k.key
         client.cancel([busy])
+
+
+def test_a_closing_workers_teardown_waits_at_most_close_timeout_in_all(cluster, gate, caplog):
+    """A kernel that never ends on a closing worker: the teardown's wait for the work of what
+    is in memory and the runtime's close share the one ``close_timeout``, not one each."""
+    client, worker = cluster
+    x = client.submit(gated_kernel, 100, 2.0, pure=False)
+    wait(x)  # in memory; its kernel waits for the gate (until the test's end)
+    plugin = worker.plugins["gpustreams"]
+    plugin.close_timeout = 0.5
+    close, given = plugin.provenance.close, []
+
+    async def observed_close(timeout):
+        given.append(timeout)
+        await close(timeout)
+
+    plugin.provenance.close = observed_close
+    try:
+        with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+            client.cluster.sync(worker.close)
+        assert "did not end within 0.5 s" in caplog.text  # the whole budget went there
+        assert len(given) == 1 and given[0] < 0.25, given  # what was left of it
+    finally:
+        gate.set()

@@ -375,8 +375,9 @@ class StreamsPlugin(WorkerPlugin):
         and threads.
         A closing worker still serves ``get_data`` until its listeners stop (distributed
         removes its plugins first), so the work of what is in memory is waited for there
-        too, for at most ``close_timeout`` s; its corrupt keys stay withheld until it has
-        closed. (No task adds a result any more: the close cancelled the worker's async
+        too; that wait and the runtime's close take at most ``close_timeout`` s in all (a
+        close not done by then goes on in its thread); its corrupt keys stay withheld until
+        it has closed. (No task adds a result any more: the close cancelled the worker's async
         instructions before it removed the plugins.)
         A plugin whose settings were bad set nothing up.
         """
@@ -393,6 +394,8 @@ class StreamsPlugin(WorkerPlugin):
                 await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
             while self.execution.running_wrapped():
                 await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.close_timeout  # a closing worker's, for both waits
         waiting = self.egress.wait_for(list(worker.data))
         try:
             failed = await (asyncio.wait_for(waiting, self.close_timeout) if closing else waiting)
@@ -409,7 +412,8 @@ class StreamsPlugin(WorkerPlugin):
         self._collector.stop()
         prometheus.unregister(worker)
         self.egress.uninstall(withheld=self.provenance.held)
-        await self.provenance.close(self.close_timeout)
+        left = max(0.0, deadline - loop.time()) if closing else self.close_timeout
+        await self.provenance.close(left)
         if not closing:
             guard.torn_down()
         self._egress_threads.shutdown(wait=False)

@@ -330,8 +330,9 @@ class Provenance:
         if runtime is None:
             return
         closing = asyncio.wrap_future(self._threads.submit(runtime.close))
-        try:
-            await asyncio.wait_for(closing, timeout)
+        closing.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no log
+        try:  # shielded: a close not started yet (busy threads) still runs after the timeout
+            await asyncio.wait_for(asyncio.shield(closing), timeout)
         except TimeoutError:
             logger.warning("gpustreams: %r did not close within %s s", runtime, timeout)
 
