@@ -908,7 +908,8 @@ class ComputeThread:
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="fuzz-compute", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="fuzz-compute", daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -930,6 +931,11 @@ class ComputeThread:
     def close(self) -> None:
         """End the thread once its call (if any) returns."""
         self._calls.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """Whether the thread has ended (after :meth:`close`) within ``timeout`` s."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 class LocalRoute:

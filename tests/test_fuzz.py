@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import subprocess
 import sys
@@ -225,7 +226,12 @@ def test_a_local_hang_says_where_the_compute_thread_was():
     dag = sleep_chain(1, 1.0)
     dag.route = "launcher"
     with fuzz.LocalRoute("launcher", "sim", timeout=0.2) as route:
+        hung = route.thread
         outcome, detail = route.run(dag)
+    # The compute left behind ends its sleep, then its thread; its runtime goes with it
+    # (garbage), so no later test sees its memory.
+    assert hung.join(timeout=30)
+    gc.collect()
     assert outcome == "hang", detail
     assert detail.startswith("no result after 0.2 s; where the threads were:\n"), detail
     assert re.search(r"in host_sleep\n +time\.sleep\(seconds\)", detail), detail
