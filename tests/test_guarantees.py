@@ -713,80 +713,81 @@ def test_a_closing_worker_withholds_the_corrupt_keys_its_teardown_finds(cluster,
         closing.result(timeout=30)
 
 
-def test_retiring_a_worker_that_holds_a_corrupt_key_ends_and_the_key_raises(fail_gate):
+@pytest.fixture
+def two_workers():
+    """Two in-process workers of one thread with the plugin: ``(client, a, b, worker a)``."""
+    with (
+        dask.config.set(CONFIG),
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0")
+        as lc,
+        Client(lc) as client,
+    ):  # fmt: skip
+        client.register_plugin(StreamsPlugin())
+        a, b = sorted(lc.scheduler.workers)
+        [worker_a] = [w for w in lc.workers.values() if w.address == a]
+        yield client, a, b, worker_a
+
+
+def test_retiring_a_worker_that_holds_a_corrupt_key_ends_and_the_key_raises(two_workers, fail_gate):
     """Retiring a worker (``retire_workers``, as adaptive scaling does) copies its results to
     the others; one whose kernel failed cannot be copied. The retiring worker drops it, as a
     running worker does, so the retirement ends, and the key raises its KernelError."""
-    with (
-        dask.config.set(CONFIG),
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0")
-        as lc,
-        Client(lc) as client,
-    ):  # fmt: skip
-        client.register_plugin(StreamsPlugin())
-        a, b = sorted(lc.scheduler.workers)
-        [worker_a] = [w for w in lc.workers.values() if w.address == a]
-        x = client.submit(produce, 100, 1.0, workers=[a], pure=False)
-        k = client.submit(failing_later, x, workers=[a], allow_other_workers=True, pure=False)
-        wait(k)  # in a's memory; its kernel waits for the fail gate
-        with ThreadPoolExecutor(1) as threads:
-            retiring = threads.submit(client.retire_workers, [a])
-            until(lambda: worker_a.status == Status.closing_gracefully)
-            fail_gate.set()  # found failed while a retires: its copy to b waits for the kernel
-            until(lambda: retiring.done(), timeout=20)
-        assert list(retiring.result()) == [a] and set(client.nthreads()) == {b}
-        with pytest.raises(KernelError) as info:
-            k.result(timeout=30)
-        assert info.value.key == k.key
-        np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 1.0))
+    client, a, b, worker_a = two_workers
+    x = client.submit(produce, 100, 1.0, workers=[a], pure=False)
+    k = client.submit(failing_later, x, workers=[a], allow_other_workers=True, pure=False)
+    wait(k)  # in a's memory; its kernel waits for the fail gate
+    with ThreadPoolExecutor(1) as threads:
+        retiring = threads.submit(client.retire_workers, [a])
+        until(lambda: worker_a.status == Status.closing_gracefully)
+        fail_gate.set()  # found failed while a retires: its copy to b waits for the kernel
+        until(lambda: retiring.done(), timeout=20)
+    assert list(retiring.result()) == [a] and set(client.nthreads()) == {b}
+    with pytest.raises(KernelError) as info:
+        k.result(timeout=30)
+    assert info.value.key == k.key
+    np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 1.0))
 
 
-def test_retiring_a_worker_whose_corrupt_key_a_queued_dependent_needs_ends(gate, fail_gate):
+def test_retiring_a_worker_whose_corrupt_key_a_queued_dependent_needs_ends(
+    two_workers, gate, fail_gate
+):
     """A retiring worker is paused: a dependent queued there (ready) never runs, so a corrupt
     key held for it would be held until the worker closes, and retire_workers, which copies
     it, would never end. The retirement ends, and both keys raise the KernelError."""
-    with (
-        dask.config.set(CONFIG),
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0")
-        as lc,
-        Client(lc) as client,
-    ):  # fmt: skip
-        client.register_plugin(StreamsPlugin())
-        a, b = sorted(lc.scheduler.workers)
-        [worker_a] = [w for w in lc.workers.values() if w.address == a]
-        x = client.submit(produce, 100, 1.0, workers=[a], pure=False)
-        k = client.submit(failing_later, x, workers=[a], allow_other_workers=True, pure=False)
-        wait(k)  # in a's memory; its kernel waits for the fail gate
-        busy = client.submit(holds_its_input, 0, workers=[a], pure=False)
-        assert ENTERED.wait(30)  # a's one thread is taken
-        d = client.submit(reads, k, workers=[a], pure=False)  # not stolen: it stays queued
-        tasks = worker_a.state.tasks
-        until(lambda: d.key in tasks and tasks[d.key].state == "ready")
-        with ThreadPoolExecutor(1) as threads:
-            retiring = threads.submit(client.retire_workers, [a])
-            try:
-                until(lambda: worker_a.status == Status.closing_gracefully)
-                fail_gate.set()  # found failed while a retires; d, queued on a, needs it
-                until(lambda: retiring.done(), timeout=20)
-            finally:
-                gate.set()
-                if not retiring.done():  # end the retirement: a goes
-                    client.cluster.sync(worker_a.close)
-                retiring.result(timeout=30)
-        assert set(client.nthreads()) == {b}
-        story = [e[:2] for e in worker_a.state.story(k.key, d.key)]
-        # The scheduler forgot a's replica and freed d there; d's release released k.
-        freed = story.index(("free-keys", [d.key]))
-        assert story[freed + 1 : freed + 4] == [
-            (d.key, "ready"),
-            (d.key, "released"),
-            (k.key, "remove-replica"),
-        ], story
-        for future in (k, d):
-            with pytest.raises(KernelError) as info:
-                future.result(timeout=30)
-            assert info.value.key == k.key
-        client.cancel([busy])
+    client, a, b, worker_a = two_workers
+    x = client.submit(produce, 100, 1.0, workers=[a], pure=False)
+    k = client.submit(failing_later, x, workers=[a], allow_other_workers=True, pure=False)
+    wait(k)  # in a's memory; its kernel waits for the fail gate
+    busy = client.submit(holds_its_input, 0, workers=[a], pure=False)
+    assert ENTERED.wait(30)  # a's one thread is taken
+    d = client.submit(reads, k, workers=[a], pure=False)  # not stolen: it stays queued
+    tasks = worker_a.state.tasks
+    until(lambda: d.key in tasks and tasks[d.key].state == "ready")
+    with ThreadPoolExecutor(1) as threads:
+        retiring = threads.submit(client.retire_workers, [a])
+        try:
+            until(lambda: worker_a.status == Status.closing_gracefully)
+            fail_gate.set()  # found failed while a retires; d, queued on a, needs it
+            until(lambda: retiring.done(), timeout=20)
+        finally:
+            gate.set()
+            if not retiring.done():  # end the retirement: a goes
+                client.cluster.sync(worker_a.close)
+            retiring.result(timeout=30)
+    assert set(client.nthreads()) == {b}
+    story = [e[:2] for e in worker_a.state.story(k.key, d.key)]
+    # The scheduler forgot a's replica and freed d there; d's release released k.
+    freed = story.index(("free-keys", [d.key]))
+    assert story[freed + 1 : freed + 4] == [
+        (d.key, "ready"),
+        (d.key, "released"),
+        (k.key, "remove-replica"),
+    ], story
+    for future in (k, d):
+        with pytest.raises(KernelError) as info:
+            future.result(timeout=30)
+        assert info.value.key == k.key
+    client.cancel([busy])
 
 
 def test_a_closing_workers_teardown_waits_at_most_close_timeout_in_all(cluster, gate, caplog):
