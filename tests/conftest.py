@@ -44,6 +44,21 @@ def reset_gpustreams():
     base.POLICIES._entries.clear()
     base.POLICIES._entries.update(policies)
     hook._runs.clear()
+    forget_closed_servers()
+
+
+def forget_closed_servers() -> None:
+    """Let in-process workers that a test closed go, with the device arrays in their memory.
+
+    distributed caches the request handlers it has called, bound methods of each worker and
+    scheduler (``core._expects_comm`` with no bound, ``utils.has_keyword``), so a closed
+    in-process worker lives on with its data for as long as the process: later tests
+    that count the sim pool's bytes would see its arrays.
+    """
+    from distributed import core, utils
+
+    core._expects_comm.cache_clear()
+    utils.has_keyword.cache_clear()
 
 
 @pytest.fixture

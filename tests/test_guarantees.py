@@ -15,6 +15,7 @@ kernel or a task waits for) holds work back exactly as long as the test needs.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import threading
@@ -44,6 +45,7 @@ from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.distributed.withheld import WithheldKeys
 from dask_gpustreams.runtime import StreamPool, TaskRecord, runtimes
 from dask_gpustreams.runtime.pinned import PinnedPool
+from tests.conftest import forget_closed_servers
 
 #: Opened by the test that closes it, and by the ``gate`` fixture at the end (a failed
 #: test leaves no kernel or task waiting). Tasks find it by reference: in-process workers.
@@ -812,3 +814,29 @@ def test_a_closing_workers_teardown_waits_at_most_close_timeout_in_all(cluster, 
         assert len(given) == 1 and given[0] < 0.25, given  # what was left of it
     finally:
         gate.set()
+
+
+def test_a_closed_workers_results_go_back_to_the_pool():
+    """A worker closed with results in its memory (in-process, as in a notebook): once
+    distributed's own caches of handlers forget it, nothing of the plugin's keeps it, or
+    the device memory of those results, alive."""
+    pool = sim.get_default_memory_pool()
+    gc.collect()
+    before = pool.used_bytes()
+    with (
+        dask.config.set(CONFIG),
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0")
+        as lc,
+        Client(lc) as client,
+    ):  # fmt: skip
+        client.register_plugin(StreamsPlugin())
+        futures = client.map(produce, [1000] * 4, [1.0, 2.0, 3.0, 4.0], pure=False)
+        got = client.gather(futures)  # get_data, with serializers: the handler is cached
+        assert [float(values(g)[0]) for g in got] == [1.0, 2.0, 3.0, 4.0]
+        del got
+        [worker] = lc.workers.values()
+        lc.sync(worker.close)  # the results still in its memory
+        del worker, futures
+    forget_closed_servers()
+    gc.collect()
+    assert pool.used_bytes() == before
