@@ -1204,15 +1204,21 @@ class DistributedRoute:
         (``retire``: the scheduler's ``retire_workers``, as adaptive scaling does), its
         results are first copied to the other workers."""
         from distributed import Worker
+        from distributed.core import Status
 
         cluster = self.cluster
         scheduler = cluster.scheduler
 
         async def lose() -> None:
-            states = scheduler.workers.values()
+            # Of the workers running here (one closed before may still be on the scheduler).
+            running = {
+                w.address: w
+                for w in (*cluster.workers.values(), *self.started)
+                if w.status == Status.running
+            }
+            states = [ws for ws in scheduler.workers.values() if ws.address in running]
             busiest = max(states, key=lambda ws: (len(ws.processing), len(ws.has_what)))
-            workers = [*cluster.workers.values(), *self.started]
-            victim = next(w for w in workers if w.address == busiest.address)
+            victim = running[busiest.address]
             if retire:
                 await scheduler.retire_workers([victim.address], close_workers=True)
             await victim.close()  # retired: closed already (then this returns at once)
