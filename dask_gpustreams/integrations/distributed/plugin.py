@@ -385,10 +385,11 @@ class StreamsPlugin(WorkerPlugin):
             return
         self._active = False
         closing = worker.status in (Status.closing, Status.closed, Status.failed)
-        guard = WithheldKeys(worker, self.provenance, self.egress, self.execution.fail)
+        guard = None
         if not closing:
             # First, before any await: this plugin is out of worker.plugins already, so
             # only the guard sees the tasks that read held corrupt keys start.
+            guard = WithheldKeys(worker, self.provenance, self.egress, self.execution.fail)
             guard.install()
             with contextlib.suppress(Exception):  # no scheduler plugin: nothing to undo
                 await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
@@ -414,7 +415,7 @@ class StreamsPlugin(WorkerPlugin):
         self.egress.uninstall(withheld=self.provenance.held)
         left = max(0.0, deadline - loop.time()) if closing else self.close_timeout
         await self.provenance.close(left)
-        if not closing:
+        if guard is not None:
             guard.torn_down()
         self._egress_threads.shutdown(wait=False)
 
