@@ -76,6 +76,7 @@ tested here (no GPU).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import gc
@@ -896,8 +897,10 @@ def busy_stacks(frames: int = 8) -> str:
     names = {t.ident: t.name for t in threading.enumerate()}
     shown = []
     for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue  # this one, printing
         stack = traceback.extract_stack(frame)
-        if any(part in f.filename for f in stack for part in ("dask", "fuzz")):
+        if any(part in f.filename for f in stack for part in ("dask", "distributed", "fuzz")):
             lines = "".join(traceback.format_list(stack[-frames:]))
             shown.append(f"  thread {names.get(ident, ident)}:\n{lines}")
     return "".join(shown)
@@ -1066,7 +1069,9 @@ class DistributedRoute:
         self.client: Any = None
         self.cluster: Any = None
         self.started: list = []  # distributed-loss: the workers started after a loss
-        self.losses = 0  # distributed-loss: the workers closed mid-DAG
+        self.losses = 0  # distributed-loss: the workers closed or retired
+        self.interrupted = 0  # ... of which had tasks in flight when they went
+        self.loss_error: BaseException | None = None  # what the last loss raised
         self._config: Any = None  # the dask.config.set of the cluster's settings
         self.pending: list[Pending] = []  # at most the two DAGs before
         #: DAGs whose tasks stayed on the scheduler, and what stayed (run_route takes them)
@@ -1186,7 +1191,15 @@ class DistributedRoute:
                 return _blame(e, dag)
             finally:
                 if loss is not None:
-                    loss.join()
+                    loss.join(self.timeout)
+            if loss is not None:  # the DAG's own outcome first
+                error, self.loss_error = self.loss_error, None
+                if loss.is_alive():  # left behind: the cluster is replaced
+                    self.close()
+                    if outcome == OK:
+                        return "hang", f"the worker's loss did not end within {self.timeout} s"
+                elif error is not None and outcome == OK:
+                    return "error", f"losing a worker: {type(error).__name__}: {error}"
             if outcome != OK or not dag.again:
                 return outcome
             # The same keys again while the first futures live (a notebook cell run twice):
@@ -1219,14 +1232,19 @@ class DistributedRoute:
             states = [ws for ws in scheduler.workers.values() if ws.address in running]
             busiest = max(states, key=lambda ws: (len(ws.processing), len(ws.has_what)))
             victim = running[busiest.address]
+            self.interrupted += bool(busiest.processing)
             if retire:
-                await scheduler.retire_workers([victim.address], close_workers=True)
+                retiring = scheduler.retire_workers([victim.address], close_workers=True)
+                await asyncio.wait_for(retiring, self.timeout)
             await victim.close()  # retired: closed already (then this returns at once)
             self.losses += 1
             self.started = [w for w in self.started if w is not victim]
             self.started.append(await Worker(scheduler.address, nthreads=2))
 
-        cluster.sync(lose)
+        try:
+            cluster.sync(lose)
+        except Exception as e:  # noqa: BLE001 - an outcome of the DAG, taken after its join
+            self.loss_error = e
 
     def settle(self) -> None:
         """The leak checks of the pending DAGs, now."""

@@ -740,9 +740,14 @@ def test_retiring_a_worker_that_holds_a_corrupt_key_ends_and_the_key_raises(two_
     wait(k)  # in a's memory; its kernel waits for the fail gate
     with ThreadPoolExecutor(1) as threads:
         retiring = threads.submit(client.retire_workers, [a])
-        until(lambda: worker_a.status == Status.closing_gracefully)
-        fail_gate.set()  # found failed while a retires: its copy to b waits for the kernel
-        until(lambda: retiring.done(), timeout=20)
+        try:
+            until(lambda: worker_a.status == Status.closing_gracefully)
+            fail_gate.set()  # found failed while a retires: its copy to b waits for the kernel
+            until(lambda: retiring.done(), timeout=20)
+        finally:
+            if not retiring.done():  # end the retirement: a goes
+                client.cluster.sync(worker_a.close)
+            retiring.result(timeout=30)
     assert list(retiring.result()) == [a] and set(client.nthreads()) == {b}
     with pytest.raises(KernelError) as info:
         k.result(timeout=30)
