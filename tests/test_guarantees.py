@@ -15,6 +15,7 @@ kernel or a task waits for) holds work back exactly as long as the test needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import sys
@@ -122,16 +123,24 @@ def until(condition, timeout=30.0):
         time.sleep(0.01)
 
 
-@pytest.fixture
-def cluster():
-    """One in-process worker with the plugin (sim, 4 streams, round-robin) and a client."""
+@contextlib.contextmanager
+def sim_cluster(n_workers: int, threads: int):
+    """In-process workers with the plugin (sim, 4 streams, round-robin) and a client."""
     with (
         dask.config.set(CONFIG),
-        LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0")
-        as lc,
+        LocalCluster(
+            n_workers=n_workers, threads_per_worker=threads, processes=False, dashboard_address=":0"
+        ) as lc,
         Client(lc) as client,
-    ):  # fmt: skip
+    ):
         client.register_plugin(StreamsPlugin())
+        yield lc, client
+
+
+@pytest.fixture
+def cluster():
+    """One in-process worker of two threads and a client: ``(client, worker)``."""
+    with sim_cluster(1, 2) as (lc, client):
         [worker] = lc.workers.values()
         yield client, worker
 
@@ -718,13 +727,7 @@ def test_a_closing_worker_withholds_the_corrupt_keys_its_teardown_finds(cluster,
 @pytest.fixture
 def two_workers():
     """Two in-process workers of one thread with the plugin: ``(client, a, b, worker a)``."""
-    with (
-        dask.config.set(CONFIG),
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0")
-        as lc,
-        Client(lc) as client,
-    ):  # fmt: skip
-        client.register_plugin(StreamsPlugin())
+    with sim_cluster(2, 1) as (lc, client):
         a, b = sorted(lc.scheduler.workers)
         [worker_a] = [w for w in lc.workers.values() if w.address == a]
         yield client, a, b, worker_a
@@ -828,13 +831,7 @@ def test_a_closed_workers_results_go_back_to_the_pool():
     pool = sim.get_default_memory_pool()
     gc.collect()
     before = pool.used_bytes()
-    with (
-        dask.config.set(CONFIG),
-        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0")
-        as lc,
-        Client(lc) as client,
-    ):  # fmt: skip
-        client.register_plugin(StreamsPlugin())
+    with sim_cluster(1, 1) as (lc, client):
         futures = client.map(produce, [1000] * 4, [1.0, 2.0, 3.0, 4.0], pure=False)
         got = client.gather(futures)  # get_data, with serializers: the handler is cached
         assert [float(values(g)[0]) for g in got] == [1.0, 2.0, 3.0, 4.0]
