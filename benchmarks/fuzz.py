@@ -1010,6 +1010,13 @@ class Finished(SchedulerPlugin):
             self.count += 1
 
 
+def _has_streams_plugin(dask_worker: Any) -> str:
+    """On a worker: its status and whether the plugin is set up there (a wrong output's report)."""
+    from dask_gpustreams import StreamsPlugin
+
+    return f"{dask_worker.status.name}, plugin {StreamsPlugin.name in dask_worker.plugins}"
+
+
 def scheduler_keys(
     before: frozenset = frozenset(), within: frozenset | None = None, *, dask_scheduler: Any
 ) -> dict[Any, str]:
@@ -1071,6 +1078,7 @@ class DistributedRoute:
         self.started: list = []  # distributed-loss: the workers started after a loss
         self.losses = 0  # distributed-loss: the workers closed or retired
         self.interrupted = 0  # ... of which had tasks in flight when they went
+        self.last_loss = ""  # ... the last one, as a wrong output's report gives it
         self.loss_error: BaseException | None = None  # what the last loss raised
         self._config: Any = None  # the dask.config.set of the cluster's settings
         self.pending: list[Pending] = []  # at most the two DAGs before
@@ -1182,6 +1190,7 @@ class DistributedRoute:
                 outs = build(dag, self.kernels, lambda xs: client.persist(xs, **options))
                 futures = client.compute(outs, **options)
                 if self.name == "distributed-loss":
+                    self.last_loss = ""  # this DAG's, once its loss is under way
                     rng = np.random.default_rng([self.seed, ROUTES.index(self.name), dag.index])
                     after, retire = rng.random() * LOSS_MS / 1e3, bool(rng.random() < 0.5)
                     loss = threading.Timer(after, self.lose_worker, (retire,))
@@ -1233,6 +1242,11 @@ class DistributedRoute:
             busiest = max(states, key=lambda ws: (len(ws.processing), len(ws.has_what)))
             victim = running[busiest.address]
             self.interrupted += bool(busiest.processing)
+            self.last_loss = (
+                f"{'retired' if retire else 'closed'} {victim.address}, which was running"
+                f" {sorted(map(str, busiest.processing))[:6]} and held"
+                f" {sorted(map(str, busiest.has_what))[:6]}"
+            )
             if retire:
                 retiring = scheduler.retire_workers([victim.address], close_workers=True)
                 await asyncio.wait_for(retiring, self.timeout)
@@ -1332,14 +1346,27 @@ class DistributedRoute:
                 e.__traceback__ = None
                 outcome = _blame(e, dag)
                 if outcome != OK:
+                    if self.last_loss:
+                        outcome = (outcome[0], f"{outcome[1]} (output {i}; {self.last_loss})")
                     return outcome
                 continue
             if tainted[i]:
-                return "wrong", f"output {i} derives from the failing kernel, yet resolved"
+                where = self.whereabouts(futures[k])
+                return "wrong", f"output {i} derives from the failing kernel, yet resolved{where}"
             problem = compare(got, want[i])
             if problem is not None:
                 return "wrong", f"output {i}: {problem}"
         return OK
+
+    def whereabouts(self, future: Any) -> str:
+        """Where a wrong output's key is now, and this DAG's loss (``distributed-loss``)."""
+        try:
+            holders = self.client.who_has([future]).get(future.key, ())
+            plugins = self.client.run(_has_streams_plugin, workers=list(holders))
+        except Exception as e:  # noqa: BLE001 - a report, not an outcome
+            return f" (where: {type(e).__name__}: {e})"
+        lost = f"; {self.last_loss}" if self.last_loss else ""
+        return f" (held by {plugins or 'no worker'}{lost})"
 
     def result(self, future: Any) -> Any:
         """``future.result()``, waited for while tasks keep finishing on the cluster.
