@@ -2,7 +2,8 @@
 
 At 37fb352 on the H200 (``results/h200-verify-37fb352``, ``h200-second-37fb352``), the
 plugin with blocks off ran 7 of 17 workload runs slower than the plugin off (0.87-0.98x:
-transpose, std, stencil, fft, rechunk, delayed, qr): 200-300 us more a task on some. This probe runs
+transpose, std, stencil, fft, rechunk, delayed, qr), 200-300 us more a task on some, and
+the same workload went either way from call to call. This probe runs
 workloads of ``bench_workloads`` on ``bench_cluster``'s cluster (one worker), each mode in
 turn, and splits each compute's wall with the worker's task stream into ``in_tasks``
 (the sum of the tasks' compute spans, in the worker's thread: the call, the plugin's
