@@ -842,3 +842,66 @@ def test_a_closed_workers_results_go_back_to_the_pool():
     forget_closed_servers()
     gc.collect()
     assert pool.used_bytes() == before
+
+
+def test_a_get_data_waiting_when_the_teardown_runs_does_not_serve_the_key_it_found_corrupt(
+    cluster, fail_gate
+):
+    """A ``get_data`` waits for a key's kernel when the worker closes: the teardown's own
+    wait finds the kernel failed, withholds the key and clears the registry before that
+    ``get_data`` looks again (the loss route of the fuzzer, blocks off). The ``get_data``
+    must leave the key out, not serve it as if nothing had failed. Here what the teardown
+    does runs on the event loop just before the ``get_data``'s wait returns."""
+    client, worker = cluster
+    x = client.submit(produce, 100, 1.0, pure=False)
+    k = client.submit(failing_later, x, pure=False)
+    wait(k)
+    plugin = worker.plugins["gpustreams"]
+    provenance, egress = plugin.provenance, plugin.egress
+    wait_all = provenance.wait_all
+    entered = threading.Event()
+
+    def torn_down_meanwhile():  # Plugin.teardown's effects: corrupt keys withheld, clear
+        egress.uninstall(withheld={k.key: set()})
+        provenance.clear(keep_held=True)
+
+    def wait_all_then_teardown(records):
+        entered.set()
+        wait_all(records)
+        worker.loop.add_callback(torn_down_meanwhile)  # runs before get_data resumes
+
+    provenance.wait_all = wait_all_then_teardown
+    with ThreadPoolExecutor(1) as threads:
+        try:
+            got = threads.submit(
+                client.cluster.sync, get_data_from_worker, worker.rpc, [k.key], worker.address
+            )
+            assert entered.wait(30)  # get_data waits for k's kernel
+        finally:
+            fail_gate.set()
+        response = got.result(timeout=30)
+    assert k.key not in response["data"], "a corrupt key was served after the teardown"
+    client.cancel([x, k])
+
+
+def test_a_wait_for_keeps_the_records_a_clear_drops_meanwhile(cluster, fail_gate):
+    """The teardown clears the registry while ``Egress.wait_for`` waits: the failure of
+    the records it was waiting for is still found (the key stays in memory, withheld
+    only once found corrupt)."""
+    client, worker = cluster
+    x = client.submit(produce, 100, 1.0, pure=False)
+    k = client.submit(failing_later, x, pure=False)
+    wait(k)
+    plugin = worker.plugins["gpustreams"]
+    provenance, egress = plugin.provenance, plugin.egress
+    wait_all = provenance.wait_all
+
+    def wait_all_then_clear(records):
+        fail_gate.set()
+        wait_all(records)
+        provenance.clear(keep_held=True)  # as Provenance.close does, at teardown
+
+    provenance.wait_all = wait_all_then_clear
+    failed = client.cluster.sync(egress.wait_for, [k.key])
+    assert list(failed) == [k.key] and isinstance(failed[k.key], KernelError)
+    client.cancel([x, k])

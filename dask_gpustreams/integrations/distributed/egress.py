@@ -94,8 +94,6 @@ class Egress:
 
         After the plugin's removal, also the :attr:`withheld` keys.
         """
-        if self.withheld:
-            keys = [k for k in keys if k not in self.withheld]
         provenance = self.provenance
         if len(provenance.registry):
             with context_meter.add_callback(self._get_data_digest, allow_offload=True):
@@ -104,6 +102,10 @@ class Egress:
                 provenance.drop_corrupt(failed)
                 keys = [k for k in keys if k not in failed]
                 provenance.clear_stream_errors_soon()
+        # Read after the wait: a teardown that ran meanwhile (a closing worker) may have
+        # found a key corrupt and withheld it.
+        if self.withheld:
+            keys = [k for k in keys if k not in self.withheld]
         return await self._worker_get_data(comm, keys=keys, who=who, serializers=serializers)
 
     async def wait_for(self, keys: Collection[Hashable]) -> dict[Hashable, KernelError]:
@@ -111,8 +113,12 @@ class Egress:
         provenance = self.provenance
         loop = asyncio.get_running_loop()
         waited = None
+        sources: dict[Hashable, list] = {}
         while True:
-            sources = provenance.sources_by_key(keys)
+            # Updated, not replaced: a key whose record went during the wait (a teardown
+            # cleared the registry, the key still in memory) keeps the records it had, whose
+            # failure must still be found.
+            sources.update(provenance.sources_by_key(keys))
             pending = provenance.pending(r for rs in sources.values() for r in rs)
             if not pending:
                 break

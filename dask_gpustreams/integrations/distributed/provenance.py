@@ -441,7 +441,10 @@ class Provenance:
         """Queue one :meth:`_clear_stream_errors` on the egress threads, if none is queued."""
         if not self._clearing and self._runtime is not None:
             self._clearing = True
-            self._threads.submit(self._clear_stream_errors)
+            try:
+                self._threads.submit(self._clear_stream_errors)
+            except RuntimeError:  # the threads are shut down (torn down): its close synced all
+                self._clearing = False
 
     def _clear_stream_errors(self) -> None:
         """Egress thread: synchronize every stream of the runtime, ignoring its errors.
