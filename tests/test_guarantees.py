@@ -844,6 +844,16 @@ def test_a_closed_workers_results_go_back_to_the_pool():
     assert pool.used_bytes() == before
 
 
+def _failing_key_held(client, worker):
+    """A key in ``worker``'s memory whose kernel fails once ``fail_gate`` is set, its input,
+    and the worker plugin's provenance and egress."""
+    x = client.submit(produce, 100, 1.0, pure=False)
+    k = client.submit(failing_later, x, pure=False)
+    wait(k)
+    plugin = worker.plugins["gpustreams"]
+    return x, k, plugin.provenance, plugin.egress
+
+
 def test_a_get_data_waiting_when_the_teardown_runs_does_not_serve_the_key_it_found_corrupt(
     cluster, fail_gate
 ):
@@ -853,11 +863,7 @@ def test_a_get_data_waiting_when_the_teardown_runs_does_not_serve_the_key_it_fou
     must leave the key out, not serve it as if nothing had failed. Here what the teardown
     does runs on the event loop just before the ``get_data``'s wait returns."""
     client, worker = cluster
-    x = client.submit(produce, 100, 1.0, pure=False)
-    k = client.submit(failing_later, x, pure=False)
-    wait(k)
-    plugin = worker.plugins["gpustreams"]
-    provenance, egress = plugin.provenance, plugin.egress
+    x, k, provenance, egress = _failing_key_held(client, worker)
     wait_all = provenance.wait_all
     entered = threading.Event()
 
@@ -889,11 +895,7 @@ def test_a_wait_for_keeps_the_records_a_clear_drops_meanwhile(cluster, fail_gate
     the records it was waiting for is still found (the key stays in memory, withheld
     only once found corrupt)."""
     client, worker = cluster
-    x = client.submit(produce, 100, 1.0, pure=False)
-    k = client.submit(failing_later, x, pure=False)
-    wait(k)
-    plugin = worker.plugins["gpustreams"]
-    provenance, egress = plugin.provenance, plugin.egress
+    x, k, provenance, egress = _failing_key_held(client, worker)
     wait_all = provenance.wait_all
 
     def wait_all_then_clear(records):
