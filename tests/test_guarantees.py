@@ -6,7 +6,8 @@
 - the pinned pool's waits when it is full;
 - the plugin's teardown waits for the wrapped tasks still running;
 - ``backend: auto`` logs its choice once per process;
-- a corrupt result that a dependent still needs is released once it has left.
+- a corrupt result that a dependent still needs is released once it has left;
+- a kernel failure whose key is released unread fails no later task.
 
 The cluster tests run in-process, so that a gate (a ``threading.Event`` that a
 kernel or a task waits for) holds work back exactly as long as the test needs.
@@ -124,10 +125,10 @@ def until(condition, timeout=30.0):
 
 
 @contextlib.contextmanager
-def sim_cluster(n_workers: int, threads: int):
+def sim_cluster(n_workers: int, threads: int, config: dict | None = None):
     """In-process workers with the plugin (sim, 4 streams, round-robin) and a client."""
     with (
-        dask.config.set(CONFIG),
+        dask.config.set({**CONFIG, **(config or {})}),
         LocalCluster(
             n_workers=n_workers, threads_per_worker=threads, processes=False, dashboard_address=":0"
         ) as lc,
@@ -907,3 +908,43 @@ def test_a_wait_for_keeps_the_records_a_clear_drops_meanwhile(cluster, fail_gate
     failed = client.cluster.sync(egress.wait_for, [k.key])
     assert list(failed) == [k.key] and isinstance(failed[k.key], KernelError)
     client.cancel([x, k])
+
+
+# --- (h) a kernel failure whose key is released unread fails no later task -------------------
+
+
+@pytest.mark.parametrize("fails", ["before the release", "after the release"])
+@pytest.mark.parametrize("blocks", ["off", "auto"])
+def test_a_failure_released_unread_fails_no_later_task(fail_gate, blocks, fails):
+    """A key whose kernel failed is released before anything read it (no gather, no
+    dependent), so no check ever finds its failure. On the sim its stream stays in error
+    until a sync reports it; the worker reports it before its next launch, so the 12 tasks
+    that follow, round-robin over the 4 streams (3 on the failed one), all give their values
+    and none raises the released key's error (before the fix, the first on that stream did).
+    The kernel fails once the key is released, or before; either way before the 12 start.
+    Lone tasks run per key with blocks on too (no block to group them in)."""
+    with sim_cluster(1, 2, {"gpustreams.blocks": blocks}) as (lc, client):
+        [worker] = lc.workers.values()
+        provenance = worker.plugins["gpustreams"].provenance
+        x = client.submit(produce, 100, 1.0, pure=False)
+        k = client.submit(failing_later, x, pure=False)
+        wait([x, k])  # in memory: its kernel waits for the gate
+        key, record = k.key, provenance.registry.get(k.key)
+        if fails == "before the release":
+            fail_gate.set()
+            error = provenance.runtime.wait(record)  # returns the error, reports nothing
+            assert isinstance(error, KernelError) and error.key == key
+        k.release()
+        until(lambda: key not in worker.state.tasks)  # forgotten, never read
+        if fails == "after the release":
+            fail_gate.set()
+            error = provenance.runtime.wait(record)
+            assert isinstance(error, KernelError) and error.key == key
+        got = []
+        for y in [client.submit(add, x, x, pure=False) for _ in range(12)]:
+            try:
+                got.append(float(values(y.result(timeout=30)).sum()))
+            except KernelError as e:  # the key whose error it raised
+                got.append(e.key)
+        assert got == [200.0] * 12
+        assert provenance.corrupt_found == 0  # no result was found corrupt and recomputed

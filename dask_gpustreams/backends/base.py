@@ -101,6 +101,11 @@ class Backend(Protocol):
     device_id: int
     #: Whether the device is AMD's, run through HIP (ROCm); False for CUDA and the sim.
     is_hip: bool
+    #: Whether a kernel failure is sticky for the whole context (CUDA's, HIP's): every later
+    #: call fails, and a sync that reports it clears nothing. False for the simulated
+    #: device, where a failure stays with the streams it reached only until a host sync
+    #: reports it (the worker plugin then reports the failures of keys released unread).
+    sticky_errors: bool
     #: Functions that copy host data to this device / device data to the host, which
     #: integrations may replace by the runtime's staged copies (``cupy.asarray``, ...).
     #: The first upload function also converts device arrays between dtypes.

@@ -46,6 +46,8 @@ class CupyBackend:
     download_functions = (cupy.asnumpy, cupy.ndarray.get)
     # CuPy's pool raises it once cudaMalloc fails after it freed every arena's free blocks.
     out_of_memory_errors = (cupy.cuda.memory.OutOfMemoryError,)
+    # A kernel fault is sticky for the CUDA (HIP) context: no sync reports it away.
+    sticky_errors = True
 
     #: Make each pool stream PyTorch's current stream too, inside tasks (see use_stream).
     torch_interop = True

@@ -18,6 +18,7 @@ class SimBackend:
 
     name = "sim"
     is_hip = False
+    sticky_errors = False  # a failure stays with its streams until a host sync reports it
     upload_functions = (sim.asarray,)
     download_functions = (sim.asnumpy,)
     out_of_memory_errors = (sim.OutOfMemoryError,)

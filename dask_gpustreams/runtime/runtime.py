@@ -345,6 +345,15 @@ class StreamRuntime:
         return tuple(backend.upload_functions), tuple(backend.download_functions)
 
     @property
+    def sticky_errors(self) -> bool:
+        """Whether a kernel failure is sticky for the device's whole context (CUDA's).
+
+        Then :meth:`report` clears nothing. False on the simulated device, where a
+        failure stays with the streams it reached only until a sync reports it.
+        """
+        return getattr(self.backend, "sticky_errors", False)
+
+    @property
     def needs_critical_path(self) -> bool:
         """Whether the policy places tasks by the graph's longest path (give it the flags)."""
         return self.policy.needs_critical_path

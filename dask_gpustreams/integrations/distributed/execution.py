@@ -77,7 +77,9 @@ class WorkerStreamTask(StreamTask):
     call, which releases the GIL and so makes the event loop wait to get it back)
     stay off the event loop. An input whose work failed makes the task raise that
     :class:`~dask_gpustreams.KernelError` before it launches anything; the inputs'
-    pending work becomes the key's taint. A stream block
+    pending work becomes the key's taint. Before it launches, the failures of keys
+    released unread are reported (:meth:`.Provenance.report_forgotten`), lest its
+    work be skipped on a stream they left in error. A stream block
     (:class:`~dask_gpustreams.integrations.blocks.StreamBlock`) waits for its
     inputs' work, then launches its tasks onto the pool and returns once they
     are complete (its key has no event). The launch is metered as
@@ -98,6 +100,7 @@ class WorkerStreamTask(StreamTask):
         if error is not None:
             provenance.clear_stream_errors_soon()
             raise error.with_traceback(None)  # not the frames of the sync that found it
+        provenance.report_forgotten()  # before this task's launch: failures nobody read
         node = self.node
         if type(node) is Task and type(node.func) is StreamBlock:
             provenance.free_retired()  # here, not on the event loop that retired them

@@ -10,7 +10,10 @@ otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -107,6 +110,16 @@ class Provenance:
         #: dependent -> the held keys it needs (the same pairs, by dependent).
         self._needed_by: dict[Hashable, set[Hashable]] = {}
         self._clearing = False  # a clear of stream errors is queued
+        #: Whether the records of forgotten keys are checked for failures nobody reported
+        #: (:meth:`report_forgotten`): set with the runtime, where errors are not sticky.
+        self._check_forgotten = False
+        #: The records of the keys forgotten since the last :meth:`report_forgotten`
+        #: (appended on the event loop), and, by stream, those whose task had not completed
+        #: then: heaps of ``(seq, record)``, in the order their events complete.
+        self._forgotten: deque[TaskRecord] = deque()
+        self._unsettled: dict[int, list[tuple[int, TaskRecord]]] = {}
+        self._reporting = False  # a report_forgotten holds the records it took (under the lock)
+        self._report_lock = threading.Lock()
 
     # Read-only views, for the other parts' bindings and for diagnostics.
 
@@ -147,6 +160,7 @@ class Provenance:
         """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
         if self._runtime is None:
             self._runtime = runtimes.create(self._config)
+            self._check_forgotten = not self._runtime.sticky_errors
         return self._runtime
 
     def sources_by_key(self, keys: Iterable[Hashable]) -> dict[Hashable, list[TaskRecord]]:
@@ -272,11 +286,15 @@ class Provenance:
 
         On the event loop: its record and its taint (records, each with its event)
         are freed later, in a task thread (:meth:`free_retired`) or at the next
-        :meth:`collect`. Deque appends and clears are atomic: no lock.
+        :meth:`collect`; where errors are not sticky (the sim), its record is also
+        checked for a failure nobody reported (:meth:`report_forgotten`). Deque
+        appends and clears are atomic: no lock.
         """
         record = self._registry.discard(key)
         if record is not None:
             self._retired.append(record)
+            if self._check_forgotten:  # an attribute: no call
+                self._forgotten.append(record)
         if self._taint:
             taint = self._taint.pop(key, None)
             if taint:
@@ -286,12 +304,63 @@ class Provenance:
         """Worker thread: free the records of the keys forgotten since the last call."""
         self._retired.clear()
 
+    def report_forgotten(self) -> None:
+        """Worker thread, before a launch (or egress thread): report forgotten keys' failures.
+
+        A key whose kernel failed and that is released before anything read it
+        (no ``get_data``, no dependent) never has its failure found, so nobody
+        reports it (:meth:`_report`): on the simulated device its stream would
+        stay in error and skip the next task launched on it, which would then
+        fail with this key's error. So each forgotten key's record is asked here,
+        and reported if it failed; one not completed yet is asked again at each
+        call until it has (per stream, oldest first: they complete in that
+        order). A task calls this before it launches, so a failure complete by
+        then is reported before its work is enqueued (a task launched on that
+        stream while the failing kernel still runs is skipped with it, as any
+        work queued after a failure is). Only where errors are not sticky
+        (:meth:`forget` collects no record otherwise); with nothing to do, three
+        reads. Another thread's call holds the records it took under the lock
+        with ``_reporting`` set, read last here: then this waits for it.
+        """
+        if not (self._forgotten or self._unsettled or self._reporting):
+            return
+        with self._report_lock:
+            self._reporting = True
+            try:
+                self._report_forgotten()
+            finally:
+                self._reporting = False
+
+    def _report_forgotten(self) -> None:
+        """:meth:`report_forgotten`'s work, under its lock."""
+        state = self._runtime.state
+        forgotten = self._forgotten
+        unsettled = self._unsettled
+        while forgotten:
+            record = forgotten.popleft()
+            heapq.heappush(unsettled.setdefault(record.stream_index, []), (record.seq, record))
+        for index, heap in list(unsettled.items()):
+            while heap:
+                record = heap[0][1]
+                done, error = state(record)
+                if not done:
+                    break
+                heapq.heappop(heap)
+                if error is not None:
+                    self._report(record)
+            if not heap:
+                unsettled.pop(index, None)  # (a teardown's clear may have emptied it)
+
     def collect(self) -> None:
         """Release the inputs held for completed tasks; free the records of forgotten keys
-        in an egress thread (none ran a task since); drop the expired failure records."""
+        in an egress thread (none ran a task since), reporting their failures first
+        (:meth:`report_forgotten`); drop the expired failure records."""
         if self._runtime is not None:
             self._runtime.collect()
         self._failures.expire()
+        if self._forgotten or self._unsettled:  # and no task since: in an egress thread
+            with contextlib.suppress(RuntimeError):  # (shut down: the runtime closes anyway)
+                self._threads.submit(self.report_forgotten)
         if self._retired:  # the loop alone appends, and this runs on the loop: no race
             retired, self._retired = self._retired, deque()
             try:
@@ -308,6 +377,8 @@ class Provenance:
         self._registry.clear()
         self._taint.clear()
         self._retired.clear()
+        self._forgotten.clear()
+        self._unsettled.clear()
         if not keep_held:
             self._failures.clear()
             self._held.clear()
