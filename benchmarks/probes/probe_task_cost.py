@@ -34,18 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.probes.probe_gil import bursty_loop
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, runtimes
-
-
-def bursty_loop(stop: threading.Event) -> None:
-    """Python work in bursts with short sleeps, as a worker's event loop under load."""
-    while not stop.is_set():
-        t = time.perf_counter()
-        x = 0
-        while time.perf_counter() - t < 200e-6:
-            x += 1
-        time.sleep(50e-6)
 
 
 def calls(backend: str) -> tuple[dict[str, Callable[[Any], Any]], Callable[[int], Any]]:
