@@ -77,9 +77,10 @@ class WorkerStreamTask(StreamTask):
     call, which releases the GIL and so makes the event loop wait to get it back)
     stay off the event loop. An input whose work failed makes the task raise that
     :class:`~dask_gpustreams.KernelError` before it launches anything; the inputs'
-    pending work becomes the key's taint. Before it launches, the failures of keys
-    released unread are reported (:meth:`.Provenance.report_forgotten`), lest its
-    work be skipped on a stream they left in error. A stream block
+    pending work becomes the key's taint. Before it launches, the failures that
+    nothing read are reported (:meth:`.Provenance.report_unread`), lest its work be
+    skipped on a stream they left in error; after, its record is watched for one
+    (:meth:`.Provenance.watch`). A stream block
     (:class:`~dask_gpustreams.integrations.blocks.StreamBlock`) waits for its
     inputs' work, then launches its tasks onto the pool and returns once they
     are complete (its key has no event). The launch is metered as
@@ -100,7 +101,7 @@ class WorkerStreamTask(StreamTask):
         if error is not None:
             provenance.clear_stream_errors_soon()
             raise error.with_traceback(None)  # not the frames of the sync that found it
-        provenance.report_forgotten()  # before this task's launch: failures nobody read
+        provenance.report_unread()  # before this task's launch: failures nobody read
         node = self.node
         if type(node) is Task and type(node.func) is StreamBlock:
             provenance.free_retired()  # here, not on the event loop that retired them
@@ -118,6 +119,7 @@ class WorkerStreamTask(StreamTask):
             with launch_meter():
                 return self.runtime.run(self.key, node, values, self.registry, self.critical)
         finally:  # after the launch, and here, not on the event loop that retired them
+            provenance.watch(self.key)
             provenance.free_retired()
 
     def copy(self) -> WorkerStreamTask:

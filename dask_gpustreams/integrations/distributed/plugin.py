@@ -91,12 +91,12 @@ Failures
     also synchronize every stream of the runtime once, ignoring errors: this
     reports the failures that nobody has found yet, so they do not spill
     over into unrelated tasks either (on a GPU, a sticky CUDA error makes
-    the worker unusable anyway; restart it). A key released before anything
-    read it (no ``get_data``, no dependent) has its record asked in the next
-    task's thread, before that task launches, and a failure found there is
-    reported too (again at later calls while its kernel runs; on the sim
-    only, where errors are not sticky). A worker that dies is handled by Dask
-    as usual.
+    the worker unusable anyway; restart it). A key that nothing reads (no
+    ``get_data``, no dependent: released unread, or a future never gathered)
+    has its record asked in a later task's thread, before that task launches,
+    once its kernel has ended, and a failure found there is reported too (on
+    the sim only, where errors are not sticky). A worker that dies is handled
+    by Dask as usual.
 
 Lifetime
     The runtime holds each task's inputs, fetched ones included, until the

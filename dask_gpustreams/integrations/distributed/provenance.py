@@ -110,15 +110,15 @@ class Provenance:
         #: dependent -> the held keys it needs (the same pairs, by dependent).
         self._needed_by: dict[Hashable, set[Hashable]] = {}
         self._clearing = False  # a clear of stream errors is queued
-        #: Whether the records of forgotten keys are checked for failures nobody reported
-        #: (:meth:`report_forgotten`): set with the runtime, where errors are not sticky.
-        self._check_forgotten = False
-        #: The records of the keys forgotten since the last :meth:`report_forgotten`
-        #: (appended on the event loop), and, by stream, those whose task had not completed
-        #: then: heaps of ``(seq, record)``, in the order their events complete.
-        self._forgotten: deque[TaskRecord] = deque()
+        #: Whether each task's record is watched for a failure nobody reads
+        #: (:meth:`report_unread`): set with the runtime, where errors are not sticky.
+        self._watching = False
+        #: The records of the tasks launched since the last :meth:`report_unread`
+        #: (appended by the worker threads), and, by stream, those whose task had not
+        #: completed then: heaps of ``(seq, record)``, in the order their events complete.
+        self._launched: deque[TaskRecord] = deque()
         self._unsettled: dict[int, list[tuple[int, TaskRecord]]] = {}
-        self._reporting = False  # a report_forgotten holds the records it took (under the lock)
+        self._reporting = False  # a report_unread holds the records it took (under the lock)
         self._report_lock = threading.Lock()
 
     # Read-only views, for the other parts' bindings and for diagnostics.
@@ -160,7 +160,7 @@ class Provenance:
         """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
         if self._runtime is None:
             self._runtime = runtimes.create(self._config)
-            self._check_forgotten = not self._runtime.sticky_errors
+            self._watching = not self._runtime.sticky_errors
         return self._runtime
 
     def sources_by_key(self, keys: Iterable[Hashable]) -> dict[Hashable, list[TaskRecord]]:
@@ -286,15 +286,11 @@ class Provenance:
 
         On the event loop: its record and its taint (records, each with its event)
         are freed later, in a task thread (:meth:`free_retired`) or at the next
-        :meth:`collect`; where errors are not sticky (the sim), its record is also
-        checked for a failure nobody reported (:meth:`report_forgotten`). Deque
-        appends and clears are atomic: no lock.
+        :meth:`collect`. Deque appends and clears are atomic: no lock.
         """
         record = self._registry.discard(key)
         if record is not None:
             self._retired.append(record)
-            if self._check_forgotten:  # an attribute: no call
-                self._forgotten.append(record)
         if self._taint:
             taint = self._taint.pop(key, None)
             if taint:
@@ -304,40 +300,53 @@ class Provenance:
         """Worker thread: free the records of the keys forgotten since the last call."""
         self._retired.clear()
 
-    def report_forgotten(self) -> None:
-        """Worker thread, before a launch (or egress thread): report forgotten keys' failures.
+    def watch(self, key: Hashable) -> None:
+        """Worker thread, after ``key``'s task launched: watch its record for a failure
+        nobody reads (:meth:`report_unread`), where errors are not sticky (the sim)."""
+        if self._watching:
+            record = self._registry.get(key)
+            if record is not None:
+                self._launched.append(record)
 
-        A key whose kernel failed and that is released before anything read it
-        (no ``get_data``, no dependent) never has its failure found, so nobody
-        reports it (:meth:`_report`): on the simulated device its stream would
-        stay in error and skip the next task launched on it, which would then
-        fail with this key's error. So each forgotten key's record is asked here,
-        and reported if it failed; one not completed yet is asked again at each
-        call until it has (per stream, oldest first: they complete in that
-        order). A task calls this before it launches, so a failure complete by
-        then is reported before its work is enqueued (a task launched on that
-        stream while the failing kernel still runs is skipped with it, as any
-        work queued after a failure is). Only where errors are not sticky
-        (:meth:`forget` collects no record otherwise); with nothing to do, three
-        reads. Another thread's call holds the records it took under the lock
-        with ``_reporting`` set, read last here: then this waits for it.
+    def report_unread(self) -> None:
+        """Worker thread, before a launch (or egress thread): report failures nobody read.
+
+        A failed key is found, hence reported (:meth:`_report`), only when
+        something reads it: a ``get_data``, a dependent, a spill. One that nothing
+        reads (released unread, or held by a future never gathered) would leave its
+        stream in error on the simulated device, and the next task launched there
+        would be skipped and fail with this key's error. So each watched record
+        (:meth:`watch`) is asked here once its task has completed, and reported if
+        it failed; one not completed yet is asked again at each call (per stream,
+        oldest first: they complete in that order). A task calls this before it
+        launches, so a failure complete by then is reported before its work is
+        enqueued (a task launched on that stream while the failing kernel still
+        runs is skipped with it, as any work queued after a failure is). A report
+        leaves the key's error with its record: its readers still find it. Only
+        where errors are not sticky (:meth:`watch` collects no record otherwise);
+        with nothing to do, three reads. Another thread's call holds the records
+        it took under the lock with ``_reporting`` set, read last here: then this
+        waits for it.
         """
-        if not (self._forgotten or self._unsettled or self._reporting):
+        if not (self._launched or self._unsettled or self._reporting):
             return
         with self._report_lock:
             self._reporting = True
             try:
-                self._report_forgotten()
+                self._report_unread()
             finally:
                 self._reporting = False
 
-    def _report_forgotten(self) -> None:
-        """:meth:`report_forgotten`'s work, under its lock."""
-        state = self._runtime.state
-        forgotten = self._forgotten
+    def _report_unread(self) -> None:
+        """:meth:`report_unread`'s work, under its lock."""
+        runtime = self._runtime
+        if runtime is None:
+            return
+        state = runtime.state
+        launched = self._launched
         unsettled = self._unsettled
-        while forgotten:
-            record = forgotten.popleft()
+        while launched:
+            record = launched.popleft()
             heapq.heappush(unsettled.setdefault(record.stream_index, []), (record.seq, record))
         for index, heap in list(unsettled.items()):
             while heap:
@@ -353,14 +362,14 @@ class Provenance:
 
     def collect(self) -> None:
         """Release the inputs held for completed tasks; free the records of forgotten keys
-        in an egress thread (none ran a task since), reporting their failures first
-        (:meth:`report_forgotten`); drop the expired failure records."""
+        in an egress thread (none ran a task since), and report the failures nobody
+        read (:meth:`report_unread`); drop the expired failure records."""
         if self._runtime is not None:
             self._runtime.collect()
         self._failures.expire()
-        if self._forgotten or self._unsettled:  # and no task since: in an egress thread
+        if self._launched or self._unsettled:  # and no task since: in an egress thread
             with contextlib.suppress(RuntimeError):  # (shut down: the runtime closes anyway)
-                self._threads.submit(self.report_forgotten)
+                self._threads.submit(self.report_unread)
         if self._retired:  # the loop alone appends, and this runs on the loop: no race
             retired, self._retired = self._retired, deque()
             try:
@@ -377,7 +386,7 @@ class Provenance:
         self._registry.clear()
         self._taint.clear()
         self._retired.clear()
-        self._forgotten.clear()
+        self._launched.clear()
         self._unsettled.clear()
         if not keep_held:
             self._failures.clear()
