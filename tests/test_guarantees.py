@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -951,3 +952,59 @@ def test_a_failure_nothing_reads_fails_no_later_task(fail_gate, blocks, fails):
                 got.append(e.key)
         assert got == [200.0] * 12
         assert provenance.corrupt_found == 0  # no result was found corrupt and recomputed
+
+
+class _ClearedAtTheSecondCheck(deque):
+    """A deque of watched records that a teardown's clear (on the event loop) empties right
+    after a report (in a worker thread) has found it not empty, at its second check."""
+
+    def __init__(self, provenance):
+        super().__init__()
+        self.provenance = provenance
+        self.checks = 0
+
+    def __len__(self):
+        n = super().__len__()
+        self.checks += 1
+        if n and self.checks == 2:  # its answer is given: the clear lands just after it
+            self.provenance.clear(keep_held=True)
+        return n
+
+
+def test_a_report_of_watched_records_that_a_teardown_clears_meanwhile_raises_nothing():
+    """The teardown clears the watched records on the event loop while a task thread (of a
+    closing worker) or an egress thread reports them: the report ends, raising nothing (an
+    IndexError from an emptied deque would fail the task that made it). helper-70."""
+    worker = SimpleNamespace(status=Status.running, state=SimpleNamespace(tasks={}))
+    provenance = Provenance(worker, StreamsConfig(backend="sim"), None, FailureRecords(10, 60.0))
+    slot = StreamPool(SimBackend(), 1).slots[0]
+    provenance._runtime = SimpleNamespace(state=lambda r: (True, None), report=lambda r: None)
+    provenance._watching = True
+    provenance._launched = _ClearedAtTheSecondCheck(provenance)
+    provenance.registry.add(TaskRecord("key", slot, object(), 1))
+    provenance.watch("key")
+    provenance.report_unread()
+    assert not provenance._launched and not provenance._unsettled
+
+
+def test_collect_queues_one_report_of_unread_failures_at_a_time():
+    """A kernel that never ends keeps its record unsettled, and the worker's periodic
+    collect would queue a report every 0.5 s: with the egress threads all waiting (on that
+    kernel), the queue would grow without end. One is queued until it has run. helper-70."""
+    queued = []
+    threads = SimpleNamespace(submit=queued.append)
+    worker = SimpleNamespace(status=Status.running, state=SimpleNamespace(tasks={}))
+    provenance = Provenance(worker, StreamsConfig(backend="sim"), threads, FailureRecords(10, 60.0))
+    slot = StreamPool(SimBackend(), 1).slots[0]
+    provenance._runtime = SimpleNamespace(
+        state=lambda r: (False, None), report=lambda r: None, collect=lambda: 0
+    )
+    provenance._watching = True
+    provenance.registry.add(TaskRecord("key", slot, object(), 1))
+    provenance.watch("key")
+    provenance.collect()
+    provenance.collect()
+    assert len(queued) == 1
+    queued.pop()()  # it runs: the kernel still has not ended
+    provenance.collect()
+    assert len(queued) == 1

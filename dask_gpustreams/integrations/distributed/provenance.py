@@ -10,7 +10,6 @@ otherwise.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import threading
@@ -119,6 +118,7 @@ class Provenance:
         self._launched: deque[TaskRecord] = deque()
         self._unsettled: dict[int, list[tuple[int, TaskRecord]]] = {}
         self._reporting = False  # a report_unread holds the records it took (under the lock)
+        self._report_queued = False  # collect queued a report_unread, not run yet
         self._report_lock = threading.Lock()
 
     # Read-only views, for the other parts' bindings and for diagnostics.
@@ -337,6 +337,13 @@ class Provenance:
             finally:
                 self._reporting = False
 
+    def _report_from_egress(self) -> None:
+        """Egress thread: :meth:`report_unread` for :meth:`collect`, which may queue another."""
+        try:
+            self.report_unread()
+        finally:
+            self._report_queued = False
+
     def _report_unread(self) -> None:
         """:meth:`report_unread`'s work, under its lock."""
         runtime = self._runtime
@@ -345,8 +352,11 @@ class Provenance:
         state = runtime.state
         launched = self._launched
         unsettled = self._unsettled
-        while launched:
-            record = launched.popleft()
+        while True:  # not ``while launched``: a teardown's clear may empty it in between
+            try:
+                record = launched.popleft()
+            except IndexError:
+                break
             heapq.heappush(unsettled.setdefault(record.stream_index, []), (record.seq, record))
         for index, heap in list(unsettled.items()):
             while heap:
@@ -362,14 +372,18 @@ class Provenance:
 
     def collect(self) -> None:
         """Release the inputs held for completed tasks; free the records of forgotten keys
-        in an egress thread (none ran a task since), and report the failures nobody
-        read (:meth:`report_unread`); drop the expired failure records."""
+        in an egress thread (none ran a task since), and there report the failures
+        nobody read (:meth:`report_unread`; tasks do before they launch); drop the
+        expired failure records."""
         if self._runtime is not None:
             self._runtime.collect()
         self._failures.expire()
-        if self._launched or self._unsettled:  # and no task since: in an egress thread
-            with contextlib.suppress(RuntimeError):  # (shut down: the runtime closes anyway)
-                self._threads.submit(self.report_unread)
+        if (self._launched or self._unsettled) and not self._report_queued:
+            self._report_queued = True  # one at a time: a kernel that never ends keeps them
+            try:
+                self._threads.submit(self._report_from_egress)
+            except RuntimeError:  # shut down: the runtime closes anyway
+                self._report_queued = False
         if self._retired:  # the loop alone appends, and this runs on the loop: no race
             retired, self._retired = self._retired, deque()
             try:
