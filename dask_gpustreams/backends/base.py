@@ -104,7 +104,7 @@ class Backend(Protocol):
     #: Whether a kernel failure is sticky for the whole context (CUDA's, HIP's): every later
     #: call fails, and a sync that reports it clears nothing. False for the simulated
     #: device, where a failure stays with the streams it reached only until a host sync
-    #: reports it (the worker plugin then reports the failures of keys released unread).
+    #: reports it (the worker plugin then reports the failures that nothing reads).
     sticky_errors: bool
     #: Functions that copy host data to this device / device data to the host, which
     #: integrations may replace by the runtime's staged copies (``cupy.asarray``, ...).

@@ -351,7 +351,7 @@ class StreamRuntime:
         Then :meth:`report` clears nothing. False on the simulated device, where a
         failure stays with the streams it reached only until a sync reports it.
         """
-        return getattr(self.backend, "sticky_errors", False)
+        return self.backend.sticky_errors
 
     @property
     def needs_critical_path(self) -> bool:
