@@ -13,6 +13,10 @@ This probe times the same calls in one thread, no scheduler, ``--tasks`` at a ti
 - ``streams``: on the runtime's pool streams in turn, no runtime (CuPy only);
 - ``runtime``: through ``StreamRuntime.run``, each task's input the previous
   round's output of another stream, as a worker's tasks run;
+- ``runtime-gil`` (CuPy only): the same, with the runtime's event record and stream wait
+  made through the driver (``cuEventRecord``, ``cuStreamWaitEvent``) by ``ctypes.PyDLL``,
+  which keeps the GIL: if the runtime's loss beside a busy thread is its GIL hand-offs,
+  this mode does not have it (asked at 8f366ab; not run yet);
 
 each ``alone`` and beside a ``bursty`` thread (200 us of Python, then a 50 us sleep, as a
 worker's event loop under load). Host us a task: the median and the mean (a wait for the
@@ -29,8 +33,10 @@ import argparse
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -60,6 +66,33 @@ def calls(backend: str) -> tuple[dict[str, Callable[[Any], Any]], Callable[[int]
     }, make
 
 
+@contextmanager
+def gil_kept(backend: Any) -> Iterator[None]:
+    """``backend``'s event record and stream wait through the CUDA driver, GIL held."""
+    import ctypes
+
+    driver = ctypes.PyDLL("libcuda.so.1")  # PyDLL: the GIL is not released in its calls
+    record, wait = driver.cuEventRecord, driver.cuStreamWaitEvent
+    record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    record.restype = wait.restype = ctypes.c_int
+
+    def record_event(self: Any, event: Any, stream: Any) -> None:
+        if rc := record(event.ptr, stream.ptr):
+            raise RuntimeError(f"cuEventRecord returned {rc}")
+
+    def wait_event(self: Any, stream: Any, event: Any) -> None:
+        if rc := wait(stream.ptr, event.ptr, 0):
+            raise RuntimeError(f"cuStreamWaitEvent returned {rc}")
+
+    cls = type(backend)
+    with (
+        mock.patch.object(cls, "record", record_event),
+        mock.patch.object(cls, "wait_event", wait_event),
+    ):
+        yield
+
+
 def one_round(mode: str, fn: Callable, inputs: list, runtime: StreamRuntime) -> tuple:
     """Host seconds of each task of one round, and the outputs (device synchronized)."""
     n = len(inputs)
@@ -78,6 +111,9 @@ def one_round(mode: str, fn: Callable, inputs: list, runtime: StreamRuntime) -> 
             with backend.use_stream(streams[i % len(streams)]):
                 outs[i] = fn(x)
             times[i] = time.perf_counter() - t
+    elif mode == "runtime-gil":
+        with gil_kept(backend):
+            return one_round("runtime", fn, inputs, runtime)
     else:
         registry = EventRegistry()
         producer = EventRegistry()  # the inputs, recorded on the pool as a worker's are
@@ -126,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     runtime = runtimes.create(StreamsConfig(backend=args.backend))
     funcs, make = calls(args.backend)
     inputs = [make(i) for i in range(args.tasks)]
-    modes = ["plain", "streams", "runtime"] if args.backend == "cupy" else ["plain", "runtime"]
+    modes = ["plain", "runtime"]
+    if args.backend == "cupy":
+        modes[1:1] = ["streams"]
+        modes.append("runtime-gil")
     runtime.isolate_thread()  # as a worker thread is at its first task
     print(
         f"backend {args.backend}, {args.tasks} tasks a round, {args.rounds} rounds, "
