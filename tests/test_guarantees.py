@@ -954,21 +954,20 @@ def test_a_failure_nothing_reads_fails_no_later_task(fail_gate, blocks, fails):
         assert provenance.corrupt_found == 0  # no result was found corrupt and recomputed
 
 
-class _ClearedAtTheSecondCheck(deque):
-    """A deque of watched records that a teardown's clear (on the event loop) empties right
-    after a report (in a worker thread) has found it not empty, at its second check."""
+class _ClearedBeforeItsFirstPop(deque):
+    """A deque of watched records that a teardown's clear (on the event loop) empties after
+    a report (in a worker thread) has found it not empty, just before it pops."""
 
     def __init__(self, provenance):
         super().__init__()
         self.provenance = provenance
-        self.checks = 0
+        self.cleared = False
 
-    def __len__(self):
-        n = super().__len__()
-        self.checks += 1
-        if n and self.checks == 2:  # its answer is given: the clear lands just after it
+    def popleft(self):
+        if not self.cleared:
+            self.cleared = True
             self.provenance.clear(keep_held=True)
-        return n
+        return super().popleft()
 
 
 def test_a_report_of_watched_records_that_a_teardown_clears_meanwhile_raises_nothing():
@@ -980,10 +979,11 @@ def test_a_report_of_watched_records_that_a_teardown_clears_meanwhile_raises_not
     slot = StreamPool(SimBackend(), 1).slots[0]
     provenance._runtime = SimpleNamespace(state=lambda r: (True, None), report=lambda r: None)
     provenance._watching = True
-    provenance._launched = _ClearedAtTheSecondCheck(provenance)
+    provenance._launched = _ClearedBeforeItsFirstPop(provenance)
     provenance.registry.add(TaskRecord("key", slot, object(), 1))
     provenance.watch("key")
     provenance.report_unread()
+    assert provenance._launched.cleared
     assert not provenance._launched and not provenance._unsettled
 
 
@@ -1008,3 +1008,30 @@ def test_collect_queues_one_report_of_unread_failures_at_a_time():
     queued.pop()()  # it runs: the kernel still has not ended
     provenance.collect()
     assert len(queued) == 1
+
+
+def test_a_key_forgotten_before_its_task_watches_it_still_has_its_failure_reported():
+    """A task's key can be forgotten (cancelled) between its launch and its task's watch of
+    the record, which then finds none: the forget watches it instead, so a failure of it is
+    still reported before the next launch. A key forgotten after its watch is watched twice:
+    reported twice (a report is a sync of its event), never comparing two records."""
+    reported = []
+    worker = SimpleNamespace(status=Status.running, state=SimpleNamespace(tasks={}))
+    provenance = Provenance(worker, StreamsConfig(backend="sim"), None, FailureRecords(10, 60.0))
+    slot = StreamPool(SimBackend(), 1).slots[0]
+    provenance._runtime = SimpleNamespace(
+        state=lambda r: (True, KernelError(r.key, ValueError("boom"))), report=reported.append
+    )
+    provenance._watching = True
+    record = TaskRecord("key", slot, object(), 1)
+    provenance.registry.add(record)
+    provenance.forget("key")
+    provenance.watch("key")  # after the forget: nothing left to find
+    provenance.report_unread()
+    assert reported == [record]
+    again = TaskRecord("again", slot, object(), 2)
+    provenance.registry.add(again)
+    provenance.watch("again")
+    provenance.forget("again")
+    provenance.report_unread()
+    assert reported == [record, again, again]

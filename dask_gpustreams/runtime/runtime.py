@@ -349,9 +349,10 @@ class StreamRuntime:
         """Whether a kernel failure is sticky for the device's whole context (CUDA's).
 
         Then :meth:`report` clears nothing. False on the simulated device, where a
-        failure stays with the streams it reached only until a sync reports it.
+        failure stays with the streams it reached only until a sync reports it. A
+        backend registered without the attribute is taken as CUDA's.
         """
-        return self.backend.sticky_errors
+        return getattr(self.backend, "sticky_errors", True)
 
     @property
     def needs_critical_path(self) -> bool:

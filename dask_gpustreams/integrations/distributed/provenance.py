@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import logging
 import threading
 import time
@@ -71,8 +72,9 @@ class Provenance:
     :class:`.Egress` use it through these methods, and read the runtime, the
     registry, the taints and the failure records through read-only properties.
     ``threads`` (the plugin's egress threads) clear stream errors after a
-    failure (those found are reported at once, see :meth:`_report`) and close
-    the runtime. ``failures``: the worker's records of corrupt results, which
+    failure (those found are reported at once, see :meth:`_report`), report
+    the failures nothing read when no task does (:meth:`report_unread`), and
+    close the runtime. ``failures``: the worker's records of corrupt results, which
     :meth:`drop_corrupt` writes (and :class:`.Execution` takes from).
     """
 
@@ -112,11 +114,13 @@ class Provenance:
         #: Whether each task's record is watched for a failure nobody reads
         #: (:meth:`report_unread`): set with the runtime, where errors are not sticky.
         self._watching = False
-        #: The records of the tasks launched since the last :meth:`report_unread`
-        #: (appended by the worker threads), and, by stream, those whose task had not
-        #: completed then: heaps of ``(seq, record)``, in the order their events complete.
+        #: The records of the tasks launched (or keys forgotten) since the last
+        #: :meth:`report_unread`, and, by stream, those whose task had not completed then:
+        #: heaps of ``(seq, n, record)``, in the order their events complete (``n`` breaks
+        #: the tie of a record watched twice: records do not compare).
         self._launched: deque[TaskRecord] = deque()
-        self._unsettled: dict[int, list[tuple[int, TaskRecord]]] = {}
+        self._unsettled: dict[int, list[tuple[int, int, TaskRecord]]] = {}
+        self._watched = itertools.count()
         self._reporting = False  # a report_unread holds the records it took (under the lock)
         self._report_queued = False  # collect queued a report_unread, not run yet
         self._report_lock = threading.Lock()
@@ -286,11 +290,15 @@ class Provenance:
 
         On the event loop: its record and its taint (records, each with its event)
         are freed later, in a task thread (:meth:`free_retired`) or at the next
-        :meth:`collect`. Deque appends and clears are atomic: no lock.
+        :meth:`collect`; where errors are not sticky (the sim), it is also watched
+        (:meth:`watch`: a key forgotten between its launch and its task's watch).
+        Deque appends and clears are atomic: no lock.
         """
         record = self._registry.discard(key)
         if record is not None:
             self._retired.append(record)
+            if self._watching:  # an attribute: no call
+                self._launched.append(record)
         if self._taint:
             taint = self._taint.pop(key, None)
             if taint:
@@ -357,10 +365,11 @@ class Provenance:
                 record = launched.popleft()
             except IndexError:
                 break
-            heapq.heappush(unsettled.setdefault(record.stream_index, []), (record.seq, record))
+            entry = (record.seq, next(self._watched), record)
+            heapq.heappush(unsettled.setdefault(record.stream_index, []), entry)
         for index, heap in list(unsettled.items()):
             while heap:
-                record = heap[0][1]
+                record = heap[0][2]
                 done, error = state(record)
                 if not done:
                     break
