@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         f"backend {args.backend}, {args.tasks} tasks a round, {args.rounds} rounds, "
         f"{runtime.n_streams} streams; host us a task, median / mean over every task"
     )
-    print(f"{'call':10} {'load':7} {'mode':8} {'median':>8} {'mean':>8} {'vs plain':>9}")
+    print(f"{'call':10} {'load':7} {'mode':11} {'median':>8} {'mean':>8} {'vs plain':>9}")
     wrong = 0
     try:
         for name in args.calls.split(","):
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                     med = statistics.median(times[mode]) * 1e6
                     mean = statistics.mean(times[mode]) * 1e6
                     print(
-                        f"{name:10} {load:7} {mode:8} {med:8.1f} {mean:8.1f} "
+                        f"{name:10} {load:7} {mode:11} {med:8.1f} {mean:8.1f} "
                         f"{mean - base * 1e6:+9.1f}"
                     )
     finally:
