@@ -249,3 +249,20 @@ def test_a_retried_node_fails_once_and_its_retry_gives_the_exact_value(cluster_r
     assert cluster_route.run(dag) == fuzz.OK
     assert len(fuzz.ATTEMPTED - attempted) == 1  # the first attempt raised; the retry passed
     assert "node 1 retried;" in dag.describe()
+
+
+def test_a_retried_node_may_raise_its_first_error_only_where_a_kernel_fails():
+    """A retried node whose first attempt failed with the failing kernel's error (queued
+    behind it) has no retry left when its own first call raises: with a failing kernel in
+    the DAG, ``RetriedError`` is an accepted outcome, as that kernel's error is; without
+    one, it is an unexpected error (helper-72: seed 5120, DAG 2167)."""
+    nodes = [fuzz.Node("upload", (), (np.arange(8.0),)), fuzz.Node("affine", (0,), (3,))]
+    kw = {"streams": 2, "policy": "round-robin", "delay": (0.0, 0.0), "retried": 1}
+    plain = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[1], **kw)
+    failing = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[1], failing=0, **kw)
+    error = fuzz.RetriedError("the first attempt of a retried task fails")
+    assert fuzz._blame(error, failing) == fuzz.OK
+    assert fuzz._blame(error, plain) == (
+        "error",
+        "RetriedError: the first attempt of a retried task fails",
+    )
