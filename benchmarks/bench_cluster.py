@@ -31,10 +31,10 @@ Each sample is timed from ``client.compute`` until its results are in the worker
 (``wait``) and the worker's device is idle (``client.run`` of a device sync: with the
 plugin, a result is in memory once its work is enqueued), in both modes alike; then
 gathered, untimed, and checked against the plugin-off result (``bench_workloads``'
-checks). Peak device memory per worker and sample: the CuPy pool's ``total_bytes()``
-after the sample (``peak_held``) and the largest ``used_bytes()`` seen by a tracking
-allocator (``peak_used``); the worker's pool blocks are freed before the first run of each
-mode in each round.
+checks). Peak device memory per worker and sample: the CuPy pool's (on the sim, the
+simulated device's pool's) ``total_bytes()`` after the sample (``peak_held``) and the
+largest ``used_bytes()`` seen by a tracking allocator (``peak_used``); the worker's pool
+blocks are freed before the first run of each mode in each round.
 
 Outputs in ``--out`` (default ``benchmarks/results/cluster-<backend>-<timestamp>/``):
 ``results.json``, ``results.csv``, ``table.txt`` and ``rows.jsonl``. Each row has its
@@ -103,24 +103,34 @@ def _synchronize(backend: str) -> None:
     kernels.device_synchronize("cupy" if backend == "cupy" else "sim")
 
 
-def _pool_reset(free: bool) -> None:
+def _pool_reset(backend: str, free: bool) -> None:
     """On a worker: start a sample's peak (a tracking allocator, installed once)."""
-    import cupy
+    if backend == "cupy":
+        import cupy
 
-    pool = cupy.get_default_memory_pool()
+        pool, owner = cupy.get_default_memory_pool(), cupy
+    else:
+        from dask_gpustreams import sim
+
+        pool, owner = sim.get_default_memory_pool(), sim
     if free:
         pool.free_all_blocks()
-    peaks = getattr(cupy, "_bench_peaks", None)
+    peaks = getattr(owner, "_bench_peaks", None)
     if peaks is None:
-        peaks = cupy._bench_peaks = bench_workloads.PoolPeaks(pool)
-        cupy.cuda.set_allocator(peaks.track(pool.malloc))
+        peaks = owner._bench_peaks = bench_workloads.PoolPeaks(pool)
+        if backend == "cupy":
+            cupy.cuda.set_allocator(peaks.track(pool.malloc))
+        else:  # the sim's pool has no allocator hook: this instance's malloc
+            pool.malloc = peaks.track(pool.malloc)
     peaks.reset(free=False)
 
 
-def _pool_read() -> dict:
-    import cupy
-
-    return cupy._bench_peaks.read()
+def _pool_read(backend: str) -> dict:
+    if backend == "cupy":
+        import cupy as owner
+    else:
+        from dask_gpustreams import sim as owner
+    return owner._bench_peaks.read()
 
 
 def make_cluster(backend: str, workers: int = 1, protocol: str | None = None) -> tuple[Any, str]:
@@ -156,7 +166,7 @@ class ClusterRunner(bench_workloads.Runner):
         self.client = client
         self.workers = workers
         self.launcher = None
-        self.track_memory = arrays.arrays.name == "cupy"
+        self.track_memory = arrays.arrays.name in ("cupy", "sim")
 
     def row(self, wl: Workload, mode: str) -> dict:
         return dict(super().row(wl, mode), workers=self.workers)
@@ -215,7 +225,7 @@ class ClusterRunner(bench_workloads.Runner):
                 client.register_plugin(plugin)
             for i in range(args.warmup + samples):
                 if self.track_memory:
-                    client.run(_pool_reset, i == 0)
+                    client.run(_pool_reset, self.arrays.arrays.name, i == 0)
                 t0 = time.perf_counter()
                 futures = client.compute(list(collections))
                 wait(futures)
@@ -225,7 +235,7 @@ class ClusterRunner(bench_workloads.Runner):
                 del futures
                 sample_memory = None
                 if self.track_memory:  # the largest of the workers'
-                    peaks = list(client.run(_pool_read).values())
+                    peaks = list(client.run(_pool_read, self.arrays.arrays.name).values())
                     sample_memory = {k: max(p[k] for p in peaks) for k in peaks[0]}
                 bad = [
                     (j, p)
