@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# What stops 51 and 52 left for the H200, in two calls of under 600 s each (run PART a first:
+# it verifies the library). Usage on the device, with the dask-cuda wheels carried
+# (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|b
+#
+# a: tests/gpu (no run since 67a7dc3, 7997f25, d86d073, 0dce10e); probe_task_cost with its
+#    runtime-gil mode (is task per key's loss beside the event loop its GIL hand-offs?); the
+#    hook cost; the cluster workloads whose blocks held more than task per key, plugin off
+#    against on, at launch-ahead 192 (the default), 64 and 16 MiB (on the sim at d50d6e2,
+#    matmul's blocks held 32 MiB at the default and 23 at 1 MiB, task per key 24).
+# b: the cluster workloads no call finished since stop 50 (qr, rechunk, tiny-tasks at 1,024
+#    leaves), off / per key / blocks; the wide shapes on distributed at 8 ms against
+#    ptds-sync and ideal, at 2 ms, and at width 32 on 32 streams; the CuPy fuzz with blocks.
+# Each part packs $R into $OUT as it ends, so a call cut by the limit keeps what ended.
+set -u
+source benchmarks/h200_setup.sh
+part pending "a b"
+if [ "$PART" = a ]; then
+    gpu_tests 150
+    tail -14 "$R/gpu-tests.txt"
+    pack
+    timeout 70 python3 -m benchmarks.probes.probe_task_cost --backend cupy --rounds 3 \
+        > "$R/task-cost.txt" 2>&1
+    echo "task-cost rc $?" >> "$R/task-cost.txt"
+    cat "$R/task-cost.txt"
+    pack
+    timeout 70 python3 -m benchmarks.probe_distributed --hook-times --reps 3 \
+        > "$R/hook-times.txt" 2>&1
+    echo "hooks rc $?" >> "$R/hook-times.txt"
+    grep "StreamsPlugin.transition  \|EmptyHook\|rc " "$R/hook-times.txt"
+    pack
+    for mib in 192 64 16; do
+        DASK_GPUSTREAMS__LAUNCH_AHEAD="$mib MiB" timeout 75 python3 -m benchmarks.bench_cluster \
+            --backend cupy --workloads elementwise,matmul,transpose --modes off,on --samples 2 \
+            --rounds 2 --warmup 1 --out "$R/cluster-ahead-$mib" > "$R/cluster-ahead-$mib.log" 2>&1
+        echo "cluster rc $?" >> "$R/cluster-ahead-$mib.log"
+        echo "== launch-ahead $mib MiB"
+        grep -v "^\[" "$R/cluster-ahead-$mib.log" | tail -9
+        pack
+    done
+else
+    timeout 200 python3 -m benchmarks.bench_cluster --backend cupy --workloads qr,rechunk,tiny-tasks \
+        --modes off,on-noblocks,on --samples 2 --rounds 2 --warmup 1 --set rechunk.n=4096 \
+        --set tiny-tasks.leaves=1024 --out "$R/cluster" > "$R/cluster.log" 2>&1
+    echo "cluster rc $?" >> "$R/cluster.log"
+    grep -v "^\[" "$R/cluster.log" | tail -14
+    pack
+    shapes 8ms 110 --modes ptds-sync,gpustreams,ideal --dist-kernel-ms 8 --dist-streams 8 \
+        --dist-blocks auto
+    pack
+    shapes 2ms 80 --modes gpustreams,ideal --dist-kernel-ms 2 --dist-streams 8 --dist-blocks auto
+    pack
+    CUDA_DEVICE_MAX_CONNECTIONS=32 shapes w32 70 --width 32 --modes gpustreams,ideal \
+        --dist-kernel-ms 8 --dist-streams 32 --dist-blocks auto
+    for f in "$R"/shapes-*.log; do echo "== $f"; grep -A14 "^-- distributed · wide: " "$f"; tail -1 "$f"; done
+    pack
+    timeout 45 python3 -m benchmarks.fuzz --backend cupy --routes distributed,distributed-loss \
+        --seed 5201 --seconds 30 > "$R/fuzz.txt" 2>&1
+    echo "fuzz rc $?" >> "$R/fuzz.txt"
+    tail -4 "$R/fuzz.txt"
+    pack
+fi
