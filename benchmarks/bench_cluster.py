@@ -19,7 +19,11 @@ chunks of every worker). Modes, in one run:
 - ``off``: plain distributed (no plugin);
 - ``on``: ``client.register_plugin(StreamsPlugin(backend=..., blocks="auto"))`` (stream
   blocks, ``docs/cluster.md``), removed after the mode;
-- ``on-noblocks``: the same with ``blocks="off"``: one task per key.
+- ``on-noblocks``: the same with ``blocks="off"``: one task per key;
+- ``MODE:KEY=VALUE[:KEY=VALUE...]``, ``MODE`` one of ``on`` and ``on-noblocks``: that mode with
+  the plugin's settings ``KEY`` (a ``gpustreams.*`` key but ``blocks`` and ``backend``) set,
+  e.g. ``on:launch-ahead=64MiB``, so that settings compare in one run; each row of the plugin
+  on has the settings it ran with (``plugin``).
 
 The modes run in turn, ``--rounds`` times (default 2: off, on, on-noblocks, off, on, ...),
 each round with its warm-up and its share of ``--samples``, so that drift and the order of
@@ -45,6 +49,7 @@ mode on the first worker count listed (``speedup_vs_first``).
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -217,12 +222,15 @@ class ClusterRunner(bench_workloads.Runner):
         """One round of ``row``'s mode: register the plugin, warm up, then ``samples`` samples."""
         args, client = self.args, self.client
         walls, memory = row["walls_ms"], row["memory"]
-        on = row["mode"] != "off"
+        base, settings = split_mode(row["mode"])
+        registered = False
         try:
-            if on:
-                blocks = "off" if row["mode"] == "on-noblocks" else "auto"
-                plugin = StreamsPlugin(backend=self.arrays.arrays.plugin, blocks=blocks)
+            if base != "off":
+                blocks = "off" if base == "on-noblocks" else "auto"
+                plugin = StreamsPlugin(backend=self.arrays.arrays.plugin, blocks=blocks, **settings)
+                row["plugin"] = plugin.overrides
                 client.register_plugin(plugin)
+                registered = True
             for i in range(args.warmup + samples):
                 if self.track_memory:
                     client.run(_pool_reset, self.arrays.arrays.name, i == 0)
@@ -255,7 +263,7 @@ class ClusterRunner(bench_workloads.Runner):
             row["status"], row["error"] = "ERROR", f"{type(e).__name__}: {e}"
             traceback.print_exc()
         finally:
-            if on:
+            if registered:
                 client.unregister_worker_plugin(StreamsPlugin.name)
 
 
@@ -302,18 +310,19 @@ def derive(rows: list[dict]) -> dict:
 
 def table(rows: list[dict], summary: dict, meta: dict) -> str:
     mib = bench_workloads._mib
+    w = max([11, *(len(r["mode"]) for r in rows)])
     out = [
         f"== workloads on {meta['cluster']} · backend {meta['backend']} · median of "
         f"{meta['samples']} in {meta.get('rounds', 1)} rounds, each after {meta['warmup']} "
         "warm-up · speedup = off median / median · "
         "memory per worker in MiB: peak held / peak used",
-        f"{'workload':<13} {'mode':<11} {'w':>2} {'tasks':>6} {'median ms':>10} {'IQR':>7} "
+        f"{'workload':<13} {'mode':<{w}} {'w':>2} {'tasks':>6} {'median ms':>10} {'IQR':>7} "
         f"{'x off':>6} {'x 1w':>6} {'held':>7} {'used':>7}  status",
     ]
     num = bench_workloads._num
     for r in rows:
         out.append(
-            f"{r['workload']:<13} {r['mode']:<11} {r.get('workers', 1):>2} "
+            f"{r['workload']:<13} {r['mode']:<{w}} {r.get('workers', 1):>2} "
             f"{r['n_tasks'] or '-':>6} "
             f"{num(r.get('wall_median_ms'), '.2f'):>10} "
             f"{num(r.get('wall_iqr_ms'), '.2f'):>7} "
@@ -335,6 +344,33 @@ def table(rows: list[dict], summary: dict, meta: dict) -> str:
                 f"{n} worker(s) / {first} worker(s), mode {mode}: geometric mean {num(v, '.3f')}x"
             )
     return "\n".join(out)
+
+
+def split_mode(mode: str) -> tuple[str, dict[str, str]]:
+    """``MODE:KEY=VALUE...`` as ``(MODE, {key: value})``: keys as ``StreamsPlugin``'s, values
+    as Dask reads environment variables (a Python literal, else the string)."""
+    base, *pairs = mode.split(":")
+    settings = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"mode {mode!r}: {pair!r} is not KEY=VALUE")
+        try:  # as Dask reads DASK_* environment variables
+            settings[key.replace("-", "_")] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key.replace("-", "_")] = value
+    if settings and base not in ("on", "on-noblocks"):
+        raise ValueError(f"mode {mode!r}: settings need the mode on or on-noblocks")
+    if base not in MODES:
+        raise ValueError(f"mode {mode!r}: unknown mode {base!r}; choose from {', '.join(MODES)}")
+    if "blocks" in settings or "backend" in settings:
+        raise ValueError(
+            f"mode {mode!r}: blocks is the mode's (on: auto, on-noblocks: off), "
+            "backend the benchmark's (--backend)"
+        )
+    if settings:
+        StreamsPlugin(**settings)  # a bad key or value: its error, now
+    return base, settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -363,13 +399,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--rounds {args.rounds} and --samples {args.samples} must be >= 1")
     if not args.workers or min(args.workers) < 1:
         p.error("--workers needs worker counts >= 1")
-    for what, chosen, allowed in (
-        ("workloads", args.workloads, WORKLOADS),
-        ("modes", args.modes, MODES),
-    ):
-        bad = [c for c in chosen if c not in allowed]
-        if bad:
-            p.error(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
+    bad = [c for c in args.workloads if c not in WORKLOADS]
+    if bad:
+        p.error(f"unknown workloads {bad}; choose from {', '.join(WORKLOADS)}")
+    for mode in args.modes:
+        try:
+            split_mode(mode)
+        except (ValueError, TypeError) as e:
+            p.error(str(e))
     return args
 
 

@@ -6,8 +6,9 @@
 # a: tests/gpu (no run since 67a7dc3, 7997f25, d86d073, 0dce10e); probe_task_cost with its
 #    runtime-gil mode (is task per key's loss beside the event loop its GIL hand-offs?); the
 #    hook cost; the cluster workloads whose blocks held more than task per key, plugin off
-#    against on, at launch-ahead 192 (the default), 64 and 16 MiB (on the sim at d50d6e2,
-#    matmul's blocks held 32 MiB at the default and 23 at 1 MiB, task per key 24).
+#    against blocks at launch-ahead 192 (the default), 64 and 16 MiB and task per key, in one
+#    run (on the sim, matmul's blocks held 32 MiB at the default and 23 at 1 MiB, task per
+#    key 24-27: bench_cluster --backend sim --workloads matmul).
 # b: the cluster workloads no call finished since stop 50 (qr, rechunk, tiny-tasks at 1,024
 #    leaves), off / per key / blocks; the wide shapes on distributed at 8 ms against
 #    ptds-sync and ideal, at 2 ms, and at width 32 on 32 streams; the CuPy fuzz with blocks.
@@ -29,15 +30,13 @@ if [ "$PART" = a ]; then
     echo "hooks rc $?" >> "$R/hook-times.txt"
     grep "StreamsPlugin.transition  \|EmptyHook\|rc " "$R/hook-times.txt"
     pack
-    for mib in 192 64 16; do
-        DASK_GPUSTREAMS__LAUNCH_AHEAD="$mib MiB" timeout 75 python3 -m benchmarks.bench_cluster \
-            --backend cupy --workloads elementwise,matmul,transpose --modes off,on --samples 2 \
-            --rounds 2 --warmup 1 --out "$R/cluster-ahead-$mib" > "$R/cluster-ahead-$mib.log" 2>&1
-        echo "cluster rc $?" >> "$R/cluster-ahead-$mib.log"
-        echo "== launch-ahead $mib MiB"
-        grep -v "^\[" "$R/cluster-ahead-$mib.log" | tail -9
-        pack
-    done
+    timeout 230 python3 -m benchmarks.bench_cluster --backend cupy \
+        --workloads elementwise,matmul,transpose,pipeline --samples 2 --rounds 2 --warmup 1 \
+        --modes off,on,on:launch-ahead=64MiB,on:launch-ahead=16MiB,on-noblocks \
+        --out "$R/cluster-ahead" > "$R/cluster-ahead.log" 2>&1
+    echo "cluster rc $?" >> "$R/cluster-ahead.log"
+    grep -v "^\[" "$R/cluster-ahead.log" | tail -24
+    pack
 else
     timeout 200 python3 -m benchmarks.bench_cluster --backend cupy --workloads qr,rechunk,tiny-tasks \
         --modes off,on-noblocks,on --samples 2 --rounds 2 --warmup 1 --set rechunk.n=4096 \

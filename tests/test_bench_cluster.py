@@ -43,6 +43,34 @@ def test_workloads_on_one_worker_then_two_are_checked(tmp_path):
     assert "2 worker(s) / 1 worker(s), mode on" in table
 
 
+def test_a_mode_with_settings_runs_the_plugin_with_them(tmp_path, capsys):
+    assert bench_cluster.split_mode("on:launch-ahead=64MiB:streams=2") == (
+        "on",
+        {"launch_ahead": "64MiB", "streams": 2},
+    )
+    assert bench_cluster.split_mode("on-noblocks") == ("on-noblocks", {})
+    for mode, message in (
+        ("off:streams=2", "settings need the mode on or on-noblocks"),
+        ("on:streams", "'streams' is not KEY=VALUE"),
+        ("on:blocks=off", "blocks is the mode's"),
+        ("on:backend=cupy", "backend the benchmark's"),
+        ("on:launch-ahead=xx", "gpustreams.launch-ahead='xx' is invalid"),
+        ("on:nope=1", "unexpected keyword argument 'nope'"),
+        ("fast", "unknown mode 'fast'"),
+    ):
+        with pytest.raises(SystemExit):
+            bench_cluster.parse_args(["--modes", mode])
+        assert message in capsys.readouterr().err, mode
+    out = tmp_path / "cluster"
+    argv = ["--backend", "sim", "--quick", "--workloads", "matmul", "--warmup", "0"]
+    argv += ["--modes", "off,on:streams=2", "--samples", "1", "--out", str(out)]
+    assert bench_cluster.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["mode"], r["status"]) for r in rows] == [("off", "ok"), ("on:streams=2", "ok")]
+    assert rows[1]["plugin"] == {"backend": "sim", "blocks": "auto", "streams": 2}
+    assert "on:streams=2" in (out / "table.txt").read_text()
+
+
 def test_workers_must_be_counts():
     with pytest.raises(SystemExit):
         bench_cluster.parse_args(["--workers", "0"])
