@@ -260,20 +260,29 @@ def hook_times(dist, loads, shapes: str, reps: int) -> None:
     CPU time in the hook (``time.thread_time``), its cost without those waits.
     """
     client = dist.client
+    per_task = {}
     for hook in (True, False):  # the hook alone, then what is inside it and the task
         if not hook:
             client.register_plugin(EmptyHook())
         client.run(_install_hook_timers, hook=hook)
         try:
-            _hook_rows(dist, loads, shapes, reps)
+            per_task.update(_hook_rows(dist, loads, shapes, reps))
         finally:
             client.run(_remove_hook_timers)
             if not hook:
                 client.unregister_worker_plugin(EmptyHook.name)
+    # The empty hook's us/task is the timer's and a hook call's own cost, in the same shapes.
+    print(f"{'shape':10} {'hook us/task':>12} {'empty hook':>10} {'net':>6}")
+    for name in shapes.split(","):
+        hook, empty = (per_task.get((name, c)) for c in ("StreamsPlugin", "EmptyHook"))
+        if hook is not None and empty is not None:
+            print(f"{name:10} {hook:12.1f} {empty:10.1f} {hook - empty:6.1f}")
 
 
-def _hook_rows(dist, loads, shapes: str, reps: int) -> None:
+def _hook_rows(dist, loads, shapes: str, reps: int) -> dict[tuple[str, str], float]:
+    """Print the rows of each shape; return (shape, class) -> us a task of each class's hook."""
     client = dist.client
+    per_task = {}
     print(
         f"{'shape':10} {'call':38} {'per task':>8} {'median us':>10} {'mean us':>8} "
         f"{'ms/run':>7} {'us/task':>8} {'cpu us/task':>11}"
@@ -300,6 +309,10 @@ def _hook_rows(dist, loads, shapes: str, reps: int) -> None:
                 f"{sum(values) / tasks * 1e6:8.1f} {cpu / tasks * 1e6:11.1f}",
                 flush=True,
             )
+            cls, _, method = label.partition(".")
+            if method == "transition":  # all finishes together, not one of them
+                per_task[(name, cls)] = sum(values) / tasks * 1e6
+    return per_task
 
 
 def first(log, finish):

@@ -46,6 +46,9 @@ def test_probe_distributed_hook_times_restores_the_classes(capsys):
     assert _methods() == before
     out = capsys.readouterr().out
     assert "StreamRuntime.run" in out and "WRONG" not in out
+    # the hook's cost a task, the empty hook's (the timer's own), and the hook net of it
+    hook, empty, net = map(float, out.split("\nlinear ")[-1].split())
+    assert hook > empty > 0 and net == pytest.approx(hook - empty, abs=0.11)
 
 
 def test_probe_task_gaps_sees_every_task_under_both_schedulers(capsys):
