@@ -34,6 +34,20 @@ def test_without_a_runtime_it_reports_the_settings_and_creates_none(gpustreams):
     assert "settings: timeline=False" in text
 
 
+def test_settings_line_shows_byte_sizes_as_bytes_and_block_size_as_a_count():
+    settings = {
+        "gpustreams.block-size": 1000,
+        "gpustreams.small-blocks": "4 MiB",
+        "gpustreams.large-tasks": 0,
+        "gpustreams.launch-ahead": "64 MiB",
+    }
+    with dask.config.set(settings):
+        text = str(dask_gpustreams.status())
+    assert "block-size=1000" in text.split()
+    assert "small-blocks=4.00 MiB" in text and "large-tasks=0 B" in text
+    assert "shared-blocks=16.00 MiB" in text and "launch-ahead=64.00 MiB" in text
+
+
 def test_counts_of_a_local_graph(gpustreams, by_key):
     # a on stream 0, b on stream 1, c on stream 0 reads both: one cross-stream wait.
     by_key.update({"a": 0, "b": 1, "c": 0})

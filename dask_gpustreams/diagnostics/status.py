@@ -294,11 +294,17 @@ def _cells(row: dict) -> list[str]:
     ]
 
 
+#: The settings that are byte sizes, shown as such (``block-size`` counts values, not bytes).
+_BYTE_SETTINGS = frozenset(
+    ("pinned-pool-size", "launch-ahead", "small-blocks", "large-tasks", "shared-blocks")
+)
+
+
 def _setting_text(settings: dict) -> str:
     shown = {k: v for k, v in settings.items() if k not in ("backend", "streams", "policy")}
     parts = []
     for k, v in shown.items():
-        if isinstance(v, int) and not isinstance(v, bool) and k.endswith(("size", "ahead")):
+        if isinstance(v, int) and not isinstance(v, bool) and k in _BYTE_SETTINGS:
             v = format_bytes(v)
         elif v is None:
             v = "auto"
