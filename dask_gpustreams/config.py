@@ -14,6 +14,7 @@ import difflib
 import functools
 import numbers
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
@@ -157,13 +158,29 @@ def _parse_size(key: str, value: Any, allowed: str, low: int = MIN_SIZE) -> int:
     return int(size)
 
 
+def _section() -> Mapping:
+    """Dask's ``gpustreams`` section; ``ValueError`` if it is not a mapping of keys.
+
+    ``dask.config.set({"gpustreams": {"streams": 4}})`` replaces the whole section
+    (dask does not merge a dict given to ``set``): the keys it leaves out keep their
+    defaults when read (:meth:`StreamsConfig._read`).
+    """
+    section = dask.config.get("gpustreams", None)
+    if not isinstance(section, Mapping):
+        raise ValueError(
+            f"gpustreams={section!r} is invalid: allowed values are a mapping of "
+            f"gpustreams.* keys, such as {{'streams': 4}}"
+        )
+    return section
+
+
 def _check_keys() -> None:
     """Raise ``ValueError`` for a ``gpustreams.*`` key that ``gpustreams.yaml`` does not have.
 
     Keys are compared as dask does (``copy_streams`` is ``copy-streams``); the
     message suggests the closest known key.
     """
-    section = dask.config.get("gpustreams")
+    section = _section()
     unknown = sorted(k for k in section if k.replace("_", "-") not in _KNOWN)
     if unknown:
         key = unknown[0]
@@ -258,7 +275,7 @@ class StreamsConfig:
         """
         overridden = {k: v for k, v in overrides.items() if v is not None}
         # With the types: 8.0 and True equal 8 and 1 but are not read alike.
-        snapshot = tuple((k, type(v), v) for k, v in dask.config.get("gpustreams").items())
+        snapshot = tuple((k, type(v), v) for k, v in _section().items())
         key = (snapshot, tuple(overridden.items()))
         try:
             hash(key)
@@ -270,9 +287,11 @@ class StreamsConfig:
     def _read(cls, overrides: dict[str, Any]) -> StreamsConfig:
         """:meth:`from_dask_config` without its cache."""
         _check_keys()
+        section = defaults["gpustreams"]  # for keys a replaced section left out
         values = {
-            field: dask.config.get(f"gpustreams.{field.replace('_', '-')}")
+            field: dask.config.get(f"gpustreams.{key}", section[key])
             for field in cls.__dataclass_fields__
+            for key in [field.replace("_", "-")]
         }
         values.update(overrides)
         if values["pinned_pool_size"] is None:  # YAML null: 'auto' is spelt out there

@@ -22,6 +22,7 @@ from dask_gpustreams import StreamsConfig, StreamsPlugin, dask_setup, sim, statu
 from dask_gpustreams.config import KEYS, MAX_COPY_STREAMS, MAX_STREAMS, enabled, parse_bool
 from dask_gpustreams.runtime import live_runtimes
 from dask_gpustreams.runtime.policies import policy_names
+from tests.sim_tasks import ones
 
 BOOL = "True | False (or 'true'/'false', 'yes'/'no', 'on'/'off', 1/0)"
 TRUE = [True, 1, "true", "TRUE", " yes ", "On", "1"]
@@ -236,6 +237,25 @@ def test_keys_spelt_with_underscores_are_known():
     section["copy_streams"] = 2
     with dask.config.set({"gpustreams": section}):
         assert StreamsConfig.from_dask_config().copy_streams == 2
+
+
+def test_a_section_set_as_a_dict_keeps_the_defaults_of_the_keys_it_leaves_out():
+    # dask.config.set replaces a section given as a dict: it does not merge it.
+    with dask.config.set({"gpustreams": {"enabled": True, "backend": "sim", "streams": 2}}):
+        config = StreamsConfig.from_dask_config()
+        assert (config.backend, config.streams) == ("sim", 2)
+        assert config.launch_ahead == StreamsConfig().launch_ahead
+        assert "error" not in str(status())
+        assert sim.asnumpy(delayed(ones)(3).sum().compute()).tolist() == 3.0
+
+
+@pytest.mark.parametrize("section", [None, 1, "on"], ids=repr)
+def test_a_section_that_is_not_a_mapping_is_a_value_error_naming_it(section):
+    message = f"gpustreams={section!r} is invalid: allowed values are a mapping"
+    with dask.config.set({"gpustreams": section}):
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            StreamsConfig.from_dask_config()
+        assert message in str(status())
 
 
 def test_an_unknown_key_fails_compute_before_any_task_runs(gpustreams):
