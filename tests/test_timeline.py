@@ -186,3 +186,26 @@ def test_gathered_through_a_client(source):
         assert all(r["worker"].startswith("inproc://") for r in records)
         clear_timeline(client)
         assert timeline(client) == []
+
+
+def test_in_process_workers_records_name_the_worker_that_ran_them():
+    distributed = pytest.importorskip("distributed")
+    from tests.sim_tasks import SIM_CLUSTER, ones
+
+    # Each in-process worker's plugin owns a runtime of its own, in the one process.
+    with (
+        dask.config.set(SIM_CLUSTER),
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        client.register_plugin(dask_gpustreams.StreamsPlugin(timeline=True))
+        a, b = sorted(client.scheduler_info()["workers"])
+        on_a = client.submit(ones, 4, key="on-a", workers=[a])
+        on_b = client.submit(ones, 4, key="on-b", workers=[b])
+        client.gather([on_a, on_b])
+        records = timeline(client)
+        assert {r["key"]: r["worker"] for r in records} == {"on-a": a, "on-b": b}
+        tracks = to_rectangles(records)["tracks"]
+        assert len(tracks) == 2 and tracks[0].startswith(a) and tracks[1].startswith(b)

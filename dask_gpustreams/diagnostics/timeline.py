@@ -65,15 +65,23 @@ def timeline(client: Any = None, *, timeout: float = 10.0) -> list[dict]:
         parts = [_collect_process(timeout)]
     else:
         parts = []
-        seen = set()
-        for address, part in sorted(client.run(_collect_process, timeout).items()):
-            # Workers of one process (processes=False) share its runtimes: count them once.
-            if (part["host"], part["pid"]) in seen:
-                continue
-            seen.add((part["host"], part["pid"]))
+        processes: dict[tuple, dict] = {}
+        for address, part in sorted(client.run(_collect_worker, timeout).items()):
+            # Workers of one process (processes=False) see all its runtimes: take its
+            # records once, each under the worker whose plugin owns its runtime (the
+            # process's first worker for the others: local computes, say).
+            first = processes.get((part["host"], part["pid"]))
+            if first is None:
+                processes[(part["host"], part["pid"])] = first = part
+                part["owners"] = {}
+                parts.append(part)
+            if part["runtime"] is not None:
+                first["owners"][part["runtime"]] = address
             part["worker"] = address
-            parts.append(part)
-    rows = [(part["worker"], r) for part in parts for r in part["records"]]
+        for part in parts:
+            for r in part["records"]:
+                r["worker"] = part["owners"].get(r["runtime"], part["worker"])
+    rows = [(r.get("worker", part["worker"]), r) for part in parts for r in part["records"]]
     if not rows:
         return []
     t0 = min(r["start"] for _, r in rows)
@@ -110,13 +118,29 @@ def _clear_process() -> None:
 
 
 def _collect_process(timeout: float = 10.0) -> dict:
-    """This process's completed records, with start/end as host clock seconds (``time.time``)."""
+    """This process's completed records, with start/end as host clock seconds (``time.time``).
+
+    Each record names its runtime (``id``), for :func:`_collect_worker`.
+    """
     from dask_gpustreams.runtime import live_runtimes
 
     records: list[dict] = []
     for runtime in live_runtimes():
-        records.extend(_runtime_records(runtime, runtime.timeline_snapshot(), timeout))
+        for record in _runtime_records(runtime, runtime.timeline_snapshot(), timeout):
+            record["runtime"] = id(runtime)
+            records.append(record)
     return {"host": socket.gethostname(), "pid": os.getpid(), "worker": None, "records": records}
+
+
+def _collect_worker(timeout: float = 10.0, dask_worker: Any = None) -> dict:
+    """:func:`_collect_process` on a worker, with the ``id`` of its plugin's runtime (or None)."""
+    part = _collect_process(timeout)
+    plugin = dask_worker.plugins.get("gpustreams") if dask_worker is not None else None
+    runtime = None
+    if getattr(plugin, "_active", False):
+        runtime = getattr(plugin, "runtime", None)
+    part["runtime"] = None if runtime is None else id(runtime)
+    return part
 
 
 def _runtime_records(runtime: Any, snapshot: list, timeout: float) -> list[dict]:
