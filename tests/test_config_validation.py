@@ -437,6 +437,32 @@ def test_a_bad_scheduler_preload_argument_fails_the_tasks_of_every_worker():
                 future.result()
 
 
+@pytest.mark.filterwarnings("ignore:gpustreams cannot start on worker:UserWarning")
+@pytest.mark.parametrize("route", ["scheduler preload", "gpustreams.enabled"])
+def test_a_workers_own_preload_options_outlast_the_plugin_that_a_preload_registers(route):
+    # Registering with the scheduler replaces the worker's plugin by the one the scheduler's
+    # preload (or the client's gpustreams.enabled) registered: the worker keeps its options.
+    config = {**SIM, "gpustreams.enabled": route == "gpustreams.enabled"}
+    scheduler = {"preload": ["dask_gpustreams"], "preload_argv": ["--streams", "3"]}
+    for argv, error in [(["--streams", "2"], None), (["--stream", "2"], "No such option")]:
+        with (
+            dask.config.set(config),
+            local_cluster(
+                processes=False,
+                preload=["dask_gpustreams"],
+                preload_argv=argv,
+                scheduler_kwargs=scheduler if route == "scheduler preload" else {},
+            ) as c,
+            Client(c) as client,
+        ):
+            if error is None:
+                assert client.submit(on_pool_stream, pure=False).result()
+                assert list(client.run(plugin_streams).values()) == [(2, 2)]
+            else:
+                with pytest.raises(ValueError, match="preload argument: " + error):
+                    client.submit(on_pool_stream, pure=False).result()
+
+
 def test_the_preload_options_are_the_config_keys():
     shown = [p for p in dask_setup.params if not p.hidden]
     assert [p.opts for p in shown] == [[f"--{k}"] for k in KEYS if k != "enabled"]

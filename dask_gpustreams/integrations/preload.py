@@ -33,7 +33,10 @@ Options
     ``--shared-blocks``, ``--blocks``, ``--block-size``, and the flags
     ``--timeline/--no-timeline``, ``--nvtx/--no-nvtx``).
     They override the config of the workers, as the keyword arguments of
-    ``StreamsPlugin`` do::
+    ``StreamsPlugin`` do. A worker's own preload options (and their errors) also
+    win over the plugin that the scheduler's preload or a client's
+    ``gpustreams.enabled`` registers, which replaces the worker's plugin when the
+    worker registers (``PRELOADED``); ``client.register_plugin`` replaces them::
 
         dask worker tcp://host:8786 --preload dask_gpustreams --streams 4 --policy round-robin
         dask scheduler --preload dask_gpustreams --streams 4
@@ -134,13 +137,16 @@ def _setup(server: Any, problem: str | None = None, **options: Any) -> Any:
     from distributed import Client, Scheduler, Worker
 
     from dask_gpustreams.integrations.distributed import StreamsPlugin
+    from dask_gpustreams.integrations.distributed.plugin import PRELOADED
 
     overrides = {name: value for name, value in options.items() if value is not None}
     if isinstance(server, Worker):
         plugin = _plugin(problem, overrides, source="")
+        PRELOADED[server] = (dict(plugin.overrides), plugin.error)  # before setup prefixes it
         return server.plugin_add(plugin, name=StreamsPlugin.name)  # logs a failed setup
     if isinstance(server, Scheduler):
         plugin = _plugin(problem, overrides, source="the scheduler's ")
+        plugin.from_preload = True
         if plugin.error is not None:
             logger.error("gpustreams: every task will fail: %s", plugin.error)
         return _register(
@@ -156,6 +162,7 @@ def _setup(server: Any, problem: str | None = None, **options: Any) -> Any:
         except ValueError as e:
             _warn(f"gpustreams is not installed by this client: {e}")
             return None
+        plugin.from_preload = True
         return _register(server.scheduler.register_worker_plugin(**_plugin_message(plugin)), _warn)
     logger.info("gpustreams: preload ignored by %s; preload the worker instead", type(server))
     return None

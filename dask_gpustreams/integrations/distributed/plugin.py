@@ -149,6 +149,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Collection, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -171,6 +172,12 @@ from dask_gpustreams.integrations.distributed.withheld import WithheldKeys
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 
 logger = logging.getLogger("dask_gpustreams")
+
+#: The settings a worker's own ``--preload dask_gpustreams`` gave it: worker ->
+#: (overrides, error). A plugin that the scheduler's preload or a client's
+#: ``gpustreams.enabled`` registers replaces the worker's plugin when the worker
+#: registers (same name), and keeps these (:meth:`StreamsPlugin.setup`).
+PRELOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class StreamsPlugin(WorkerPlugin):
@@ -233,6 +240,9 @@ class StreamsPlugin(WorkerPlugin):
     close_timeout = 30.0
     #: The bad settings every task of this worker fails with (None: they are fine).
     error: Exception | None = None  # bad settings (ValueError) or a setup that failed
+    #: Registered by a preload (the scheduler's, or a client's ``gpustreams.enabled``):
+    #: on a worker whose own preload set it up, the worker's settings win (``PRELOADED``).
+    from_preload = False
     _active = False  # True between setup and teardown
     _held: Collection[Hashable] = ()  # corrupt keys held for their dependents (Provenance.held)
 
@@ -264,6 +274,8 @@ class StreamsPlugin(WorkerPlugin):
         state = {"overrides": self.overrides}
         if self.error is not None:
             state["error"] = self.error
+        if self.from_preload:
+            state["from_preload"] = True
         return state
 
     def __repr__(self) -> str:
@@ -310,6 +322,11 @@ class StreamsPlugin(WorkerPlugin):
         settings raise their ``ValueError``, and every task of the worker then
         fails with it (see *Bad settings* above).
         """
+        own = PRELOADED.get(worker) if self.from_preload else None
+        if own is not None:  # the worker's own preload options and their error come first
+            overrides, error = own
+            self.overrides = {**self.overrides, **overrides}
+            self.error = self.error or error
         try:
             if self.error is not None:
                 raise self.error
