@@ -747,3 +747,18 @@ def test_two_syncs_at_once_raise_an_error_once(streams, monkeypatch):
     for t in threads:
         t.join(GATE_TIMEOUT)
     assert sorted(type(o).__name__ for o in outcomes) == ["KernelError", "NoneType"]
+
+
+def test_an_upload_takes_the_kernel_delay_so_a_reader_that_does_not_wait_sees_poison(
+    streams, monkeypatch
+):
+    """A host-to-device copy takes time on a GPU: one on stream A that a reader on stream B
+    does not wait for is read unwritten. It sleeps ``kernel_delay`` first, as kernels do."""
+    a, b = streams
+    monkeypatch.setattr(device, "kernel_delay", (0.3, 0.3))
+    with a:
+        x = sim.asarray(np.ones(N))
+    with b:  # no wait on a
+        assert np.isnan(x.get()).all()
+    with a:
+        np.testing.assert_array_equal(x.get(), np.ones(N))

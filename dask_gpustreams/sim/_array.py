@@ -306,7 +306,10 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
     """Copy host data to the device on the current stream (a ``SimArray`` is returned as is).
 
     The host data is staged at call time, as CuPy stages pageable memory, so the
-    caller may modify ``obj`` as soon as this returns.
+    caller may modify ``obj`` as soon as this returns. The copy is enqueued as a
+    kernel is (:meth:`Stream.launch`): it first sleeps for a delay drawn from
+    :attr:`Device.kernel_delay`, as a host-to-device copy takes time on a GPU, so
+    a reader on another stream that does not wait for it can see the poison.
     """
     if isinstance(obj, SimArray):
         if dtype is None or np.dtype(dtype) == obj.dtype:
@@ -318,8 +321,8 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
     staged = np.array(obj, dtype=dtype, copy=True)
     out = empty(staged.shape, staged.dtype)
     if out.size:
-        view = out._view
-        get_device().current_stream().enqueue(lambda _s: np.copyto(view, staged))
+        device = get_device()
+        device.current_stream().launch(np.copyto, (out._view, staged), {}, device.current_key())
     return out
 
 

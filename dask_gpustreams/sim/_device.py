@@ -13,8 +13,8 @@ streams. The first host sync that sees the error raises it and clears it from
 every stream it reached; once reported, it is neither raised nor passed on
 again.
 
-``Device.kernel_delay`` makes every kernel sleep a random time before it
-runs, to vary the interleaving of streams in tests.
+``Device.kernel_delay`` makes every kernel (and host-to-device copy) sleep a
+random time before it runs, to vary the interleaving of streams in tests.
 """
 
 from __future__ import annotations
