@@ -336,6 +336,24 @@ def test_discard_hands_the_record_back_for_its_caller_to_free():
     assert (reg.discard("a"), reg.discard("a"), "a" in reg, len(reg)) == (record, None, False, 0)
 
 
+def test_elapsed_time_needs_two_timing_events_as_on_cuda():
+    """``cudaEventElapsedTime`` fails for an event created without timing (the backends'
+    default): the sim's backend refuses it too, so a timing path that reads an untimed
+    record fails on the sim, not first on a GPU."""
+    backend = SimBackend()
+    stream = backend.create_stream()
+    timed, untimed = backend.create_event(timing=True), backend.create_event()
+    later = backend.create_event(timing=True)
+    for event in (timed, untimed, later):
+        backend.record(event, stream)
+    backend.synchronize_event(later)
+    assert backend.elapsed_ms(timed, later) >= 0
+    for start, end in ((untimed, later), (timed, untimed)):
+        with pytest.raises(RuntimeError, match="created without timing"):
+            backend.elapsed_ms(start, end)
+    backend.destroy_stream(stream)
+
+
 def test_pool_records_in_stream_order_and_skips_covered_waits():
     backend = SimBackend()
     pool = StreamPool(backend, 2)

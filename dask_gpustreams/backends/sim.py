@@ -36,7 +36,7 @@ class SimBackend:
         return -1
 
     def create_event(self, timing: bool = False) -> sim.Event:
-        return sim.Event()
+        return sim.Event(timing=timing)
 
     def record(self, event: sim.Event, stream: sim.Stream) -> None:
         stream.record(event)
@@ -66,6 +66,10 @@ class SimBackend:
         stream.close(timeout)
 
     def elapsed_ms(self, start: sim.Event, end: sim.Event) -> float:
+        # As cudaEventElapsedTime, which fails (cudaErrorInvalidResourceHandle) for an
+        # event created without timing, as CupyBackend.create_event makes them by default.
+        if not (start.timing and end.timing):
+            raise RuntimeError("elapsed time of an event created without timing")
         return (end.time - start.time) * 1e3
 
     def isolate_thread(self) -> Callable[[], None]:

@@ -226,12 +226,18 @@ class Stream:
 
 
 class Event:
-    """A point in a stream that the host or other streams can wait for."""
+    """A point in a stream that the host or other streams can wait for.
 
-    __slots__ = ("_marker",)
+    ``timing`` (on by default, as for CuPy's events): whether device times may be
+    measured between it and another timing event; CUDA refuses an event created
+    without (``cudaEventDisableTiming``): see ``SimBackend.elapsed_ms``.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_marker", "timing")
+
+    def __init__(self, timing: bool = True) -> None:
         self._marker: _Marker | None = None
+        self.timing = timing
 
     @property
     def done(self) -> bool:
