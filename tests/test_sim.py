@@ -762,3 +762,23 @@ def test_an_upload_takes_the_kernel_delay_so_a_reader_that_does_not_wait_sees_po
         assert np.isnan(x.get()).all()
     with a:
         np.testing.assert_array_equal(x.get(), np.ones(N))
+
+
+def test_an_upload_from_pinned_memory_reads_it_when_the_copy_runs(streams):
+    """CuPy copies from pinned memory without staging it (``_array_default``): the copy
+    reads the buffer when its stream gets there. Pageable memory is staged at the call."""
+    a, _ = streams
+    gate = threading.Event()
+    pinned = sim.alloc_pinned(8 * N).view("float64")
+    pageable = np.empty(N)
+    pinned[:] = pageable[:] = 1.0
+    with a:
+        sim.launch(gated(gate))
+        from_pinned, from_pageable = sim.asarray(pinned), sim.asarray(pageable)
+        from_strided = sim.asarray(pinned[::2])  # not contiguous: NumPy copies it first
+    pinned[:] = pageable[:] = 2.0  # too early for pinned memory
+    gate.set()
+    with a:
+        np.testing.assert_array_equal(from_pinned.get(), np.full(N, 2.0))
+        np.testing.assert_array_equal(from_pageable.get(), np.ones(N))
+        np.testing.assert_array_equal(from_strided.get(), np.ones(N // 2))

@@ -417,3 +417,21 @@ def test_download_skipped_after_a_failure_reported_elsewhere_raises(monkeypatch,
     thread.join(10)
     assert "value" not in outcome, f"a skipped copy returned {outcome.get('value')}"
     assert "boom" in str(outcome["error"])
+
+
+def test_a_download_result_is_pinned_so_an_upload_of_it_reads_it_late():
+    """A download that fits the allowance returns pinned memory (``PinnedPool.take``); CuPy
+    uploads pinned memory without staging it, so the caller must not modify it until the
+    upload's copy has run. The sim's backend pins it too, to show this as on a GPU."""
+    rt = get_runtime(StreamsConfig(backend="sim", pinned_pool_size=1 << 20))
+    stream = rt.backend.current_stream()
+    result = rt.transfers.to_host(rt.transfers.to_device(np.ones(1000), stream), stream)
+    other = sim.get_device().create_stream()
+    gate = threading.Event()
+    with other:
+        sim.launch(lambda: gate.wait(5.0))
+        again = sim.asarray(result)
+    result[:] = 2.0
+    gate.set()
+    with other:
+        np.testing.assert_array_equal(again.get(), np.full(1000, 2.0))

@@ -159,7 +159,7 @@ class SimBackend:
         return nullcontext()
 
     def alloc_pinned(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, dtype=np.uint8)
+        return sim.alloc_pinned(nbytes)
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> sim.SimArray:
         return sim.empty(shape, dtype)

@@ -20,6 +20,7 @@ array([1., 3., 5., 7.])
 
 from dask_gpustreams.sim._array import (
     SimArray,
+    alloc_pinned,
     asarray,
     asnumpy,
     empty,
@@ -41,6 +42,7 @@ __all__ = [
     "SimArray",
     "Stream",
     "UnownedBlock",
+    "alloc_pinned",
     "asarray",
     "asnumpy",
     "empty",

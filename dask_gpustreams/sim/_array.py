@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +23,8 @@ _device_lock = threading.Lock()
 _pool = MemoryPool()
 _ids = itertools.count()
 _local = threading.local()  # .allocator: this thread's, inside using_allocator
+# Pinned host buffers (alloc_pinned) by id, while alive: NumPy arrays are not hashable.
+_pinned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 
 
 def get_device() -> Device:
@@ -302,14 +305,37 @@ def empty(shape: int | tuple[int, ...], dtype: Any = "float64") -> SimArray:
     return SimArray._allocate(shape, np.dtype(dtype))
 
 
+def alloc_pinned(nbytes: int) -> np.ndarray:
+    """``nbytes`` of page-locked host memory, as ``uint8`` (``cupyx.empty_pinned``).
+
+    :func:`asarray` copies from it when its stream gets to the copy, not at the call.
+    """
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    _pinned[id(buffer)] = buffer
+    return buffer
+
+
+def _is_pinned(obj: np.ndarray) -> bool:
+    """Whether ``obj`` is a view of memory from :func:`alloc_pinned`."""
+    while isinstance(obj, np.ndarray):
+        if _pinned.get(id(obj)) is obj:
+            return True
+        obj = obj.base
+    return False
+
+
 def asarray(obj: Any, dtype: Any = None) -> SimArray:
     """Copy host data to the device on the current stream (a ``SimArray`` is returned as is).
 
-    The host data is staged at call time, as CuPy stages pageable memory, so the
-    caller may modify ``obj`` as soon as this returns. The copy is enqueued as a
-    kernel is (:meth:`Stream.launch`): it first sleeps for a delay drawn from
-    :attr:`Device.kernel_delay`, as a host-to-device copy takes time on a GPU, so
-    a reader on another stream that does not wait for it can see the poison.
+    Pageable host data is staged at call time, as CuPy stages it, so the caller
+    may modify ``obj`` as soon as this returns. Pinned memory (:func:`alloc_pinned`,
+    contiguous, of the dtype asked for) is not staged: as in CuPy (``_array_default``),
+    the copy reads it when it runs, and the caller must not modify it before.
+
+    The copy is enqueued as a kernel is (:meth:`Stream.launch`): it first sleeps
+    for a delay drawn from :attr:`Device.kernel_delay`, as a host-to-device copy
+    takes time on a GPU, so a reader on another stream that does not wait for it
+    can see the poison.
     """
     if isinstance(obj, SimArray):
         if dtype is None or np.dtype(dtype) == obj.dtype:
@@ -318,7 +344,15 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
         out = empty(obj.shape, dtype)
         launch(_convert, out, obj)
         return out
-    staged = np.array(obj, dtype=dtype, copy=True)
+    if (
+        isinstance(obj, np.ndarray)
+        and (dtype is None or np.dtype(dtype) == obj.dtype)
+        and (obj.flags.c_contiguous or obj.flags.f_contiguous)
+        and _is_pinned(obj)
+    ):
+        staged = obj  # read when the copy runs, which holds it (CuPy's watch list does)
+    else:
+        staged = np.array(obj, dtype=dtype, copy=True)
     out = empty(staged.shape, staged.dtype)
     if out.size:
         device = get_device()
