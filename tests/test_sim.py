@@ -782,3 +782,31 @@ def test_an_upload_from_pinned_memory_reads_it_when_the_copy_runs(streams):
         np.testing.assert_array_equal(from_pinned.get(), np.full(N, 2.0))
         np.testing.assert_array_equal(from_pageable.get(), np.ones(N))
         np.testing.assert_array_equal(from_strided.get(), np.ones(N // 2))
+
+
+def test_a_device_starts_with_the_kernel_delay_of_its_environment(monkeypatch):
+    """``GPUSTREAMS_SIM_KERNEL_DELAY`` (seconds) sets a new device's delay; a bad value is an
+    error naming the variable, not a device without delay."""
+    monkeypatch.setenv("GPUSTREAMS_SIM_KERNEL_DELAY", "0.001,0.004")
+    assert sim.Device(1).kernel_delay == (0.001, 0.004)
+    for bad in ("0.004,0.001", "-1,1", "0.002", "0,1,2", "a,b"):
+        monkeypatch.setenv("GPUSTREAMS_SIM_KERNEL_DELAY", bad)
+        with pytest.raises(ValueError, match=f"GPUSTREAMS_SIM_KERNEL_DELAY='{bad}' is invalid"):
+            sim.Device(1)
+    monkeypatch.delenv("GPUSTREAMS_SIM_KERNEL_DELAY")
+    assert sim.Device(1).kernel_delay == (0.0, 0.0)
+
+
+@pytest.mark.slow
+def test_worker_processes_inherit_the_kernel_delay_of_the_environment(monkeypatch):
+    """The delay set in a process does not reach a cluster's worker processes; the variable
+    does, so a CI run of a cluster on the sim varies its streams' interleaving too."""
+    from distributed import Client, LocalCluster
+
+    monkeypatch.setenv("GPUSTREAMS_SIM_KERNEL_DELAY", "0,0.002")
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=True) as cluster,
+        Client(cluster) as client,
+    ):
+        delays = client.run(lambda: sim.get_device().kernel_delay)
+    assert list(delays.values()) == [(0.0, 0.002)]

@@ -14,13 +14,18 @@ every stream it reached; once reported, it is neither raised nor passed on
 again.
 
 ``Device.kernel_delay`` makes every kernel (and host-to-device copy) sleep a
-random time before it runs, to vary the interleaving of streams in tests.
+random time before it runs, to vary the interleaving of streams in tests. A
+device starts with the delay of the environment variable
+``GPUSTREAMS_SIM_KERNEL_DELAY`` (``LOW,HIGH`` in seconds, e.g. ``0,0.002``), read
+when the device is made, as CUDA reads its variables when it starts: worker
+processes inherit it, where a delay set in one process would not reach them.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import os
 import queue
 import random
 import threading
@@ -283,6 +288,10 @@ class Event:
 _factory_token = object()
 
 
+#: The environment variable of a new device's :attr:`Device.kernel_delay`.
+KERNEL_DELAY_VARIABLE = "GPUSTREAMS_SIM_KERNEL_DELAY"
+
+
 def _stream_ended(work: queue.SimpleQueue, device: Device, stream_id: int) -> None:
     """A stream is garbage: its thread ends after the work queued; tell the device's listener.
 
@@ -315,6 +324,15 @@ class Device:
         self._reported_errors: weakref.WeakSet[KernelError] = weakref.WeakSet()
         self._report_lock = threading.Lock()
         self._kernel_delay = (0.0, 0.0)
+        delay = os.environ.get(KERNEL_DELAY_VARIABLE)
+        if delay:
+            try:
+                self.kernel_delay = [float(v) for v in delay.split(",")]
+            except ValueError:  # not two numbers, or not 0 <= low <= high
+                raise ValueError(
+                    f"{KERNEL_DELAY_VARIABLE}={delay!r} is invalid: allowed values are "
+                    "LOW,HIGH in seconds with 0 <= LOW <= HIGH, such as '0,0.002'"
+                ) from None
         self._random = random.Random()
         self._on_stream_end = on_stream_end
         self._default_stream: Stream | None = None
