@@ -133,6 +133,7 @@ def test_status_of_every_worker(cluster_client):
 
 def test_workers_without_the_plugin_say_so(cluster_client):
     client = cluster_client
+    client.register_plugin(StreamsPlugin())  # (also when this test runs alone)
     client.unregister_worker_plugin("gpustreams")
     try:
         rows = dask_gpustreams.status(client).rows
