@@ -105,6 +105,11 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--scheduler", choices=("gpustreams", "threads"), default="gpustreams")
     args = parser.parse_args()
+    for flag, value in (("--width", args.width), ("--depth", args.depth)):
+        if value < 1:
+            parser.error(f"{flag} {value}: a shape needs at least 1")
+    if args.kernel_ms <= 0:
+        parser.error(f"--kernel-ms {args.kernel_ms:g}: the kernels need a duration above 0")
 
     backend = "cupy" if gpu_visible()[0] else "sim"
     make = cupy_kernel if backend == "cupy" else sim_kernel
@@ -114,9 +119,8 @@ def main() -> None:
         f"{args.kernel_ms:g} ms kernels, {args.width} x {args.depth} DAGs, "
         f"scheduler={args.scheduler!r}"
     )
-    print(
-        f"{'shape':10} {'tasks':>5} {'1 stream':>10} {f'{args.streams} streams':>11} {'speedup':>8}"
-    )
+    many = f"{args.streams} stream" + ("s" if args.streams != 1 else "")
+    print(f"{'shape':10} {'tasks':>5} {'1 stream':>10} {many:>11} {'speedup':>8}")
     for name in ("linear", "diamond", "chainlink", "tangled"):
         deps = shape(name, args.width, args.depth)
         outputs, sinks = build(deps, node)

@@ -74,6 +74,21 @@ def test_demo():
     assert lines[-1] == "all results exact"
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--width", "0"), "--width 0: a shape needs at least 1"),
+        (("--depth", "-1"), "--depth -1: a shape needs at least 1"),
+        (("--kernel-ms", "0"), "--kernel-ms 0: the kernels need a duration above 0"),
+    ],
+)
+def test_demo_refuses_an_empty_shape_or_kernel(args, message):
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "demo.py"), *args], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and message in done.stderr, done
+
+
 def test_distributed_cluster():
     out = run_example("distributed_cluster", "--workers", "2", "--size", "128", "--chunk", "64")
     x = arange(128)
