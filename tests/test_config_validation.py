@@ -463,6 +463,33 @@ def test_a_workers_own_preload_options_outlast_the_plugin_that_a_preload_registe
                     client.submit(on_pool_stream, pure=False).result()
 
 
+@pytest.mark.filterwarnings("ignore:gpustreams cannot start on worker:UserWarning")
+@pytest.mark.parametrize("scheduler_preload", [False, True], ids=["worker", "and-scheduler"])
+def test_the_preload_error_a_worker_keeps_does_not_hold_the_worker(scheduler_preload):
+    # PRELOADED keeps a worker's own preload error, keyed weakly by the worker. Raised as it
+    # is, the error's traceback would hold setup's frame, so the worker: the entry would keep
+    # its own key, and the closed worker and its memory, for as long as the process.
+    from dask_gpustreams.integrations.distributed.plugin import PRELOADED
+
+    scheduler = {"preload": ["dask_gpustreams"], "preload_argv": ["--streams", "3"]}
+    with (
+        dask.config.set(SIM),
+        local_cluster(
+            processes=False,
+            preload=["dask_gpustreams"],
+            preload_argv=["--stream", "2"],
+            scheduler_kwargs=scheduler if scheduler_preload else {},
+        ) as c,
+        Client(c) as client,
+    ):
+        with pytest.raises(ValueError, match="preload argument: No such option"):
+            client.submit(on_pool_stream, pure=False).result()
+        (worker,) = c.workers.values()
+        _, error = PRELOADED[worker]
+        assert "No such option" in str(error)
+        assert error.__traceback__ is None
+
+
 def test_the_preload_options_are_the_config_keys():
     shown = [p for p in dask_setup.params if not p.hidden]
     assert [p.opts for p in shown] == [[f"--{k}"] for k in KEYS if k != "enabled"]

@@ -327,14 +327,20 @@ class StreamsPlugin(WorkerPlugin):
             overrides, error = own
             self.overrides = {**self.overrides, **overrides}
             self.error = self.error or error
-        try:
-            if self.error is not None:
-                raise self.error
-            self.config = StreamsConfig.from_dask_config(**self.overrides)
-        except ValueError as e:
-            self.error = ValueError(f"gpustreams cannot start on worker {worker.address}: {e}")
+        # The error given is not raised itself: its traceback would hold this frame, and so
+        # the worker, and PRELOADED keeps it (a value that holds its key: the worker for good).
+        error = self.error
+        if error is None:
+            try:
+                self.config = StreamsConfig.from_dask_config(**self.overrides)
+            except ValueError as e:
+                error = e
+        elif not isinstance(error, ValueError):
+            raise error
+        if error is not None:
+            self.error = ValueError(f"gpustreams cannot start on worker {worker.address}: {error}")
             self._tasks = worker.state.tasks
-            raise self.error from None
+            raise self.error
         # Threads of the egress waits and of the clears of stream errors after failures.
         self._egress_threads = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
         failures = FailureRecords(self.max_failures, self.failure_ttl)
