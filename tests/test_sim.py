@@ -789,7 +789,7 @@ def test_a_device_starts_with_the_kernel_delay_of_its_environment(monkeypatch):
     error naming the variable, not a device without delay."""
     monkeypatch.setenv("GPUSTREAMS_SIM_KERNEL_DELAY", "0.001,0.004")
     assert sim.Device(1).kernel_delay == (0.001, 0.004)
-    for bad in ("0.004,0.001", "-1,1", "0.002", "0,1,2", "a,b"):
+    for bad in ("0.004,0.001", "-1,1", "0.002", "0,1,2", "a,b", "0,inf", "inf,inf"):
         monkeypatch.setenv("GPUSTREAMS_SIM_KERNEL_DELAY", bad)
         with pytest.raises(ValueError, match=f"GPUSTREAMS_SIM_KERNEL_DELAY='{bad}' is invalid"):
             sim.Device(1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import queue
 import random
@@ -328,10 +329,10 @@ class Device:
         if delay:
             try:
                 self.kernel_delay = [float(v) for v in delay.split(",")]
-            except ValueError:  # not two numbers, or not 0 <= low <= high
+            except ValueError:  # not two numbers, or not 0 <= low <= high < inf
                 raise ValueError(
                     f"{KERNEL_DELAY_VARIABLE}={delay!r} is invalid: allowed values are "
-                    "LOW,HIGH in seconds with 0 <= LOW <= HIGH, such as '0,0.002'"
+                    "LOW,HIGH in seconds with 0 <= LOW <= HIGH < inf, such as '0,0.002'"
                 ) from None
         self._random = random.Random()
         self._on_stream_end = on_stream_end
@@ -362,8 +363,9 @@ class Device:
     @kernel_delay.setter
     def kernel_delay(self, value: tuple[float, float]) -> None:
         low, high = (float(v) for v in value)
-        if not 0 <= low <= high:
-            raise ValueError(f"kernel_delay must satisfy 0 <= low <= high, got {value!r}")
+        # Finite: time.sleep(inf) raises in the stream's thread, which ends, and every sync hangs.
+        if not (0 <= low <= high and math.isfinite(high)):
+            raise ValueError(f"kernel_delay must satisfy 0 <= low <= high < inf, got {value!r}")
         self._kernel_delay = (low, high)
 
     def _draw_delay(self) -> float:
