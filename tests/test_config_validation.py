@@ -464,6 +464,24 @@ def test_a_workers_own_preload_options_outlast_the_plugin_that_a_preload_registe
 
 
 @pytest.mark.filterwarnings("ignore:gpustreams cannot start on worker:UserWarning")
+def test_a_workers_own_bad_preload_option_is_the_error_over_the_schedulers():
+    # Both preloads are bad: the worker's own option, the more specific, is the one reported.
+    scheduler = {"preload": ["dask_gpustreams"], "preload_argv": ["--policy", "nope"]}
+    with (
+        dask.config.set(SIM),
+        local_cluster(
+            processes=False,
+            preload=["dask_gpustreams"],
+            preload_argv=["--stream", "2"],
+            scheduler_kwargs=scheduler,
+        ) as c,
+        Client(c) as client,
+        pytest.raises(ValueError, match="preload argument: No such option '--stream'"),
+    ):
+        client.submit(on_pool_stream, pure=False).result()
+
+
+@pytest.mark.filterwarnings("ignore:gpustreams cannot start on worker:UserWarning")
 @pytest.mark.parametrize("scheduler_preload", [False, True], ids=["worker", "and-scheduler"])
 def test_the_preload_error_a_worker_keeps_does_not_hold_the_worker(scheduler_preload):
     # PRELOADED keeps a worker's own preload error, keyed weakly by the worker. Raised as it

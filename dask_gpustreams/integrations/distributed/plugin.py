@@ -326,7 +326,7 @@ class StreamsPlugin(WorkerPlugin):
         if own is not None:  # the worker's own preload options and their error come first
             overrides, error = own
             self.overrides = {**self.overrides, **overrides}
-            self.error = self.error or error
+            self.error = error or self.error
         # The error given is not raised itself: its traceback would hold this frame, and so
         # the worker, and PRELOADED keeps it (a value that holds its key: the worker for good).
         error = self.error
