@@ -25,11 +25,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import uuid
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from dask.utils import key_split
+
+#: This process, among a client's workers: host and pid alone may repeat (containers
+#: sharing a host name, each its workers' pid 1).
+_PROCESS = uuid.uuid4().hex
 
 #: The fields of each record returned by :func:`timeline`.
 RECORD_FIELDS = ("key", "name", "worker", "device", "pool", "stream", "start_ms", "end_ms")
@@ -65,14 +70,14 @@ def timeline(client: Any = None, *, timeout: float = 10.0) -> list[dict]:
         parts = [_collect_process(timeout)]
     else:
         parts = []
-        processes: dict[tuple, dict] = {}
+        processes: dict[str, dict] = {}
         for address, part in sorted(client.run(_collect_worker, timeout).items()):
             # Workers of one process (processes=False) see all its runtimes: take its
             # records once, each under the worker whose plugin owns its runtime (the
             # process's first worker for the others: local computes, say).
-            first = processes.get((part["host"], part["pid"]))
+            first = processes.get(part["process"])
             if first is None:
-                processes[(part["host"], part["pid"])] = first = part
+                processes[part["process"]] = first = part
                 part["owners"] = {}
                 parts.append(part)
             if part["runtime"] is not None:
@@ -129,7 +134,13 @@ def _collect_process(timeout: float = 10.0) -> dict:
         for record in _runtime_records(runtime, runtime.timeline_snapshot(), timeout):
             record["runtime"] = id(runtime)
             records.append(record)
-    return {"host": socket.gethostname(), "pid": os.getpid(), "worker": None, "records": records}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "process": _PROCESS,
+        "worker": None,
+        "records": records,
+    }
 
 
 def _collect_worker(timeout: float = 10.0, dask_worker: Any = None) -> dict:
