@@ -23,8 +23,10 @@ Values are integers below ``P`` (every op ends ``% P``), so float64 results are
 exact in any order of evaluation; they are compared with ``==`` to the same
 functions run on NumPy values (NaN, the sim's poison, never compares equal).
 
-Routes (``--routes``): ``threaded`` (``gpustreams.enabled``, the threaded
-scheduler, random ``num_workers`` and ``chunksize``), ``launcher``
+Routes (``--routes``): ``threaded`` (``gpustreams.enabled``, Dask's threads as
+such, ``scheduler=dask.threaded.get``, random ``num_workers`` and ``chunksize``: each
+task through the runtime in Dask's threads; by name, ``"threads"`` would run the
+launcher), ``launcher``
 (``scheduler="gpustreams"``), ``distributed`` (an in-process ``LocalCluster`` of
 2 workers x 2 threads, the plugin by ``gpustreams.enabled``; a new cluster with
 new settings every 100 DAGs), ``distributed-spill`` (the same with a memory
@@ -95,6 +97,7 @@ from unittest import mock
 
 import dask
 import dask.array as da
+import dask.threaded
 import numpy as np
 from dask import delayed
 from distributed import wait
@@ -958,7 +961,8 @@ class LocalRoute:
         self.backend = backend
         self.kernels = make_kernels(backend)
         self.timeout = timeout
-        self.scheduler = "threads" if name == "threaded" else "gpustreams"
+        # Dask's threads as such: by name ("threads") an enabled compute runs the launcher.
+        self.scheduler = dask.threaded.get if name == "threaded" else "gpustreams"
         self.thread = ComputeThread()
 
     def __enter__(self) -> LocalRoute:

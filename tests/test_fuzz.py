@@ -80,6 +80,24 @@ def test_dags_are_reproducible_and_their_values_stay_below_p():
                 assert value.dtype == np.float64 and ((value >= 0) & (value < fuzz.P)).all()
 
 
+def test_the_threaded_route_runs_dasks_threads_and_the_launcher_route_does_not(monkeypatch):
+    """By name, an enabled compute on ``"threads"`` runs the launcher: the ``threaded`` route
+    asks for Dask's threads as such, so that each task runs through the runtime there."""
+    import dask.threaded
+
+    calls = []
+    get_async = dask.threaded.get_async
+    monkeypatch.setattr(
+        dask.threaded, "get_async", lambda *a, **k: calls.append(1) or get_async(*a, **k)
+    )
+    for route, expected in (("threaded", True), ("launcher", False)):
+        calls.clear()
+        dag = fuzz.make_dag(5, route, 3, "sim")
+        with fuzz.LocalRoute(route, "sim", 60) as local:
+            assert local.run(dag) == ("ok", "")
+        assert bool(calls) is expected, route
+
+
 def test_dask_cuda_route_is_refused_on_the_sim():
     """Named on the sim, the route fails at argument parsing, saying why (not skipped)."""
     run = subprocess.run(
