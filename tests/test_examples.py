@@ -74,6 +74,14 @@ def test_demo():
     assert lines[-1] == "all results exact"
 
 
+def test_demo_on_dasks_threads():
+    out = run_example(
+        "demo", "--kernel-ms", "1", "--width", "2", "--depth", "2", "--scheduler", "threads"
+    )
+    assert "scheduler='threads'" in out.splitlines()[0]
+    assert out.splitlines()[-1] == "all results exact"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
