@@ -18,7 +18,10 @@ def host_task(fn: F) -> F:
     its host threads, after waiting on the host for their inputs, instead of
     on the launching thread: use it for functions that wait for the device
     (``.get()``, ``.item()``), compute on host data, do I/O, sleep or lock.
-    Unmarked functions that block are learned after two slow calls in a row.
+    Unmarked functions that block are learned after two slow calls in a row. On a
+    cluster the same holds inside stream blocks; a task run alone (one task per key)
+    or on Dask's own schedulers passed as functions runs on a pool stream after device
+    waits only, with no host wait (``docs/guide.md``, "Not there yet").
     """
     setattr(fn, HOST_TASK_ATTR, True)
     return fn
