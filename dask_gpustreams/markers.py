@@ -18,10 +18,9 @@ def host_task(fn: F) -> F:
     its host threads, after waiting on the host for their inputs, instead of
     on the launching thread: use it for functions that wait for the device
     (``.get()``, ``.item()``), compute on host data, do I/O, sleep or lock.
-    Unmarked functions that block are learned after two slow calls in a row. On a
-    cluster the same holds inside stream blocks; a task run alone (one task per key)
-    or on Dask's own schedulers passed as functions runs on a pool stream after device
-    waits only, with no host wait (``docs/guide.md``, "Not there yet").
+    Unmarked functions that block are learned after two slow calls in a row. Elsewhere
+    (a cluster's worker, Dask's own schedulers passed as functions) a marked task runs
+    on its thread's pool stream, after the same host wait for its inputs.
     """
     setattr(fn, HOST_TASK_ATTR, True)
     return fn

@@ -35,7 +35,7 @@ from dask import delayed
 from dask.sizeof import sizeof
 from distributed import Client, LocalCluster, wait
 
-from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, sim, to_host
+from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, host_task, sim, to_host
 from dask_gpustreams.backends import gpu_visible
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.distributed.execution import Execution
@@ -126,6 +126,12 @@ def snapshot(a):
 
 
 snapshot.__module__ = "hostside_for_tests"  # what ``StreamsPlugin.host_modules`` matches
+
+
+@host_task
+def marked_snapshot(a):
+    """:func:`snapshot`, marked as host code (not of ``host_modules``)."""
+    return pickle.dumps(a)
 
 
 def values(result):
@@ -606,6 +612,21 @@ def test_host_side_tasks_wait_for_their_inputs(monkeypatch, blocks):
             one_graph = delayed(snapshot, pure=False)(delayed(produce, pure=False)(100, 3.0, 0.1))
             got = values(pickle.loads(one_graph.compute()))
             assert (got == 3.0).all() == complete
+
+
+@pytest.mark.parametrize("blocks", ["auto", "off"])
+def test_a_host_task_runs_after_its_inputs_work(blocks):
+    """A ``host_task`` that reads its input other than through its stream (the sim's pickle
+    reads the buffer, as a file write through GDS would) sees it whole, alone (one task per
+    key) or in one graph with its producer, as on the launcher."""
+    with cluster(n_workers=1, config={"gpustreams.blocks": blocks}) as client:
+        x = client.submit(produce, 100, 3.0, 0.1, pure=False)
+        got = values(pickle.loads(client.submit(marked_snapshot, x, pure=False).result()))
+        np.testing.assert_array_equal(got, np.full(100, 3.0))
+        one_graph = delayed(marked_snapshot, pure=False)(
+            delayed(produce, pure=False)(100, 3.0, 0.1)
+        )
+        np.testing.assert_array_equal(values(pickle.loads(one_graph.compute())), np.full(100, 3.0))
 
 
 # --- worker failure -------------------------------------------------------------------------

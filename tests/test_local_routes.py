@@ -13,6 +13,7 @@ import random
 import dask
 import dask.array as da
 import dask.local
+import dask.threaded
 import pytest
 from dask import delayed
 from dask.callbacks import Callback
@@ -64,10 +65,13 @@ def _read_off_stream(x):
 
 
 @pytest.mark.parametrize("reader", [_read_current_stream, _read_off_stream])
-@pytest.mark.parametrize("scheduler", ["sync", "gpustreams"])
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
 def test_a_host_task_reads_its_inputs_complete(gpustreams, on_the_launcher, scheduler, reader):
     """Producers with random kernel delays; exact values, on the calling thread (``"sync"``)
-    as on host threads."""
+    as on host threads, and on Dask's own schedulers passed as functions (each task through
+    the runtime: a host task waits on the host for its inputs there too)."""
     device = sim.get_device()
     rng = random.Random(0)
     device.kernel_delay = (0.0, 0.004)

@@ -26,6 +26,7 @@ from dask._task_spec import Alias, GraphNode, Task, TaskRef, _execute_subgraph
 from dask.sizeof import sizeof
 
 from dask_gpustreams.integrations.subgraphs import lean_subgraphs
+from dask_gpustreams.markers import is_host_task
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 from dask_gpustreams.transfers import to_device, to_host
 
@@ -134,6 +135,28 @@ class StreamTask(Task):
         return f"StreamTask({self.node!r})"
 
 
+class HostStreamTask(StreamTask):
+    """The :class:`StreamTask` of a ``host_task``: it waits on the host for its inputs' work
+    before it runs, as the launcher's host tasks do, so that host code reading them other
+    than through its stream (a file write through GDS, a library on a stream of its own)
+    sees them whole."""
+
+    __slots__ = ()
+
+    def __call__(self, values: Mapping[Hashable, Any]) -> Any:
+        wait = self.runtime.wait
+        for record in self.registry.records(self._dependencies):
+            error = wait(record)
+            if error is not None:  # the failed work's error (its KernelError), not a value
+                raise error
+        return super().__call__(values)
+
+    def copy(self) -> HostStreamTask:
+        return HostStreamTask(self.node, self.runtime, self.registry, self.critical)
+
+    __copy__ = copy
+
+
 def _alias_value(value: Any) -> Any:
     """The ``func`` of a wrapped ``Alias``: its target's value."""
     return value
@@ -222,6 +245,7 @@ def wrap_task(
     like an identity task, so it gets an event that covers its target's work
     (graph optimization turns most dask.array outputs into aliases: without
     one, their consumers and the final sync would not wait for the target).
+    A ``host_task`` waits on the host for its inputs' work first (:class:`HostStreamTask`).
     Other nodes that are not plain synchronous tasks (data, coroutines) and
     nodes already wrapped are returned unchanged, so wrapping is idempotent
     (:func:`stream_node`). ``rewrites``: :func:`transfer_rewrites` of ``runtime``,
@@ -230,7 +254,10 @@ def wrap_task(
     if rewrites is None:
         rewrites = transfer_rewrites(runtime)
     inner = stream_node(node, rewrites)
-    return node if inner is None else StreamTask(inner, runtime, registry, critical)
+    if inner is None:
+        return node
+    cls = HostStreamTask if type(inner) is Task and is_host_task(inner.func) else StreamTask
+    return cls(inner, runtime, registry, critical)
 
 
 def _add_traceback_shorten_default() -> None:

@@ -29,6 +29,7 @@ from dask_gpustreams.integrations.tasks import (
     stream_node,
     transfer_rewrites,
 )
+from dask_gpustreams.markers import is_host_task
 from dask_gpustreams.runtime import StreamRuntime
 
 
@@ -94,6 +95,9 @@ class WorkerStreamTask(StreamTask):
     __slots__ = ()
     provenance: Provenance
     is_coro = False  # type: ignore[assignment]  # (StreamTask's reads the node's)
+    #: A ``host_task``'s class: its inputs' work done before it runs (a host wait), as on the
+    #: launcher, so that host code reading them other than through its stream sees them whole.
+    host_wait = False
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         provenance = self.provenance
@@ -113,7 +117,10 @@ class WorkerStreamTask(StreamTask):
             except BlockSkipped:  # no failure of its own: recompute, report no other key's
                 raise Reschedule() from None
         if pending:
-            provenance.note_pending(self.key, pending)
+            if self.host_wait:  # a class attribute: no call
+                provenance.wait_inputs(tuple(self._dependencies))
+            else:
+                provenance.note_pending(self.key, pending)
         node = lean_subgraphs(node)  # in this thread, as StreamTask does
         try:
             with launch_meter():
@@ -129,7 +136,7 @@ class WorkerStreamTask(StreamTask):
 
     def substitute(self, subs: dict, key: Hashable | None = None) -> GraphNode:
         node = super().substitute(subs, key)
-        if type(node) is StreamTask:
+        if isinstance(node, StreamTask):  # (a HostStreamTask too: this class says how it runs)
             node.__class__ = type(self)
         return node
 
@@ -149,8 +156,9 @@ def fail_task(tasks: Mapping[Hashable, Any], key: Hashable, exc: BaseException) 
 
 #: How the tasks of one function run (:attr:`Execution._kinds`): as they are (coroutines), on
 #: the host side after their inputs' work, or on the streams (rewritten whole by
-#: :func:`stream_node`, or only where a task stands in their arguments).
-_AS_IS, _HOST, _STREAM, _REWRITE = 0, 1, 2, 3
+#: :func:`stream_node`, or only where a task stands in their arguments; a ``host_task``
+#: on the streams after a host wait for its inputs' work).
+_AS_IS, _HOST, _STREAM, _REWRITE, _STREAM_AFTER_INPUTS = 0, 1, 2, 3, 4
 
 
 #: Entries of :attr:`Execution._kinds` from which dead ones are swept, at the least.
@@ -238,6 +246,11 @@ class Execution:
         self._default_on_threads = self._on_threads("default")
         self._task_class = type(
             "WorkerStreamTask", (WorkerStreamTask,), {"__slots__": (), "provenance": provenance}
+        )
+        self._host_task_class = type(
+            "WorkerHostTask",
+            (WorkerStreamTask,),
+            {"__slots__": (), "provenance": provenance, "host_wait": True},
         )
         #: The runtime, once the first task made it, and its backend's transfer rewrites.
         self._runtime: StreamRuntime | None = None
@@ -327,7 +340,8 @@ class Execution:
                         if isinstance(a, Task):
                             inner = rewrite_transfers(node, self._rewrites)
                             break
-                ts.run_spec = self._task_class(inner, runtime, self._registry)
+                cls = self._host_task_class if kind == _STREAM_AFTER_INPUTS else self._task_class
+                ts.run_spec = cls(inner, runtime, self._registry)
                 return
         provenance = self.provenance
         error, pending = provenance.input_states(node.dependencies)
@@ -356,7 +370,7 @@ class Execution:
             return _AS_IS
         if type(node) is not Task or func is _execute_subgraph or id(func) in self._rewrites:
             return _REWRITE
-        return _STREAM
+        return _STREAM_AFTER_INPUTS if is_host_task(func) else _STREAM
 
     def _remember(self, node: Task) -> int:
         """:meth:`_kind` of a plain task, kept while its function lives (if it can be), and
