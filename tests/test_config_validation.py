@@ -464,43 +464,30 @@ def test_a_workers_own_preload_options_outlast_the_plugin_that_a_preload_registe
 
 
 @pytest.mark.filterwarnings("ignore:gpustreams cannot start on worker:UserWarning")
-def test_a_workers_own_bad_preload_option_is_the_error_over_the_schedulers():
-    # Both preloads are bad: the worker's own option, the more specific, is the one reported.
-    scheduler = {"preload": ["dask_gpustreams"], "preload_argv": ["--policy", "nope"]}
-    with (
-        dask.config.set(SIM),
-        local_cluster(
-            processes=False,
-            preload=["dask_gpustreams"],
-            preload_argv=["--stream", "2"],
-            scheduler_kwargs=scheduler,
-        ) as c,
-        Client(c) as client,
-        pytest.raises(ValueError, match="preload argument: No such option '--stream'"),
-    ):
-        client.submit(on_pool_stream, pure=False).result()
-
-
-@pytest.mark.filterwarnings("ignore:gpustreams cannot start on worker:UserWarning")
-@pytest.mark.parametrize("scheduler_preload", [False, True], ids=["worker", "and-scheduler"])
-def test_the_preload_error_a_worker_keeps_does_not_hold_the_worker(scheduler_preload):
+@pytest.mark.parametrize(
+    "scheduler_argv",
+    [None, ["--streams", "3"], ["--policy", "nope"]],
+    ids=["worker", "and-scheduler", "and-a-bad-scheduler-option"],
+)
+def test_the_preload_error_a_worker_keeps_does_not_hold_the_worker(scheduler_argv):
     # PRELOADED keeps a worker's own preload error, keyed weakly by the worker. Raised as it
     # is, the error's traceback would hold setup's frame, so the worker: the entry would keep
-    # its own key, and the closed worker and its memory, for as long as the process.
+    # its own key, and the closed worker and its memory, for as long as the process. Where
+    # the scheduler's preload is bad too, the worker's own error, the more specific, is raised.
     from dask_gpustreams.integrations.distributed.plugin import PRELOADED
 
-    scheduler = {"preload": ["dask_gpustreams"], "preload_argv": ["--streams", "3"]}
+    scheduler = {"preload": ["dask_gpustreams"], "preload_argv": scheduler_argv}
     with (
         dask.config.set(SIM),
         local_cluster(
             processes=False,
             preload=["dask_gpustreams"],
             preload_argv=["--stream", "2"],
-            scheduler_kwargs=scheduler if scheduler_preload else {},
+            scheduler_kwargs=scheduler if scheduler_argv else {},
         ) as c,
         Client(c) as client,
     ):
-        with pytest.raises(ValueError, match="preload argument: No such option"):
+        with pytest.raises(ValueError, match="preload argument: No such option '--stream'"):
             client.submit(on_pool_stream, pure=False).result()
         (worker,) = c.workers.values()
         _, error = PRELOADED[worker]

@@ -188,29 +188,6 @@ def test_gathered_through_a_client(source):
         assert timeline(client) == []
 
 
-def test_in_process_workers_records_name_the_worker_that_ran_them():
-    distributed = pytest.importorskip("distributed")
-    from tests.sim_tasks import SIM_CLUSTER, ones
-
-    # Each in-process worker's plugin owns a runtime of its own, in the one process.
-    with (
-        dask.config.set(SIM_CLUSTER),
-        distributed.LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        distributed.Client(cluster) as client,
-    ):
-        client.register_plugin(dask_gpustreams.StreamsPlugin(timeline=True))
-        a, b = sorted(client.scheduler_info()["workers"])
-        on_a = client.submit(ones, 4, key="on-a", workers=[a])
-        on_b = client.submit(ones, 4, key="on-b", workers=[b])
-        client.gather([on_a, on_b])
-        records = timeline(client)
-        assert {r["key"]: r["worker"] for r in records} == {"on-a": a, "on-b": b}
-        tracks = to_rectangles(records)["tracks"]
-        assert len(tracks) == 2 and tracks[0].startswith(a) and tracks[1].startswith(b)
-
-
 def _same_host_and_pid() -> None:
     """On a worker: report the host name and pid of another worker's process (containers
     that share a host name, each its workers' pid 1)."""
@@ -221,23 +198,32 @@ def _same_host_and_pid() -> None:
     os.getpid = lambda: 1
 
 
-@pytest.mark.slow
-def test_worker_processes_of_one_host_name_and_pid_each_keep_their_records():
+@pytest.mark.parametrize(
+    "processes",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["in-process", "processes-of-one-host-name-and-pid"],
+)
+def test_each_workers_records_name_the_worker_that_ran_them(processes):
+    """In-process workers each own a runtime, in the one process; worker processes are told
+    apart even where their host name and pid repeat."""
     distributed = pytest.importorskip("distributed")
     from tests.sim_tasks import SIM_CLUSTER, ones
 
     with (
         dask.config.set(SIM_CLUSTER),
         distributed.LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+            n_workers=2, threads_per_worker=1, processes=processes, dashboard_address=":0"
         ) as cluster,
         distributed.Client(cluster) as client,
     ):
         client.register_plugin(dask_gpustreams.StreamsPlugin(timeline=True))
-        client.run(_same_host_and_pid)
+        if processes:
+            client.run(_same_host_and_pid)
         a, b = sorted(client.scheduler_info()["workers"])
         on_a = client.submit(ones, 4, key="on-a", workers=[a])
         on_b = client.submit(ones, 4, key="on-b", workers=[b])
         client.gather([on_a, on_b])
         records = timeline(client)
         assert {r["key"]: r["worker"] for r in records} == {"on-a": a, "on-b": b}
+        tracks = to_rectangles(records)["tracks"]
+        assert len(tracks) == 2 and tracks[0].startswith(a) and tracks[1].startswith(b)
