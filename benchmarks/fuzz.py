@@ -9,7 +9,8 @@ Run from the repository root (see ``benchmarks/README.md``)::
 
 A DAG is either a ``dask.delayed`` graph of 2-24 tasks on arrays of 1-64 elements
 (kernels, uploads and downloads, unmarked host tasks that ``.get()`` a device
-array, ``host_task``-marked ones, sleeps that pass their input through, NumPy
+array, ``host_task``-marked ones that read theirs off the streams on the sim (so a
+missing host wait shows), sleeps that pass their input through, NumPy
 work; in a fifth of them one kernel fails) or a ``dask.array`` expression over
 device chunks (elementwise ops, reductions, ``@``, ``rechunk``, slicing,
 transposes, concatenation, sleeping kernels). Each has its own stream count
@@ -80,6 +81,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import functools
 import gc
 import logging
@@ -192,9 +194,16 @@ def host_get(a):
     return (_host(a) * 3 + 1) % P
 
 
+def _host_off_stream(x: Any) -> np.ndarray:
+    """``x`` on the host, read on no stream of the task's where ``x`` is on the sim (a copy
+    of its buffer as it is: a file write through GDS, a library's own stream): whole only
+    after the host wait that a ``host_task`` is promised on every route."""
+    return copy.deepcopy(x).get() if isinstance(x, sim.SimArray) else _host(x)
+
+
 @host_task
 def host_marked(a, b):
-    return (_host(a) + 2 * _host(b)) % P
+    return (_host_off_stream(a) + 2 * _host_off_stream(b)) % P
 
 
 @host_task

@@ -810,3 +810,22 @@ def test_worker_processes_inherit_the_kernel_delay_of_the_environment(monkeypatc
     ):
         delays = client.run(lambda: sim.get_device().kernel_delay)
     assert list(delays.values()) == [(0.0, 0.002)]
+
+
+def test_an_upload_queued_behind_a_failure_another_sync_reported_holds_its_values(streams):
+    """An upload runs on a stream in error too: queued after a failure that another sync
+    then reports, its later sync raises nothing, and its array must hold the data (were it
+    skipped as a kernel is, unpickled or deserialized data would keep the poison)."""
+    a, _ = streams
+    failed_gate, later_gate = threading.Event(), threading.Event()
+    with a:
+        sim.launch(gated(failed_gate, boom))
+        failed = a.record()
+        x = sim.asarray(np.ones(N))
+        sim.launch(gated(later_gate))
+    failed_gate.set()
+    with pytest.raises(KernelError, match="boom"):
+        failed.synchronize()  # reported: the stream runs again
+    later_gate.set()
+    with a:
+        np.testing.assert_array_equal(x.get(), np.ones(N))

@@ -332,10 +332,9 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
     contiguous, of the dtype asked for) is not staged: as in CuPy (``_array_default``),
     the copy reads it when it runs, and the caller must not modify it before.
 
-    The copy is enqueued as a kernel is (:meth:`Stream.launch`): it first sleeps
-    for a delay drawn from :attr:`Device.kernel_delay`, as a host-to-device copy
-    takes time on a GPU, so a reader on another stream that does not wait for it
-    can see the poison.
+    The copy (:meth:`Stream.upload`) first sleeps for a delay drawn from
+    :attr:`Device.kernel_delay`, as a host-to-device copy takes time on a GPU, so a
+    reader on another stream that does not wait for it can see the poison.
     """
     if isinstance(obj, SimArray):
         if dtype is None or np.dtype(dtype) == obj.dtype:
@@ -355,8 +354,7 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
         staged = np.array(obj, dtype=dtype, copy=True)
     out = empty(staged.shape, staged.dtype)
     if out.size:
-        device = get_device()
-        device.current_stream().launch(np.copyto, (out._view, staged), {}, device.current_key())
+        get_device().current_stream().upload(out._view, staged)
     return out
 
 

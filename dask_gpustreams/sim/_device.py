@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from dask_gpustreams.errors import KernelError
 
 _stream_ids = itertools.count()
@@ -180,6 +182,23 @@ class Stream:
                 stream._error = KernelError(key, f"{type(e).__name__}: {e}")
 
         self.enqueue(kernel)
+
+    def upload(self, out: np.ndarray, host: np.ndarray) -> None:
+        """Enqueue a host-to-device copy of ``host`` into ``out`` (a device buffer's view).
+
+        It sleeps for a delay drawn now from :attr:`Device.kernel_delay` first, as a
+        kernel does, but runs on a stream in error too: a copy skipped there, then synced
+        after another thread reported the failure, would raise nothing and leave its array
+        poisoned (unpickled or deserialized data among them).
+        """
+        delay = self.device._draw_delay()
+
+        def copy(stream: Stream) -> None:
+            if delay:
+                time.sleep(delay)
+            np.copyto(out, host)
+
+        self.enqueue(copy)
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) at the current end of the stream."""
