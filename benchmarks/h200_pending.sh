@@ -3,7 +3,9 @@
 # it verifies the library). Usage on the device, with the dask-cuda wheels carried
 # (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|b
 #
-# a: tests/gpu (no run since 67a7dc3, 7997f25, d86d073, 0dce10e); probe_task_cost with its
+# a: tests/gpu (no run since 67a7dc3, 7997f25, d86d073, 0dce10e, nor on stop 52's library:
+#    038c6ea's host wait for host_task, with tests/gpu/test_host_tasks_gpu.py, the preload,
+#    config and timeline fixes); probe_task_cost with its
 #    runtime-gil mode (is task per key's loss beside the event loop its GIL hand-offs?); the
 #    hook cost; the cluster workloads whose blocks held more than task per key, plugin off
 #    against blocks at launch-ahead 192 (the default), 64 and 16 MiB and task per key, in one
