@@ -20,7 +20,7 @@ import pytest
 from dask._task_spec import Task
 from distributed.core import Status
 
-from dask_gpustreams import StreamsConfig, sim
+from dask_gpustreams import StreamsConfig, host_task, sim
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.distributed.execution import Execution
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
@@ -130,6 +130,23 @@ def test_an_instance_with_a_module_or_a_coroutine_mark_of_its_own_is_decided_for
     marked.__tornado_coroutine__ = True
     assert type(_prepare(execution, tasks, "marked", marked, 0)) is Task
     assert isinstance(_prepare(execution, tasks, "again", _Plain(), 0), StreamTask)
+
+
+def test_an_instance_marked_host_task_is_decided_for_itself(execution):
+    """``host_task`` may mark an instance (its ``__dict__``), which a worker process gets
+    with each task: an instance of a class decided unmarked still waits on the host for its
+    inputs (``WorkerHostTask``), and an unmarked one after a marked one does not."""
+    execution, tasks = execution
+    runs = [
+        (key, type(_prepare(execution, tasks, key, host_task(_Plain()) if marked else _Plain(), 0)))
+        for key, marked in [("plain", False), ("marked", True), ("again", False), ("m2", True)]
+    ]
+    assert [(k, c.host_wait) for k, c in runs] == [
+        ("plain", False),
+        ("marked", True),
+        ("again", False),
+        ("m2", True),
+    ]
 
 
 class _Plain:

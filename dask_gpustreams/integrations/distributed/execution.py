@@ -29,7 +29,7 @@ from dask_gpustreams.integrations.tasks import (
     stream_node,
     transfer_rewrites,
 )
-from dask_gpustreams.markers import is_host_task
+from dask_gpustreams.markers import HOST_TASK_ATTR, is_host_task
 from dask_gpustreams.runtime import StreamRuntime
 
 
@@ -233,7 +233,9 @@ class Execution:
         #: (its module, the kind), with no ``__hash__`` or ``__eq__`` call per task. Keyed by a
         #: weak reference to the class (swept with the others): a class shipped by value
         #: (cloudpickle) is new with each graph, and its methods may close over device arrays.
-        self._class_kinds: dict[weakref.ref, tuple[Any, int]] = {}
+        #: The entry also keeps whether that instance was marked ``host_task`` (a mark may be
+        #: an instance's own): an instance marked otherwise is decided for itself.
+        self._class_kinds: dict[weakref.ref, tuple[Any, int, bool]] = {}
         self._tasks = worker.state.tasks
         self._actors = worker.state.actors
         # What each task reads of the provenance, bound once (no call per task): the failure
@@ -287,6 +289,8 @@ class Execution:
                     by_class := self._class_kinds.get(weakref.ref(cls := type(func)))
                 ) is not None and (
                     getattr(func, "__module__", None) is by_class[0]
+                    # host_task marks an instance: its own, not its class's (no call)
+                    and getattr(func, HOST_TASK_ATTR, False) is by_class[2]
                     and getattr(func, "_is_coroutine_marker", None) is None
                     and not getattr(func, "__tornado_coroutine__", False)
                     and getattr(func, "__code__", None) is None
@@ -379,7 +383,7 @@ class Execution:
         func = node.func
         try:  # (an attribute read can raise: Task.is_coro took that as no coroutine)
             if id(func) not in self._rewrites and _class_decides(func):
-                entry = (getattr(func, "__module__", None), kind)
+                entry = (getattr(func, "__module__", None), kind, is_host_task(func))
                 self._class_kinds[weakref.ref(type(func))] = entry
         except Exception:
             pass
