@@ -32,6 +32,7 @@ import pytest
 import tornado.gen
 import zict
 from dask import delayed
+from dask._task_spec import GraphNode, Task, TaskRef
 from dask.sizeof import sizeof
 from distributed import Client, LocalCluster, wait
 
@@ -627,6 +628,21 @@ def test_a_host_task_runs_after_its_inputs_work(blocks):
             delayed(produce, pure=False)(100, 3.0, 0.1)
         )
         np.testing.assert_array_equal(values(pickle.loads(one_graph.compute())), np.full(100, 3.0))
+
+
+def _ident(v):
+    return v
+
+
+def test_a_host_task_fused_with_its_dependent_runs_after_its_inputs_work():
+    """One task per key: a fused task that calls a ``host_task`` waits on the host for its
+    inputs' work, as the launcher's does (its function is ``_execute_subgraph``)."""
+    with cluster(n_workers=1, config={"gpustreams.blocks": "off"}) as client:
+        read = Task("read", marked_snapshot, TaskRef("x"))
+        out = Task("out", _ident, TaskRef("read"))
+        dsk = {"x": Task("x", produce, 100, 3.0, 0.1), "out": GraphNode.fuse(read, out)}
+        got = values(pickle.loads(client.get(dsk, "out")))
+        np.testing.assert_array_equal(got, np.full(100, 3.0))
 
 
 # --- worker failure -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import dask.local
 import dask.threaded
 import pytest
 from dask import delayed
+from dask._task_spec import GraphNode, Task, TaskRef
 from dask.callbacks import Callback
 
 import dask_gpustreams
@@ -81,6 +82,40 @@ def test_a_host_task_reads_its_inputs_complete(gpustreams, on_the_launcher, sche
                 values = [rng.random() for _ in range(6)]
                 parts = [delayed(reader)(delayed(_produce)(v)) for v in values]
                 assert list(dask.compute(*parts, scheduler=scheduler)) == values
+    finally:
+        device.kernel_delay = (0.0, 0.0)
+
+
+def _ident(v):
+    return v
+
+
+@pytest.mark.parametrize(
+    "scheduler", ["gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_host_task_fused_with_its_dependent_reads_its_inputs_complete(
+    gpustreams, on_the_launcher, scheduler
+):
+    """A host task fused into one task with its dependent (as linear fusion makes them) waits
+    on the host for the fused task's inputs on every route, as the launcher's does."""
+    device = sim.get_device()
+    rng = random.Random(0)
+    device.kernel_delay = (0.0, 0.004)
+    schedule = dask.base.get_scheduler(scheduler=scheduler)
+    try:
+        with gpustreams(streams=4):
+            for i in range(5):
+                dsk, keys, values = {}, [], []
+                for j in range(6):
+                    v = rng.random()
+                    produced = Task(("p", i, j), _produce, v)
+                    read = Task(("r", i, j), _read_off_stream, TaskRef(produced.key))
+                    out = Task(("o", i, j), _ident, TaskRef(read.key))
+                    dsk[produced.key] = produced
+                    dsk[out.key] = GraphNode.fuse(read, out)
+                    keys.append(out.key)
+                    values.append(v)
+                assert list(schedule(dsk, keys)) == values
     finally:
         device.kernel_delay = (0.0, 0.0)
 

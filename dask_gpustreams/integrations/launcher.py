@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 import dask.config
-from dask._task_spec import DataNode, GraphNode, Task, _execute_subgraph, convert_legacy_graph
+from dask._task_spec import DataNode, GraphNode, Task, convert_legacy_graph
 from dask.callbacks import local_callbacks, normalize_callback, unpack_callbacks
 from dask.core import flatten, getcycle
 from dask.local import nested_get
@@ -25,8 +25,8 @@ from dask.order import order
 from dask.utils import key_split
 
 from dask_gpustreams.integrations.subgraphs import lean_subgraphs
-from dask_gpustreams.integrations.tasks import rewrite_transfers, transfer_rewrites
-from dask_gpustreams.markers import host_task, is_host_task
+from dask_gpustreams.integrations.tasks import blocks_host, rewrite_transfers, transfer_rewrites
+from dask_gpustreams.markers import host_task
 from dask_gpustreams.runtime import StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.launcher import GraphLauncher
 from dask_gpustreams.runtime.ordering import depth_first
@@ -36,13 +36,6 @@ from dask_gpustreams.transfers import to_host
 SCHEDULER_NAME = "gpustreams"
 
 host_task(to_host)  # a download waits for its copy
-
-
-def blocks_host(node: Task) -> bool:
-    """Whether ``node`` calls a :func:`~dask_gpustreams.host_task` (also inside a fused task)."""
-    if node.func is _execute_subgraph:
-        return any(isinstance(t, Task) and blocks_host(t) for t in node.args[0].values())
-    return is_host_task(node.func)
 
 
 def launch_plan(

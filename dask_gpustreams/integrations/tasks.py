@@ -157,6 +157,13 @@ class HostStreamTask(StreamTask):
     __copy__ = copy
 
 
+def blocks_host(node: Task) -> bool:
+    """Whether ``node`` calls a :func:`~dask_gpustreams.host_task` (also inside a fused task)."""
+    if node.func is _execute_subgraph:
+        return any(isinstance(t, Task) and blocks_host(t) for t in node.args[0].values())
+    return is_host_task(node.func)
+
+
 def _alias_value(value: Any) -> Any:
     """The ``func`` of a wrapped ``Alias``: its target's value."""
     return value
@@ -256,7 +263,8 @@ def wrap_task(
     inner = stream_node(node, rewrites)
     if inner is None:
         return node
-    cls = HostStreamTask if type(inner) is Task and is_host_task(inner.func) else StreamTask
+    # A fused task that calls one waits too, as on the launcher (blocks_host).
+    cls = HostStreamTask if type(inner) is Task and blocks_host(inner) else StreamTask
     return cls(inner, runtime, registry, critical)
 
 

@@ -25,6 +25,7 @@ from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.integrations.tasks import (
     StreamTask,
+    blocks_host,
     rewrite_transfers,
     stream_node,
     transfer_rewrites,
@@ -117,7 +118,12 @@ class WorkerStreamTask(StreamTask):
             except BlockSkipped:  # no failure of its own: recompute, report no other key's
                 raise Reschedule() from None
         if pending:
-            if self.host_wait:  # a class attribute: no call
+            # A class attribute (no call); a fused task that calls a host_task is found here,
+            # in this thread, not on the event loop, where its kind is its function's
+            # (_execute_subgraph: one per worker), and only if it has inputs to wait for.
+            if self.host_wait or (
+                type(node) is Task and node.func is _execute_subgraph and blocks_host(node)
+            ):
                 provenance.wait_inputs(tuple(self._dependencies))
             else:
                 provenance.note_pending(self.key, pending)
