@@ -147,14 +147,17 @@ class HostStreamTask(StreamTask):
         wait = self.runtime.wait
         for record in self.registry.records(self._dependencies):
             error = wait(record)
-            if error is not None:  # the failed work's error (its KernelError), not a value
-                raise error
+            if error is not None:  # the failed work's error, not a value
+                raise error.with_traceback(None)  # not this task's frames, kept with the error
         return super().__call__(values)
 
     def copy(self) -> HostStreamTask:
         return HostStreamTask(self.node, self.runtime, self.registry, self.critical)
 
     __copy__ = copy
+
+    def __repr__(self) -> str:
+        return f"HostStreamTask({self.node!r})"
 
 
 def blocks_host(node: Task) -> bool:
