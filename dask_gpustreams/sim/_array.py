@@ -332,9 +332,9 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
     contiguous, of the dtype asked for) is not staged: as in CuPy (``_array_default``),
     the copy reads it when it runs, and the caller must not modify it before.
 
-    The copy (:meth:`Stream.upload`) first sleeps for a delay drawn from
-    :attr:`Device.kernel_delay`, as a host-to-device copy takes time on a GPU, so a
-    reader on another stream that does not wait for it can see the poison.
+    The copy (:meth:`Stream.launch`, run on a stream in error too) first sleeps for a
+    delay drawn from :attr:`Device.kernel_delay`, as a host-to-device copy takes time on
+    a GPU, so a reader on another stream that does not wait for it can see the poison.
     """
     if isinstance(obj, SimArray):
         if dtype is None or np.dtype(dtype) == obj.dtype:
@@ -354,7 +354,9 @@ def asarray(obj: Any, dtype: Any = None) -> SimArray:
         staged = np.array(obj, dtype=dtype, copy=True)
     out = empty(staged.shape, staged.dtype)
     if out.size:
-        get_device().current_stream().upload(out._view, staged)
+        device = get_device()
+        stream = device.current_stream()
+        stream.launch(np.copyto, (out._view, staged), {}, device.current_key(), runs_on_error=True)
     return out
 
 

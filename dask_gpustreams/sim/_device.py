@@ -36,8 +36,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-
 from dask_gpustreams.errors import KernelError
 
 _stream_ids = itertools.count()
@@ -164,41 +162,31 @@ class Stream:
         if thread is not None and threading.current_thread() is not thread:
             thread.join(timeout)
 
-    def launch(self, fn: Callable, args: tuple, kwargs: dict, key: Any) -> None:
+    def launch(
+        self, fn: Callable, args: tuple, kwargs: dict, key: Any, runs_on_error: bool = False
+    ) -> None:
         """Enqueue a kernel: ``fn(*args, **kwargs)`` run on the stream's thread.
 
-        It first sleeps for a delay drawn now from :attr:`Device.kernel_delay`.
+        It first sleeps for a delay drawn now from :attr:`Device.kernel_delay`. It is
+        skipped on a stream in error unless ``runs_on_error`` (host-to-device copies: a
+        copy skipped there, then synced after another thread reported the failure, would
+        raise nothing and leave its array poisoned, unpickled or deserialized data among
+        them).
         """
         delay = self.device._draw_delay()
 
         def kernel(stream: Stream) -> None:
-            if stream._error is not None:
+            if stream._error is not None and not runs_on_error:
                 return
             if delay:
                 time.sleep(delay)
             try:
                 fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - any kernel failure is reported later
-                stream._error = KernelError(key, f"{type(e).__name__}: {e}")
+                if stream._error is None:
+                    stream._error = KernelError(key, f"{type(e).__name__}: {e}")
 
         self.enqueue(kernel)
-
-    def upload(self, out: np.ndarray, host: np.ndarray) -> None:
-        """Enqueue a host-to-device copy of ``host`` into ``out`` (a device buffer's view).
-
-        It sleeps for a delay drawn now from :attr:`Device.kernel_delay` first, as a
-        kernel does, but runs on a stream in error too: a copy skipped there, then synced
-        after another thread reported the failure, would raise nothing and leave its array
-        poisoned (unpickled or deserialized data among them).
-        """
-        delay = self.device._draw_delay()
-
-        def copy(stream: Stream) -> None:
-            if delay:
-                time.sleep(delay)
-            np.copyto(out, host)
-
-        self.enqueue(copy)
 
     def record(self, event: Event | None = None) -> Event:
         """Record ``event`` (a new one if None) at the current end of the stream."""
