@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What stops 51 and 52 left for the H200, in two calls of under 600 s each (run PART a first:
 # it verifies the library). Usage on the device, with the dask-cuda wheels carried
-# (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|b
+# (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|b|c
 #
 # a: tests/gpu (no run since 67a7dc3, 7997f25, d86d073, 0dce10e, nor on stop 52's library:
 #    038c6ea's host wait for host_task, with tests/gpu/test_host_tasks_gpu.py, the preload,
@@ -11,13 +11,16 @@
 #    against blocks at launch-ahead 192 (the default), 64 and 16 MiB and task per key, in one
 #    run (on the sim, matmul's blocks held 32 MiB at the default and 23 at 1 MiB, task per
 #    key 24-27: bench_cluster --backend sim --workloads matmul).
+# c: the local workloads, plain threads and sync against the launcher, and the runtime's cost
+#    per no-op task (no H200 comparison since a5b178d, before stop 51's and 52's per-task
+#    changes).
 # b: the cluster workloads no call finished since stop 50 (qr, rechunk, tiny-tasks at 1,024
 #    leaves), off / per key / blocks; the wide shapes on distributed at 8 ms against
 #    ptds-sync and ideal, at 2 ms, and at width 32 on 32 streams; the CuPy fuzz with blocks.
 # Each part packs $R into $OUT as it ends, so a call cut by the limit keeps what ended.
 set -u
 source benchmarks/h200_setup.sh
-part pending "a b"
+part pending "a b c"
 if [ "$PART" = a ]; then
     gpu_tests 150
     tail -14 "$R/gpu-tests.txt"
@@ -38,6 +41,11 @@ if [ "$PART" = a ]; then
         --out "$R/cluster-ahead" > "$R/cluster-ahead.log" 2>&1
     echo "cluster rc $?" >> "$R/cluster-ahead.log"
     grep -v "^\[" "$R/cluster-ahead.log" | tail -24
+    pack
+elif [ "$PART" = c ]; then
+    launcher_workloads 200 50
+    grep -v "^\[" "$R/workloads.log" | tail -48
+    tail -8 "$R/overhead.txt"
     pack
 else
     timeout 200 python3 -m benchmarks.bench_cluster --backend cupy --workloads qr,rechunk,tiny-tasks \
