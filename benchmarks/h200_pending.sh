@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What stops 51 and 52 left for the H200, in two calls of under 600 s each (run PART a first:
+# What stops 51 and 52 left for the H200, in three calls of under 600 s each (run PART a first:
 # it verifies the library). Usage on the device, with the dask-cuda wheels carried
 # (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|b|c
 #
