@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What stops 51 and 52 left for the H200, in three calls of under 600 s each (run PART a first:
 # it verifies the library). Usage on the device, with the dask-cuda wheels carried
-# (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|b|c
+# (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|ahead|b|c
 #
 # a: tests/gpu (no run since 67a7dc3, 7997f25, d86d073, 0dce10e, nor on stop 52's library:
 #    038c6ea's host wait for host_task, with tests/gpu/test_host_tasks_gpu.py, the preload,
@@ -11,6 +11,7 @@
 #    against blocks at launch-ahead 192 (the default), 64 and 16 MiB and task per key, in one
 #    run (on the sim, matmul's blocks held 32 MiB at the default and 23 at 1 MiB, task per
 #    key 24-27: bench_cluster --backend sim --workloads matmul).
+# ahead: part a without tests/gpu and the hook cost (after h200_verify.sh, which runs them).
 # c: the local workloads, plain threads and sync against the launcher, and the runtime's cost
 #    per no-op task (no H200 comparison since a5b178d, before stop 51's and 52's per-task
 #    changes).
@@ -20,20 +21,22 @@
 # Each part packs $R into $OUT as it ends, so a call cut by the limit keeps what ended.
 set -u
 source benchmarks/h200_setup.sh
-part pending "a b c"
-if [ "$PART" = a ]; then
-    gpu_tests 150
-    tail -14 "$R/gpu-tests.txt"
-    pack
+part pending "a ahead b c"
+if [ "$PART" = a ] || [ "$PART" = ahead ]; then
+    if [ "$PART" = a ]; then
+        gpu_tests 150
+        tail -14 "$R/gpu-tests.txt"
+        pack
+        timeout 70 python3 -m benchmarks.probe_distributed --hook-times --reps 3 \
+            > "$R/hook-times.txt" 2>&1
+        echo "hooks rc $?" >> "$R/hook-times.txt"
+        grep "StreamsPlugin.transition  \|EmptyHook\|rc " "$R/hook-times.txt"
+        pack
+    fi
     timeout 70 python3 -m benchmarks.probes.probe_task_cost --backend cupy --rounds 3 \
         > "$R/task-cost.txt" 2>&1
     echo "task-cost rc $?" >> "$R/task-cost.txt"
     cat "$R/task-cost.txt"
-    pack
-    timeout 70 python3 -m benchmarks.probe_distributed --hook-times --reps 3 \
-        > "$R/hook-times.txt" 2>&1
-    echo "hooks rc $?" >> "$R/hook-times.txt"
-    grep "StreamsPlugin.transition  \|EmptyHook\|rc " "$R/hook-times.txt"
     pack
     timeout 230 python3 -m benchmarks.bench_cluster --backend cupy \
         --workloads elementwise,matmul,transpose,pipeline --samples 2 --rounds 2 --warmup 1 \
