@@ -7,16 +7,13 @@
 # cut them after 10 of 13). Usage on the device, with the dask-cuda wheels carried
 # (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_verify.sh COMMIT
 # Everything goes to $OUT/verify-COMMIT.tgz, packed again after each part, so a call cut by the
-# device's limit still returns the parts that ended.
+# device's limit still returns the parts that ended; the launcher's workloads come last
+# (stops 51 and 52 changed the worker's per-task path more than the launcher's).
 set -u
 source benchmarks/h200_setup.sh
 results verify
 gpu_tests 160
 tail -16 "$R/gpu-tests.txt"
-pack
-launcher_workloads 180 40
-grep -v "^\[" "$R/workloads.log" | tail -30
-tail -8 "$R/overhead.txt"
 pack
 timeout 80 python3 -m benchmarks.probe_distributed --hook-times --reps 3 > "$R/hook-times.txt" 2>&1
 tail -40 "$R/hook-times.txt"
@@ -26,5 +23,9 @@ timeout 120 python3 -m benchmarks.bench_cluster --backend cupy \
     --modes off,on-noblocks,on --samples 2 --rounds 2 --warmup 1 --out "$R/cluster" \
     > "$R/cluster.log" 2>&1
 echo "cluster rc $?" >> "$R/cluster.log"
-grep "^\[\|rc " "$R/cluster.log"
+grep -v "^\[" "$R/cluster.log" | tail -26
+pack
+launcher_workloads 180 40
+grep -v "^\[" "$R/workloads.log" | tail -30
+tail -8 "$R/overhead.txt"
 pack
