@@ -104,7 +104,7 @@ class Registry(Generic[T]):
         """The entry registered as ``name``; ``ValueError`` naming the valid values if none is."""
         try:
             return self._entries[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable value, such as ['sim']
             raise invalid_value(self.key, name, self.allowed()) from None
 
     def validate(self, name: str) -> None:

@@ -138,6 +138,17 @@ def test_a_name_not_registered_gets_the_one_invalid_value_message(key):
             make()
 
 
+@pytest.mark.parametrize("key", ["backend", "policy"])
+def test_an_unhashable_name_is_a_value_error_naming_the_key(key, gpustreams):
+    message = "^" + re.escape(f"gpustreams.{key}=['sim'] is invalid: allowed values are ")
+    with pytest.raises(ValueError, match=message):
+        StreamsConfig(**{key: ["sim"]})
+    with pytest.raises(ValueError, match=message):
+        StreamsPlugin(**{key: ["sim"]})
+    with gpustreams(**{key: ["sim"]}), pytest.raises(ValueError, match=message):
+        delayed(len)([1]).compute()
+
+
 # --- byte sizes that overflow -----------------------------------------------------------------
 
 
