@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
 import threading
 import time
 
@@ -458,6 +459,15 @@ def test_kernel_delay_is_validated(monkeypatch):
     assert device.kernel_delay == (0.0, 0.01)
     with pytest.raises(ValueError, match=r"kernel_delay must satisfy 0 <= low <= high"):
         device.kernel_delay = (0.02, 0.01)
+
+
+@pytest.mark.parametrize("value", [0.002, None, ("a", "b"), (0, 1, 2)])
+def test_a_kernel_delay_not_two_numbers_is_a_value_error_naming_it(monkeypatch, value):
+    monkeypatch.setattr(device, "kernel_delay", (0.0, 0.01))
+    message = r"^kernel_delay must satisfy 0 <= low <= high < inf, got " + re.escape(repr(value))
+    with pytest.raises(ValueError, match=message):
+        device.kernel_delay = value
+    assert device.kernel_delay == (0.0, 0.01)
 
 
 def test_importing_the_package_starts_no_thread(run_python):

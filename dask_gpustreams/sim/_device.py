@@ -380,10 +380,16 @@ class Device:
 
     @kernel_delay.setter
     def kernel_delay(self, value: tuple[float, float]) -> None:
-        low, high = (float(v) for v in value)
+        try:
+            low, high = (float(v) for v in value)
+        except (TypeError, ValueError):  # not two numbers: 0.002, None, ('a', 'b')
+            low = high = math.nan
         # Finite: time.sleep(inf) raises in the stream's thread, which ends, and every sync hangs.
         if not (0 <= low <= high and math.isfinite(high)):
-            raise ValueError(f"kernel_delay must satisfy 0 <= low <= high < inf, got {value!r}")
+            raise ValueError(
+                f"kernel_delay must satisfy 0 <= low <= high < inf, got {value!r}: "
+                "give (low, high) in seconds, such as (0, 0.002)"
+            )
         self._kernel_delay = (low, high)
 
     def _draw_delay(self) -> float:
