@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import re
 import threading
 import time
 
@@ -454,6 +455,15 @@ def test_pool_beyond_its_capacity_drops_free_blocks_then_raises():
     with pytest.raises(ValueError, match=r"nbytes=-1 is invalid"):
         pool.set_capacity(-1)
     del held, mine
+
+
+@pytest.mark.parametrize("nbytes", ["1 MiB", 1.5, True, float("nan")])
+def test_a_pool_capacity_that_is_not_an_int_of_bytes_is_a_value_error_naming_it(nbytes):
+    pool = sim.MemoryPool()
+    pool.set_capacity(16384)
+    with pytest.raises(ValueError, match="^" + re.escape(f"nbytes={nbytes!r} is invalid")):
+        pool.set_capacity(nbytes)
+    assert pool.get_capacity() == 16384
 
 
 def test_pool_beyond_its_capacity_collects_garbage_before_it_raises():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import numbers
 import threading
 from collections import deque
 from collections.abc import Hashable
@@ -216,8 +217,12 @@ class MemoryPool:
 
     def set_capacity(self, nbytes: int | None = None) -> None:
         """Make the device hold ``nbytes``, free blocks included (None or 0: unbounded)."""
-        if nbytes is not None and nbytes < 0:
-            raise ValueError(f"nbytes={nbytes} is invalid: a capacity is 0 (none) or more bytes")
+        if nbytes is not None and (
+            isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0
+        ):  # '1 MiB', 1.5 or True: not a number of bytes
+            raise ValueError(
+                f"nbytes={nbytes!r} is invalid: a capacity is None or 0 (none) or an int of bytes"
+            )
         with self._lock:
             self._capacity = nbytes or 0
 
