@@ -22,7 +22,13 @@ def host_task(fn: F) -> F:
     (a cluster's worker, Dask's own schedulers passed as functions) a marked task runs
     on its thread's pool stream, after the same host wait for its inputs.
     """
-    setattr(fn, HOST_TASK_ATTR, True)
+    try:
+        setattr(fn, HOST_TASK_ATTR, True)
+    except (AttributeError, TypeError):  # a builtin or a bound method takes no attribute
+        raise TypeError(
+            f"host_task cannot mark {fn!r}: it takes no attribute; mark a function of your "
+            "own that calls it instead (@host_task def f(*args): ...)"
+        ) from None
     return fn
 
 

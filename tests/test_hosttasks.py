@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import re
 
+import pytest
+
+from dask_gpustreams import host_task
 from dask_gpustreams.runtime.hosttasks import HostTasks
 
 
@@ -71,3 +75,9 @@ def test_the_oldest_suspicion_is_dropped_beyond_max_suspects():
     assert learned.groups() == []
     learned.observe("first", slow)
     assert learned.groups() == ["first"]
+
+
+@pytest.mark.parametrize("fn", [len, "a".upper], ids=["builtin", "bound-method"])
+def test_host_task_on_what_takes_no_attribute_is_a_type_error_naming_it(fn):
+    with pytest.raises(TypeError, match="^" + re.escape(f"host_task cannot mark {fn!r}: ")):
+        host_task(fn)
