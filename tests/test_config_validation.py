@@ -74,6 +74,15 @@ def test_invalid_enabled_fails_compute(gpustreams):
     assert live_runtimes() == []
 
 
+@pytest.mark.parametrize("value", ["maybe", "", None])
+def test_invalid_enabled_fails_a_compute_on_the_launcher_by_name(gpustreams, value):
+    ran = []
+    with gpustreams(), dask.config.set({"gpustreams.enabled": value}):  # noqa: SIM117
+        with pytest.raises(ValueError, match=bool_error("enabled", value)):
+            delayed(ran.append)(1).compute(scheduler="gpustreams")
+    assert ran == []
+
+
 COMPUTE = textwrap.dedent(
     """
     from dask import delayed

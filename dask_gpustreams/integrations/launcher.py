@@ -24,6 +24,7 @@ from dask.local import nested_get
 from dask.order import order
 from dask.utils import key_split
 
+from dask_gpustreams.config import enabled
 from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.integrations.tasks import blocks_host, rewrite_transfers, transfer_rewrites
 from dask_gpustreams.markers import host_task
@@ -143,6 +144,8 @@ def get(
     launching thread too (Dask's synchronous scheduler by name while enabled:
     :func:`~dask_gpustreams.integrations.local.sync_get`).
     """
+    # Not needed here, but a bad value is an error on every route, as the other keys are.
+    enabled()
     if not isinstance(dsk, Mapping):
         dsk = dsk.__dask_graph__()
     dsk = convert_legacy_graph(dsk)
