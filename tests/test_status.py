@@ -96,7 +96,7 @@ def test_table_and_data_agree():
         )
     )
     assert len(report) == 1 and list(report)[0]["worker"] == "tcp://a:1"
-    assert str(report).splitlines()[0].split()[:3] == ["worker", "on", "backend"]
+    assert str(report).splitlines()[0].split()[:3] == ["worker", "enabled", "backend"]
     assert repr(report) == str(report)
 
 

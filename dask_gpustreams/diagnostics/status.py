@@ -247,7 +247,7 @@ def _row(**values: Any) -> dict:
 
 _COLUMNS = (
     "worker",
-    "on",
+    "enabled",  # gpustreams.enabled, not whether a runtime ran: scheduler="gpustreams" needs none
     "backend",
     "dev",
     "streams",
