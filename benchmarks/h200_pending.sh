@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What stops 51 and 52 left for the H200, in three calls of under 600 s each (run PART a first:
-# it verifies the library). Usage on the device, with the dask-cuda wheels carried
+# What stops 51 to 53 left for the H200, in calls of under 600 s each (first
+# benchmarks/h200_verify.sh, which verifies the library, then parts ahead and b; a and c
+# together cover what h200_verify.sh does, with more). Usage on the device, with the dask-cuda wheels carried
 # (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|ahead|b|c
 #
 # a: tests/gpu (no run since 67a7dc3, 7997f25, d86d073, 0dce10e, nor on stop 52's library:
