@@ -120,8 +120,6 @@ class Stream:
         self.priority = priority
         self.id = next(_stream_ids)
         self._error: KernelError | None = None
-        # The error that made a kernel be skipped since the last record (see _clear_error).
-        self._skipped: KernelError | None = None
         self._server = _Server(f"sim-stream-{self.id}")
         self._closed = False
         # Work queued holds the stream; once none is and the stream is garbage (or closed),
@@ -179,7 +177,6 @@ class Stream:
 
         def kernel(stream: Stream) -> None:
             if stream._error is not None and not runs_on_error:
-                stream._skipped = stream._error
                 return
             if delay:
                 time.sleep(delay)
@@ -198,7 +195,6 @@ class Stream:
         event._marker = marker
 
         def complete(stream: Stream) -> None:
-            stream._skipped = None  # this marker carries the error of the skipped work
             marker.error = stream._error
             marker.time = time.perf_counter()
             marker.done.set()
@@ -315,15 +311,8 @@ def _stream_ended(work: queue.SimpleQueue, device: Device, stream_id: int) -> No
 
 
 def _clear_error(error: KernelError, stream: Stream) -> None:
-    """Clear ``error`` once reported, unless work it skipped is not behind a record yet.
-
-    Such work (enqueued before the report, its task's event recorded after)
-    left its output unwritten: the stream stays in error, with an unreported
-    copy, so that event's sync raises instead of passing on a poisoned value.
-    """
     if stream._error is error:
-        skipped, stream._skipped = stream._skipped, None
-        stream._error = KernelError(error.key, error.cause) if skipped is not None else None
+        stream._error = None
 
 
 class Device:
