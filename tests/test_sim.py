@@ -612,6 +612,43 @@ def test_kernel_error_is_not_raised_by_an_independent_sync(streams):
         a.synchronize()
 
 
+def test_a_kernel_skipped_before_another_threads_report_fails_its_own_event(streams):
+    """Thread T's kernel is skipped behind a failure; another thread reports it and launches U
+    on the same stream before T records its event: U runs, and T's event raises (T's output
+    was never written), not only U's clean event."""
+    a, _ = streams
+    out_t, out_u = np.zeros(3), np.zeros(3)
+    with a, device.task("failing"):
+        sim.launch(boom)
+    failed = a.record()
+    launched, report_done = threading.Event(), threading.Event()
+    t_events = []
+
+    def task_t():
+        with a, device.task("T"):
+            sim.launch(fill(1.0), out_t)  # behind the failure: skipped
+        launched.set()
+        report_done.wait(GATE_TIMEOUT)
+        t_events.append(a.record())
+
+    thread = threading.Thread(target=task_t)
+    thread.start()
+    launched.wait(GATE_TIMEOUT)
+    with pytest.raises(KernelError, match="task 'failing'"):
+        failed.synchronize()  # reported before T's event is recorded
+    with a, device.task("U"):
+        sim.launch(fill(2.0), out_u)
+    u_event = a.record()
+    report_done.set()
+    thread.join(GATE_TIMEOUT)
+    u_event.synchronize()
+    np.testing.assert_array_equal(out_u, np.full(3, 2.0))
+    with pytest.raises(KernelError, match="task 'failing'"):
+        t_events[0].synchronize()
+    assert out_t[0] == 0.0
+    a.synchronize()  # nothing left in error
+
+
 def test_a_reported_error_is_not_passed_on_by_waits_still_queued(streams):
     a, b = streams
     gate = threading.Event()
@@ -824,8 +861,9 @@ def test_worker_processes_inherit_the_kernel_delay_of_the_environment(monkeypatc
 
 def test_an_upload_queued_behind_a_failure_another_sync_reported_holds_its_values(streams):
     """An upload runs on a stream in error too: queued after a failure that another sync
-    then reports, its later sync raises nothing, and its array must hold the data (were it
-    skipped as a kernel is, unpickled or deserialized data would keep the poison)."""
+    then reports, its array must hold the data (were it skipped as a kernel is, unpickled
+    or deserialized data would keep the poison); the kernel this thread launched after it
+    was skipped, so this thread's next sync there raises once."""
     a, _ = streams
     failed_gate, later_gate = threading.Event(), threading.Event()
     with a:
@@ -838,4 +876,6 @@ def test_an_upload_queued_behind_a_failure_another_sync_reported_holds_its_value
         failed.synchronize()  # reported: the stream runs again
     later_gate.set()
     with a:
+        with pytest.raises(KernelError, match="boom"):
+            x.get()
         np.testing.assert_array_equal(x.get(), np.ones(N))

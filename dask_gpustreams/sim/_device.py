@@ -120,6 +120,11 @@ class Stream:
         self.priority = priority
         self.id = next(_stream_ids)
         self._error: KernelError | None = None
+        # Per launching thread, the error that skipped one of its kernels since its last
+        # record on this stream (read and written on the stream's thread only): see record.
+        self._skipped: weakref.WeakKeyDictionary[threading.Thread, KernelError] = (
+            weakref.WeakKeyDictionary()
+        )
         self._server = _Server(f"sim-stream-{self.id}")
         self._closed = False
         # Work queued holds the stream; once none is and the stream is garbage (or closed),
@@ -174,9 +179,11 @@ class Stream:
         them).
         """
         delay = self.device._draw_delay()
+        launcher = threading.current_thread()
 
         def kernel(stream: Stream) -> None:
             if stream._error is not None and not runs_on_error:
+                stream._skipped[launcher] = stream._error
                 return
             if delay:
                 time.sleep(delay)
@@ -189,13 +196,27 @@ class Stream:
         self.enqueue(kernel)
 
     def record(self, event: Event | None = None) -> Event:
-        """Record ``event`` (a new one if None) at the current end of the stream."""
+        """Record ``event`` (a new one if None) at the current end of the stream.
+
+        It carries the stream's error, or, where a kernel this thread launched on the
+        stream since its last record here was skipped and another thread's sync has
+        reported (and cleared) that failure meanwhile, an unreported copy of it: the
+        kernel's output was never written, so the event's sync must raise (a task's
+        kernels and its event come from one thread). Other threads' work is not held
+        back by it.
+        """
         event = event if event is not None else Event()
         marker = _Marker(self.device)
         event._marker = marker
+        recorder = threading.current_thread()
 
         def complete(stream: Stream) -> None:
-            marker.error = stream._error
+            error = stream._error
+            if stream._skipped:
+                skipped = stream._skipped.pop(recorder, None)
+                if error is None and skipped is not None:
+                    error = KernelError(skipped.key, skipped.cause)
+            marker.error = error
             marker.time = time.perf_counter()
             marker.done.set()
 
