@@ -954,6 +954,47 @@ def test_a_failure_nothing_reads_fails_no_later_task(fail_gate, blocks, fails):
         assert provenance.corrupt_found == 0  # no result was found corrupt and recomputed
 
 
+def _launch_then_wait_for_the_gate(a):
+    """Launches its kernel, then holds its worker thread until :data:`GATE` opens: its event
+    is recorded only after that."""
+    out = add(a, a)
+    ENTERED.set()
+    assert GATE.wait(30)
+    return out
+
+
+def test_a_task_whose_kernel_a_failure_skipped_raises_after_another_threads_report(fail_gate):
+    """T's kernel is queued behind k's failing kernel on the one stream, and T's worker thread
+    has not recorded its event when the failure is reported by U's thread (its report of
+    unread failures before it launches): T raises k's error, not its unwritten output, and
+    U, launched after the report, gives its value. helper-80's repro: T returned NaN."""
+    GATE.clear()
+    ENTERED.clear()
+    try:
+        with sim_cluster(1, 2, {"gpustreams.streams": 1, "gpustreams.blocks": "off"}) as (
+            lc,
+            client,
+        ):
+            [worker] = lc.workers.values()
+            provenance = worker.plugins["gpustreams"].provenance
+            x = client.submit(produce, 100, 1.0, pure=False)
+            k = client.submit(failing_later, x, pure=False)
+            wait([x, k])
+            t = client.submit(_launch_then_wait_for_the_gate, x, pure=False)
+            until(ENTERED.is_set)
+            fail_gate.set()
+            error = provenance.runtime.wait(provenance.registry.get(k.key))
+            assert isinstance(error, KernelError) and error.key == k.key
+            u = client.submit(add, x, x, pure=False)
+            assert float(values(u.result(timeout=30)).sum()) == 200.0
+            GATE.set()
+            with pytest.raises(KernelError) as info:
+                t.result(timeout=30)
+            assert info.value.key == k.key
+    finally:
+        GATE.set()
+
+
 class _ClearedBeforeItsFirstPop(deque):
     """A deque of watched records that a teardown's clear (on the event loop) empties after
     a report (in a worker thread) has found it not empty, just before it pops."""
