@@ -645,6 +645,18 @@ def test_a_host_task_fused_with_its_dependent_runs_after_its_inputs_work():
         np.testing.assert_array_equal(got, np.full(100, 3.0))
 
 
+@pytest.mark.parametrize("blocks", ["auto", "off"])
+def test_a_host_task_fused_with_its_producer_runs_after_its_work(blocks):
+    """A ``host_task`` fused into one task with the kernel that makes its input (dask.array's
+    blockwise fusion of ``map_blocks``) reads it whole: the host wait for the fused task's
+    inputs from outside does not cover the inner kernels (before: unwritten, NaN)."""
+    with cluster(n_workers=1, config={"gpustreams.blocks": blocks}) as client:
+        produced = Task("x", produce, 100, 3.0, 0.1)
+        read = Task("read", marked_snapshot, TaskRef("x"))
+        got = values(pickle.loads(client.get({"read": GraphNode.fuse(produced, read)}, "read")))
+        np.testing.assert_array_equal(got, np.full(100, 3.0))
+
+
 # --- worker failure -------------------------------------------------------------------------
 
 

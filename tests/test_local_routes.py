@@ -14,6 +14,7 @@ import dask
 import dask.array as da
 import dask.local
 import dask.threaded
+import numpy as np
 import pytest
 from dask import delayed
 from dask._task_spec import GraphNode, Task, TaskRef
@@ -118,6 +119,63 @@ def test_a_host_task_fused_with_its_dependent_reads_its_inputs_complete(
                 assert list(schedule(dsk, keys)) == values
     finally:
         device.kernel_delay = (0.0, 0.0)
+
+
+@pytest.mark.parametrize("reader", [_read_current_stream, _read_off_stream])
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_host_task_fused_with_its_producer_reads_its_input_complete(
+    gpustreams, on_the_launcher, scheduler, reader
+):
+    """A host task fused into one task with the kernel that makes its input (``map_blocks``
+    after an upload and a kernel: dask.array's blockwise fusion) reads it whole: the host
+    wait for the fused task's inputs from outside does not cover the inner kernels. Before,
+    ``_read_off_stream`` read the poison (NaN) on every route."""
+    device = sim.get_device()
+    rng = random.Random(0)
+    device.kernel_delay = (0.0, 0.004)
+    schedule = dask.base.get_scheduler(scheduler=scheduler)
+    try:
+        with gpustreams(streams=4):
+            for i in range(5):
+                dsk, keys, values = {}, [], []
+                for j in range(6):
+                    v = rng.random()
+                    produced = Task(("p", i, j), _produce, v)
+                    read = Task(("r", i, j), reader, TaskRef(produced.key))
+                    dsk[read.key] = GraphNode.fuse(produced, read)
+                    keys.append(read.key)
+                    values.append(v)
+                assert list(schedule(dsk, keys)) == values
+    finally:
+        device.kernel_delay = (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_host_task_in_map_blocks_after_a_kernel_reads_its_input_complete(
+    gpustreams, on_the_launcher, scheduler
+):
+    """The same through dask.array: the upload, the kernels and the host task fused into one
+    task per chunk (before: stale or poisoned values on every route)."""
+    device = sim.get_device()
+    device.kernel_delay = (0.0, 0.004)
+    host = np.arange(64.0).reshape(8, 8)
+    try:
+        with gpustreams(streams=4):
+            for _ in range(3):
+                x = da.from_array(host, chunks=4).map_blocks(sim.asarray) * 3 + 1
+                got = x.map_blocks(_snapshot_twice).sum(axis=0).compute(scheduler=scheduler)
+                np.testing.assert_array_equal(sim.asnumpy(got), ((host * 3 + 1) * 2).sum(axis=0))
+    finally:
+        device.kernel_delay = (0.0, 0.0)
+
+
+@dask_gpustreams.host_task
+def _snapshot_twice(x):
+    return sim.asarray(copy.deepcopy(x).get() * 2)
 
 
 def _boom(x):

@@ -17,6 +17,12 @@ the last time; :func:`run_subgraph` runs such a plan and drops each value then,
 as ``execute_graph`` does. A chain keeps one intermediate at a time; a wider
 inner graph may hold one value more at its peak than in ``dask.order``'s order.
 
+An inner task that calls a :func:`~dask_gpustreams.host_task` and reads a value made
+by an inner task of its own fused task (``map_blocks(f)`` after a kernel, fused into
+one task) runs after a host wait for the work its task's stream has queued so far
+(:class:`HostStep`): the host wait made before the fused task covers only its inputs
+from outside, and ``f`` would read the inner kernels' outputs unwritten.
+
 The routes that run tasks on streams use it (:func:`lean_subgraphs`): the
 launcher's and stream blocks' launch plans, and the stream tasks of Dask's
 threaded scheduler and of distributed's workers, in the task's own thread
@@ -30,6 +36,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from dask._task_spec import GraphNode, Task, _execute_subgraph
+
+from dask_gpustreams.markers import is_host_task
+from dask_gpustreams.runtime.context import active_task
+from dask_gpustreams.transfers import to_host
 
 #: One inner task of a plan: its key, its node and the values to drop after it.
 Step = tuple[Hashable, GraphNode, tuple[Hashable, ...]]
@@ -62,6 +72,8 @@ def subgraph_plan(inner: Mapping[Hashable, GraphNode], outkey: Hashable) -> tupl
     steps = []
     for key in order:
         node = inner[key]
+        if _calls_host(node) and any(d in position for d in node.dependencies):
+            node = HostStep(node)
         drops = []
         for d in node.dependencies:
             uses[d] -= 1
@@ -69,6 +81,45 @@ def subgraph_plan(inner: Mapping[Hashable, GraphNode], outkey: Hashable) -> tupl
                 drops.append(d)
         steps.append((key, node, tuple(drops)))
     return tuple(steps)
+
+
+class HostStep:
+    """An inner task of a plan that calls a ``host_task`` and reads inner values: it runs
+    after a host wait for the work its task's stream has queued so far (the inner
+    kernels that made them), and raises that work's error instead of running on it."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: GraphNode):
+        self.node = node
+
+    @property
+    def dependencies(self) -> frozenset:
+        return self.node.dependencies
+
+    def __call__(self, values: Mapping[Hashable, Any]) -> Any:
+        runtime, stream, _ = active_task()
+        if runtime is not None and stream is not None:
+            error = runtime.wait_stream(stream)
+            if error is not None:
+                raise error.with_traceback(None)
+        return self.node(values)
+
+    def __repr__(self) -> str:
+        return f"HostStep({self.node!r})"
+
+
+def _calls_host(node: Any) -> bool:
+    """Whether ``node`` calls a ``host_task``, also inside a fused task's plan; the
+    runtime's own downloads (``to_host``) are left out: each orders its copy after its
+    stream's work itself."""
+    if isinstance(node, HostStep):
+        return True
+    if not isinstance(node, Task):
+        return False
+    if node.func is run_subgraph:
+        return any(_calls_host(n) for _, n, _ in node.args[0])
+    return is_host_task(node.func) and node.func is not to_host
 
 
 def run_subgraph(

@@ -273,6 +273,21 @@ class StreamRuntime:
         except Exception as e:
             return e
 
+    def wait_stream(self, stream: Any) -> BaseException | None:
+        """Block until the work enqueued so far on ``stream`` completes (a running task's
+        stream, from ``active_task``); the error of failed work before it, or None.
+
+        Never raises it, as :meth:`wait`: an event recorded now carries the error even
+        when another thread's sync reported it meanwhile.
+        """
+        backend = self.backend
+        try:
+            event = backend.create_event()
+            backend.record(event, stream)
+            return backend.event_error(event)
+        except Exception as e:
+            return e
+
     def wait_all(self, records: Iterable[TaskRecord]) -> None:
         """Block until the task of each of ``records`` completes; errors: see :meth:`state`."""
         event_error = self.backend.event_error
