@@ -173,6 +173,28 @@ def test_a_host_task_in_map_blocks_after_a_kernel_reads_its_input_complete(
         device.kernel_delay = (0.0, 0.0)
 
 
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_host_task_on_a_task_nested_in_its_arguments_reads_its_input_complete(
+    gpustreams, on_the_launcher, scheduler
+):
+    """``Task(k, host_fn, Task(None, produce, v))``: the nested task's kernel runs on the
+    task's stream, after the host wait for its inputs (before: the poison, NaN)."""
+    device = sim.get_device()
+    device.kernel_delay = (0.0, 0.004)
+    schedule = dask.base.get_scheduler(scheduler=scheduler)
+    try:
+        with gpustreams(streams=4):
+            dsk = {
+                ("r", j): Task(("r", j), _read_off_stream, Task(None, _produce, j))
+                for j in range(6)
+            }
+            assert list(schedule(dsk, list(dsk))) == [float(j) for j in range(6)]
+    finally:
+        device.kernel_delay = (0.0, 0.0)
+
+
 @dask_gpustreams.host_task
 def _snapshot_twice(x):
     return sim.asarray(copy.deepcopy(x).get() * 2)

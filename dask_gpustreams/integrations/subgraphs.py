@@ -98,11 +98,7 @@ class HostStep:
         return self.node.dependencies
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
-        runtime, stream, _ = active_task()
-        if runtime is not None and stream is not None:
-            error = runtime.wait_stream(stream)
-            if error is not None:
-                raise error.with_traceback(None)
+        _wait_own_stream()
         return self.node(values)
 
     def __repr__(self) -> str:
@@ -119,7 +115,46 @@ def _calls_host(node: Any) -> bool:
         return False
     if node.func is run_subgraph:
         return any(_calls_host(n) for _, n, _ in node.args[0])
+    if type(node.func) is AfterStream:
+        return True
     return is_host_task(node.func) and node.func is not to_host
+
+
+class AfterStream:
+    """The function of a task that calls a ``host_task`` on values made by tasks nested in
+    its own arguments (``Task(k, f, Task(None, g, ...))``): ``Task`` runs those first, on
+    the task's stream, so ``f`` runs after a host wait for that stream's work, as a
+    :class:`HostStep` does."""
+
+    __slots__ = ("func",)
+
+    def __init__(self, func: Any):
+        self.func = func
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _wait_own_stream()
+        return self.func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"AfterStream({self.func!r})"
+
+
+def _wait_own_stream() -> None:
+    """Wait on the host for the work the running task's stream has queued; raise its error."""
+    runtime, stream, _ = active_task()
+    if runtime is not None and stream is not None:
+        error = runtime.wait_stream(stream)
+        if error is not None:
+            raise error.with_traceback(None)
+
+
+def _nests_producer(node: Task) -> bool:
+    """Whether ``node`` calls a ``host_task`` (not ``to_host``) on an argument computed by a
+    task nested in it."""
+    func = node.func
+    if not is_host_task(func) or func is to_host:
+        return False
+    return any(isinstance(a, GraphNode) for a in (*node.args, *node.kwargs.values()))
 
 
 def run_subgraph(
@@ -137,8 +172,20 @@ def run_subgraph(
 
 def lean_subgraphs(node: GraphNode) -> GraphNode:
     """``node`` running its plan with :func:`run_subgraph` where it, or a task fused inside
-    it, calls ``_execute_subgraph``; ``node`` itself when it fuses nothing."""
-    if not isinstance(node, Task) or node.func is not _execute_subgraph:
+    it, calls ``_execute_subgraph``; a ``host_task`` on a task nested in its arguments
+    after a host wait for its stream (:class:`AfterStream`); else ``node`` itself."""
+    if not isinstance(node, Task):
+        return node
+    if node.func is not _execute_subgraph:
+        if type(node) is Task and _nests_producer(node):
+            args = node.args
+            return Task(
+                node.key,
+                AfterStream(node.func),
+                *args,
+                _data_producer=node.data_producer,
+                **node.kwargs,
+            )
         return node
     inner, outkey, *rest = node.args
     plan = subgraph_plan({k: lean_subgraphs(v) for k, v in inner.items()}, outkey)
