@@ -66,25 +66,45 @@ def _read_off_stream(x):
     return float(copy.deepcopy(x).get()[-1])
 
 
+@pytest.fixture
+def slow_kernels():
+    """Kernels sleep up to 4 ms, at random: a read that does not wait for one sees the poison."""
+    device = sim.get_device()
+    device.kernel_delay = (0.0, 0.004)
+    yield
+    device.kernel_delay = (0.0, 0.0)
+
+
+def _chains_give_their_values(schedule, chain):
+    """5 graphs of 6 chains, ``chain(i, j, v) -> (tasks, key)`` each; the keys give their ``v``."""
+    rng = random.Random(0)
+    for i in range(5):
+        dsk, keys, values = {}, [], []
+        for j in range(6):
+            v = rng.random()
+            tasks, key = chain(i, j, v)
+            dsk.update(tasks)
+            keys.append(key)
+            values.append(v)
+        assert list(schedule(dsk, keys)) == values
+
+
 @pytest.mark.parametrize("reader", [_read_current_stream, _read_off_stream])
 @pytest.mark.parametrize(
     "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
 )
-def test_a_host_task_reads_its_inputs_complete(gpustreams, on_the_launcher, scheduler, reader):
+def test_a_host_task_reads_its_inputs_complete(
+    gpustreams, on_the_launcher, slow_kernels, scheduler, reader
+):
     """Producers with random kernel delays; exact values, on the calling thread (``"sync"``)
     as on host threads, and on Dask's own schedulers passed as functions (each task through
     the runtime: a host task waits on the host for its inputs there too)."""
-    device = sim.get_device()
     rng = random.Random(0)
-    device.kernel_delay = (0.0, 0.004)
-    try:
-        with gpustreams(streams=4):
-            for _ in range(10):
-                values = [rng.random() for _ in range(6)]
-                parts = [delayed(reader)(delayed(_produce)(v)) for v in values]
-                assert list(dask.compute(*parts, scheduler=scheduler)) == values
-    finally:
-        device.kernel_delay = (0.0, 0.0)
+    with gpustreams(streams=4):
+        for _ in range(10):
+            values = [rng.random() for _ in range(6)]
+            parts = [delayed(reader)(delayed(_produce)(v)) for v in values]
+            assert list(dask.compute(*parts, scheduler=scheduler)) == values
 
 
 def _ident(v):
@@ -95,30 +115,19 @@ def _ident(v):
     "scheduler", ["gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
 )
 def test_a_host_task_fused_with_its_dependent_reads_its_inputs_complete(
-    gpustreams, on_the_launcher, scheduler
+    gpustreams, on_the_launcher, slow_kernels, scheduler
 ):
     """A host task fused into one task with its dependent (as linear fusion makes them) waits
     on the host for the fused task's inputs on every route, as the launcher's does."""
-    device = sim.get_device()
-    rng = random.Random(0)
-    device.kernel_delay = (0.0, 0.004)
-    schedule = dask.base.get_scheduler(scheduler=scheduler)
-    try:
-        with gpustreams(streams=4):
-            for i in range(5):
-                dsk, keys, values = {}, [], []
-                for j in range(6):
-                    v = rng.random()
-                    produced = Task(("p", i, j), _produce, v)
-                    read = Task(("r", i, j), _read_off_stream, TaskRef(produced.key))
-                    out = Task(("o", i, j), _ident, TaskRef(read.key))
-                    dsk[produced.key] = produced
-                    dsk[out.key] = GraphNode.fuse(read, out)
-                    keys.append(out.key)
-                    values.append(v)
-                assert list(schedule(dsk, keys)) == values
-    finally:
-        device.kernel_delay = (0.0, 0.0)
+
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(("r", i, j), _read_off_stream, TaskRef(produced.key))
+        out = Task(("o", i, j), _ident, TaskRef(read.key))
+        return {produced.key: produced, out.key: GraphNode.fuse(read, out)}, out.key
+
+    with gpustreams(streams=4):
+        _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain)
 
 
 @pytest.mark.parametrize("reader", [_read_current_stream, _read_off_stream])
@@ -126,73 +135,53 @@ def test_a_host_task_fused_with_its_dependent_reads_its_inputs_complete(
     "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
 )
 def test_a_host_task_fused_with_its_producer_reads_its_input_complete(
-    gpustreams, on_the_launcher, scheduler, reader
+    gpustreams, on_the_launcher, slow_kernels, scheduler, reader
 ):
     """A host task fused into one task with the kernel that makes its input (``map_blocks``
     after an upload and a kernel: dask.array's blockwise fusion) reads it whole: the host
     wait for the fused task's inputs from outside does not cover the inner kernels. Before,
     ``_read_off_stream`` read the poison (NaN) on every route."""
-    device = sim.get_device()
-    rng = random.Random(0)
-    device.kernel_delay = (0.0, 0.004)
-    schedule = dask.base.get_scheduler(scheduler=scheduler)
-    try:
-        with gpustreams(streams=4):
-            for i in range(5):
-                dsk, keys, values = {}, [], []
-                for j in range(6):
-                    v = rng.random()
-                    produced = Task(("p", i, j), _produce, v)
-                    read = Task(("r", i, j), reader, TaskRef(produced.key))
-                    dsk[read.key] = GraphNode.fuse(produced, read)
-                    keys.append(read.key)
-                    values.append(v)
-                assert list(schedule(dsk, keys)) == values
-    finally:
-        device.kernel_delay = (0.0, 0.0)
+
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(("r", i, j), reader, TaskRef(produced.key))
+        return {read.key: GraphNode.fuse(produced, read)}, read.key
+
+    with gpustreams(streams=4):
+        _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain)
 
 
 @pytest.mark.parametrize(
     "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
 )
 def test_a_host_task_in_map_blocks_after_a_kernel_reads_its_input_complete(
-    gpustreams, on_the_launcher, scheduler
+    gpustreams, on_the_launcher, slow_kernels, scheduler
 ):
     """The same through dask.array: the upload, the kernels and the host task fused into one
     task per chunk (before: stale or poisoned values on every route)."""
-    device = sim.get_device()
-    device.kernel_delay = (0.0, 0.004)
     host = np.arange(64.0).reshape(8, 8)
-    try:
-        with gpustreams(streams=4):
-            for _ in range(3):
-                x = da.from_array(host, chunks=4).map_blocks(sim.asarray) * 3 + 1
-                got = x.map_blocks(_snapshot_twice).sum(axis=0).compute(scheduler=scheduler)
-                np.testing.assert_array_equal(sim.asnumpy(got), ((host * 3 + 1) * 2).sum(axis=0))
-    finally:
-        device.kernel_delay = (0.0, 0.0)
+    with gpustreams(streams=4):
+        for _ in range(3):
+            x = da.from_array(host, chunks=4).map_blocks(sim.asarray) * 3 + 1
+            got = x.map_blocks(_snapshot_twice).sum(axis=0).compute(scheduler=scheduler)
+            np.testing.assert_array_equal(sim.asnumpy(got), ((host * 3 + 1) * 2).sum(axis=0))
 
 
 @pytest.mark.parametrize(
     "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
 )
 def test_a_host_task_on_a_task_nested_in_its_arguments_reads_its_input_complete(
-    gpustreams, on_the_launcher, scheduler
+    gpustreams, on_the_launcher, slow_kernels, scheduler
 ):
     """``Task(k, host_fn, Task(None, produce, v))``: the nested task's kernel runs on the
     task's stream, after the host wait for its inputs (before: the poison, NaN)."""
-    device = sim.get_device()
-    device.kernel_delay = (0.0, 0.004)
-    schedule = dask.base.get_scheduler(scheduler=scheduler)
-    try:
-        with gpustreams(streams=4):
-            dsk = {
-                ("r", j): Task(("r", j), _read_off_stream, Task(None, _produce, j))
-                for j in range(6)
-            }
-            assert list(schedule(dsk, list(dsk))) == [float(j) for j in range(6)]
-    finally:
-        device.kernel_delay = (0.0, 0.0)
+
+    def chain(i, j, v):
+        key = ("r", i, j)
+        return {key: Task(key, _read_off_stream, Task(None, _produce, v))}, key
+
+    with gpustreams(streams=4):
+        _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain)
 
 
 @dask_gpustreams.host_task
