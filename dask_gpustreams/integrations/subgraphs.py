@@ -150,7 +150,7 @@ def _wait_own_stream() -> None:
 
 def _nests_producer(node: Task) -> bool:
     """Whether ``node`` calls a ``host_task`` (not ``to_host``) on an argument computed by a
-    task nested in it."""
+    task nested in it (the test of :func:`_calls_host`, inlined: it runs for every task)."""
     func = node.func
     if not is_host_task(func) or func is to_host:
         return False
@@ -178,11 +178,10 @@ def lean_subgraphs(node: GraphNode) -> GraphNode:
         return node
     if node.func is not _execute_subgraph:
         if type(node) is Task and _nests_producer(node):
-            args = node.args
             return Task(
                 node.key,
                 AfterStream(node.func),
-                *args,
+                *node.args,
                 _data_producer=node.data_producer,
                 **node.kwargs,
             )
