@@ -185,6 +185,32 @@ def test_a_host_task_on_a_task_nested_in_its_arguments_reads_its_input_complete(
 
 
 @dask_gpustreams.host_task
+def _read_both(x, y):
+    a, b = (float(copy.deepcopy(v).get()[-1]) for v in (x, y))
+    return a if a == b else float("nan")
+
+
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_host_task_on_a_nested_task_and_an_inner_value_reads_both_complete(
+    gpustreams, on_the_launcher, slow_kernels, scheduler
+):
+    """Inside a fused task, a ``host_task`` that reads a value of its fused task's kernels
+    and one of a task nested in its arguments: its one host wait, after the nested task,
+    covers both."""
+
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        key = ("r", i, j)
+        read = Task(key, _read_both, TaskRef(produced.key), Task(None, _produce, v))
+        return {key: GraphNode.fuse(produced, read)}, key
+
+    with gpustreams(streams=4):
+        _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain)
+
+
+@dask_gpustreams.host_task
 def _snapshot_twice(x):
     return sim.asarray(copy.deepcopy(x).get() * 2)
 

@@ -14,8 +14,15 @@ from dask._task_spec import Alias, DataNode, Task, TaskRef, _execute_subgraph
 
 from dask_gpustreams import host_task, sim
 from dask_gpustreams.integrations.launcher import launch_plan
-from dask_gpustreams.integrations.subgraphs import lean_subgraphs, run_subgraph, subgraph_plan
-from dask_gpustreams.runtime import get_runtime
+from dask_gpustreams.integrations.subgraphs import (
+    AfterStream,
+    HostStep,
+    lean_subgraphs,
+    run_subgraph,
+    subgraph_plan,
+)
+from dask_gpustreams.integrations.tasks import wrap_task
+from dask_gpustreams.runtime import EventRegistry, get_runtime
 from tests.test_distributed import cluster
 
 
@@ -67,7 +74,7 @@ def test_run_subgraph_gives_dasks_value(seed):
     assert run_subgraph(subgraph_plan(inner, out), out, inkeys, *values) == _execute_subgraph(
         inner, out, inkeys, *values
     )
-    lean = lean_subgraphs(node)
+    lean = lean_subgraphs(node, False)
     nested = [n for _, n, _ in lean.args[0] if isinstance(n, Task) and n.func is not mix]
     assert lean.func is run_subgraph and all(n.func is run_subgraph for n in nested)
     given = dict(zip(inkeys, values, strict=True))
@@ -76,7 +83,7 @@ def test_run_subgraph_gives_dasks_value(seed):
 
 def test_a_plain_task_is_left_as_it_is():
     node = Task("a", mix, "a", TaskRef("b"))
-    assert lean_subgraphs(node) is node
+    assert lean_subgraphs(node, False) is node
 
 
 class Tracked:
@@ -171,3 +178,82 @@ def test_launch_plan_finds_host_tasks_inside_fused_tasks(gpustreams):
     with gpustreams():
         tasks, _, host = launch_plan([fused(inner, "b", ["in"], ["in"], "b")], get_runtime())
     assert (tasks["b"].func, host) == (run_subgraph, {"b"})
+
+
+@host_task
+def read(*values):
+    return values
+
+
+class SubTask(Task):
+    __slots__ = ()
+
+
+def _fused_host_reads_inner(cls: type = Task) -> Task:
+    """A fused task whose ``host_task`` reads a value made by an inner task."""
+    inner = {"p": Task("p", mix, "p", TaskRef("in")), "r": Task("r", read, TaskRef("p"))}
+    return cls("r", _execute_subgraph, inner, "r", ("in",), TaskRef("in"))
+
+
+#: Tasks whose lean form waits on the host once (a HostStep or an AfterStream).
+WAITING = {
+    "nested producer": Task("r", read, Task(None, mix, "p", TaskRef("in"))),
+    "fused": _fused_host_reads_inner(),
+    "fused in fused": Task(
+        "o",
+        _execute_subgraph,
+        {"r": _fused_host_reads_inner(), "o": Task("o", mix, "o", TaskRef("r"))},
+        "o",
+        ("in",),
+        TaskRef("in"),
+    ),
+    "fused, a Task subclass": _fused_host_reads_inner(SubTask),
+    # One wait, not a HostStep and an AfterStream: the AfterStream covers the inner kernel.
+    "nested producer in fused": fused(
+        {
+            "p": Task("p", mix, "p", TaskRef("in")),
+            "r": Task("r", read, TaskRef("p"), Task(None, mix, "q", TaskRef("in"))),
+        },
+        "r",
+        ["in"],
+        ["in"],
+        "r",
+    ),
+}
+
+
+def host_waits(node) -> int:
+    """How many host waits ``node``'s lean form makes (HostSteps and AfterStreams)."""
+    if isinstance(node, HostStep):
+        return 1 + host_waits(node.node)
+    if not isinstance(node, Task):
+        return 0
+    if node.func is run_subgraph:
+        return sum(host_waits(n) for _, n, _ in node.args[0])
+    return int(type(node.func) is AfterStream)
+
+
+@pytest.mark.parametrize("name", WAITING)
+def test_a_task_that_calls_a_host_task_waits_once_on_every_route(gpustreams, name):
+    """``lean_subgraphs`` searches for the host wait only where told the task calls a
+    ``host_task``: each route must tell it so for these (the launcher and stream blocks by
+    ``launch_plan``, Dask's schedulers by the StreamTask's class; a worker's tasks:
+    ``tests/test_distributed.py``)."""
+    node = WAITING[name]
+    assert (host_waits(lean_subgraphs(node, True)), host_waits(lean_subgraphs(node, False))) == (
+        1,
+        0,
+    )
+    with gpustreams():
+        runtime = get_runtime()
+        tasks, _, _ = launch_plan([node], runtime)
+        stream_task = wrap_task(node, runtime, EventRegistry())
+        assert host_waits(tasks[node.key]) == 1
+        assert host_waits(lean_subgraphs(stream_task.node, stream_task.host_wait)) == 1
+
+
+def test_a_task_that_calls_no_host_task_is_not_searched(gpustreams):
+    inner = {"p": Task("p", mix, "p", TaskRef("in")), "r": Task("r", mix, "r", TaskRef("p"))}
+    node = fused(inner, "r", ["in"], ["in"], "r")
+    with gpustreams():
+        assert not wrap_task(node, get_runtime(), EventRegistry()).host_wait

@@ -57,9 +57,10 @@ def launch_plan(
         key = node.key
         if isinstance(node, Task):
             node = rewrite_transfers(node, table)
-            if blocks_host(node):
+            calls_host = blocks_host(node)
+            if calls_host:
                 host.add(key)
-            node = lean_subgraphs(node)
+            node = lean_subgraphs(node, calls_host)
         tasks[key] = node
         dependencies[key] = node.dependencies
     return tasks, dependencies, host

@@ -21,13 +21,18 @@ An inner task that calls a :func:`~dask_gpustreams.host_task` and reads a value 
 by an inner task of its own fused task (``map_blocks(f)`` after a kernel, fused into
 one task) runs after a host wait for the work its task's stream has queued so far
 (:class:`HostStep`): the host wait made before the fused task covers only its inputs
-from outside, and ``f`` would read the inner kernels' outputs unwritten.
+from outside, and ``f`` would read the inner kernels' outputs unwritten. A ``host_task``
+on a task nested in its own arguments waits after that task (:class:`AfterStream`),
+inside a fused task too: that one wait covers the inner kernels before it as well.
 
 The routes that run tasks on streams use it (:func:`lean_subgraphs`): the
 launcher's and stream blocks' launch plans, and the stream tasks of Dask's
 threaded scheduler and of distributed's workers, in the task's own thread
-(:class:`~dask_gpustreams.integrations.tasks.StreamTask`). With the plugin off,
-and for a block that runs on the host, Dask's ``_execute_subgraph`` runs.
+(:class:`~dask_gpustreams.integrations.tasks.StreamTask`). Each tells it whether
+the task calls a ``host_task`` (``blocks_host``, which the routes also read to wait
+for the task's inputs): a task that calls none is not searched for a host wait, a cost
+per task. With the plugin off, and for a block that runs on the host, Dask's
+``_execute_subgraph`` runs.
 """
 
 from __future__ import annotations
@@ -45,9 +50,13 @@ from dask_gpustreams.transfers import to_host
 Step = tuple[Hashable, GraphNode, tuple[Hashable, ...]]
 
 
-def subgraph_plan(inner: Mapping[Hashable, GraphNode], outkey: Hashable) -> tuple[Step, ...]:
+def subgraph_plan(
+    inner: Mapping[Hashable, GraphNode], outkey: Hashable, host: bool = True
+) -> tuple[Step, ...]:
     """The inner tasks that ``outkey`` needs, each after its inner dependencies (depth
-    first, dependencies in ``inner``'s order), with the values read for the last time."""
+    first, dependencies in ``inner``'s order), with the values read for the last time.
+    ``host``: whether an inner task may call a ``host_task``; if not, none is searched
+    for one (:class:`HostStep`)."""
     position = {k: i for i, k in enumerate(inner)}
     order: list[Hashable] = []
     uses: dict[Hashable, int] = {}  # dependency -> inner tasks that read it
@@ -72,7 +81,7 @@ def subgraph_plan(inner: Mapping[Hashable, GraphNode], outkey: Hashable) -> tupl
     steps = []
     for key in order:
         node = inner[key]
-        if _calls_host(node) and any(d in position for d in node.dependencies):
+        if host and _reads_own_kernels(node, position):
             node = HostStep(node)
         drops = []
         for d in node.dependencies:
@@ -103,6 +112,15 @@ class HostStep:
 
     def __repr__(self) -> str:
         return f"HostStep({self.node!r})"
+
+
+def _reads_own_kernels(node: GraphNode, inner: Mapping[Hashable, Any]) -> bool:
+    """Whether inner task ``node`` calls a ``host_task`` on values of ``inner``'s tasks,
+    with no host wait of its own: an :class:`AfterStream` task waits after its nested
+    tasks, for all its stream's work, theirs and the inner tasks' before it."""
+    if isinstance(node, Task) and type(node.func) is AfterStream:
+        return False
+    return _calls_host(node) and any(d in inner for d in node.dependencies)
 
 
 def _calls_host(node: Any) -> bool:
@@ -150,7 +168,7 @@ def _wait_own_stream() -> None:
 
 def _nests_producer(node: Task) -> bool:
     """Whether ``node`` calls a ``host_task`` (not ``to_host``) on an argument computed by a
-    task nested in it (the test of :func:`_calls_host`, inlined: it runs for every task)."""
+    task nested in it (the test of :func:`_calls_host` of a task's own function, inlined)."""
     func = node.func
     if not is_host_task(func) or func is to_host:
         return False
@@ -170,14 +188,17 @@ def run_subgraph(
     return values[outkey]
 
 
-def lean_subgraphs(node: GraphNode) -> GraphNode:
+def lean_subgraphs(node: GraphNode, host: bool) -> GraphNode:
     """``node`` running its plan with :func:`run_subgraph` where it, or a task fused inside
     it, calls ``_execute_subgraph``; a ``host_task`` on a task nested in its arguments
-    after a host wait for its stream (:class:`AfterStream`); else ``node`` itself."""
+    after a host wait for its stream (:class:`AfterStream`); else ``node`` itself.
+
+    ``host``: whether ``node`` calls a ``host_task``, also inside a fused task (what
+    ``blocks_host`` says, or True); if not, nothing in it is searched for a host wait."""
     if not isinstance(node, Task):
         return node
     if node.func is not _execute_subgraph:
-        if type(node) is Task and _nests_producer(node):
+        if host and type(node) is Task and _nests_producer(node):
             return Task(
                 node.key,
                 AfterStream(node.func),
@@ -187,7 +208,7 @@ def lean_subgraphs(node: GraphNode) -> GraphNode:
             )
         return node
     inner, outkey, *rest = node.args
-    plan = subgraph_plan({k: lean_subgraphs(v) for k, v in inner.items()}, outkey)
+    plan = subgraph_plan({k: lean_subgraphs(v, host) for k, v in inner.items()}, outkey, host)
     return Task(
         node.key,
         run_subgraph,

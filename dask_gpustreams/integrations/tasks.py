@@ -58,6 +58,9 @@ class StreamTask(Task):
     """
 
     __slots__ = ("node", "runtime", "registry", "critical")
+    #: Whether ``node`` calls a ``host_task`` (:class:`HostStreamTask`): if not, its plan
+    #: is not searched for a host wait (:func:`.lean_subgraphs`).
+    host_wait = False
 
     def __init__(
         self,
@@ -99,7 +102,7 @@ class StreamTask(Task):
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         # A fused task's plan is made here, in the task's thread: not on distributed's
         # event loop (Execution.prepare), and pickled, the task stays Dask's.
-        node = lean_subgraphs(self.node)
+        node = lean_subgraphs(self.node, self.host_wait)
         return self.runtime.run(self.key, node, values, self.registry, self.critical)
 
     def __reduce__(self):
@@ -142,6 +145,7 @@ class HostStreamTask(StreamTask):
     sees them whole."""
 
     __slots__ = ()
+    host_wait = True
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         wait = self.runtime.wait
@@ -266,8 +270,9 @@ def wrap_task(
     inner = stream_node(node, rewrites)
     if inner is None:
         return node
-    # A fused task that calls one waits too, as on the launcher (blocks_host).
-    cls = HostStreamTask if type(inner) is Task and blocks_host(inner) else StreamTask
+    # A fused task that calls one waits too, as on the launcher (blocks_host), and so does a
+    # subclass of Task: its StreamTask's class tells lean_subgraphs whether it calls one.
+    cls = HostStreamTask if isinstance(inner, Task) and blocks_host(inner) else StreamTask
     return cls(inner, runtime, registry, critical)
 
 

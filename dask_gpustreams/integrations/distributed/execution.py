@@ -98,6 +98,8 @@ class WorkerStreamTask(StreamTask):
     is_coro = False  # type: ignore[assignment]  # (StreamTask's reads the node's)
     #: A ``host_task``'s class: its inputs' work done before it runs (a host wait), as on the
     #: launcher, so that host code reading them other than through its stream sees them whole.
+    #: Decided by the task's function, so False for a fused task: :meth:`__call__` looks
+    #: into that one.
     host_wait = False
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
@@ -117,17 +119,18 @@ class WorkerStreamTask(StreamTask):
                     return node.func.launch(self.runtime, values)
             except BlockSkipped:  # no failure of its own: recompute, report no other key's
                 raise Reschedule() from None
+        # A class attribute (no call); a fused task that calls a host_task is found here, in
+        # this thread, not on the event loop, where its kind is its function's
+        # (_execute_subgraph: one per worker).
+        host = self.host_wait or (
+            isinstance(node, Task) and node.func is _execute_subgraph and blocks_host(node)
+        )
         if pending:
-            # A class attribute (no call); a fused task that calls a host_task is found here,
-            # in this thread, not on the event loop, where its kind is its function's
-            # (_execute_subgraph: one per worker), and only if it has inputs to wait for.
-            if self.host_wait or (
-                type(node) is Task and node.func is _execute_subgraph and blocks_host(node)
-            ):
+            if host:
                 provenance.wait_inputs(tuple(self._dependencies))
             else:
                 provenance.note_pending(self.key, pending)
-        node = lean_subgraphs(node)  # in this thread, as StreamTask does
+        node = lean_subgraphs(node, host)  # in this thread, as StreamTask does
         try:
             with launch_meter():
                 return self.runtime.run(self.key, node, values, self.registry, self.critical)
