@@ -660,12 +660,15 @@ def test_a_host_task_fused_with_its_producer_runs_after_its_work(blocks):
 @pytest.mark.parametrize("blocks", ["auto", "off"])
 def test_a_host_task_on_a_task_nested_in_its_arguments_runs_after_its_work(blocks):
     """``Task(k, host_fn, Task(None, produce, ...))``: the nested task's kernel runs on the
-    task's stream, and the host task after a host wait for it (a worker's host task, one
-    task per key, or a stream block's)."""
+    task's stream, and the host task after a host wait for it: alone (a worker's host task)
+    and after its producer (in a stream block with it, or one task per key)."""
     with cluster(n_workers=1, config={"gpustreams.blocks": blocks}) as client:
         read = Task("read", marked_snapshot, Task(None, produce, 100, 3.0, 0.1))
         got = values(pickle.loads(client.get({"read": read}, "read")))
         np.testing.assert_array_equal(got, np.full(100, 3.0))
+        read = Task("read-x", marked_snapshot, Task(None, inc, TaskRef("x"), 0.1))
+        dsk = {"x": Task("x", produce, 100, 3.0, 0.1), "read-x": read}  # keys of their own
+        np.testing.assert_array_equal(values(pickle.loads(client.get(dsk, "read-x"))), 4.0)
 
 
 # --- worker failure -------------------------------------------------------------------------
