@@ -166,9 +166,13 @@ class HostStreamTask(StreamTask):
 
 def blocks_host(node: Task) -> bool:
     """Whether ``node`` calls a :func:`~dask_gpustreams.host_task` (also inside a fused task)."""
-    if node.func is _execute_subgraph:
-        return any(isinstance(t, Task) and blocks_host(t) for t in node.args[0].values())
-    return is_host_task(node.func)
+    func = node.func
+    if func is _execute_subgraph:
+        for t in node.args[0].values():  # noqa: SIM110 - a loop, not any(): per fused task
+            if isinstance(t, Task) and blocks_host(t):
+                return True
+        return False
+    return is_host_task(func)
 
 
 def _alias_value(value: Any) -> Any:
