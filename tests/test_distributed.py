@@ -671,6 +671,20 @@ def test_a_host_task_on_a_task_nested_in_its_arguments_runs_after_its_work(block
         np.testing.assert_array_equal(values(pickle.loads(client.get(dsk, "read-x"))), 4.0)
 
 
+@pytest.mark.parametrize("blocks", ["auto", "off"])
+def test_a_host_task_nested_in_another_task_s_arguments_runs_after_its_work(blocks):
+    """``Task(k, g, Task(None, host_fn, ...))``: the nested ``host_task`` reads its input whole,
+    made by a task nested in it or by another task (before: unwritten, NaN)."""
+    with cluster(n_workers=1, config={"gpustreams.blocks": blocks}) as client:
+        nested = Task(None, marked_snapshot, Task(None, produce, 100, 3.0, 0.1))
+        got = values(pickle.loads(client.get({"out": Task("out", _ident, nested)}, "out")))
+        np.testing.assert_array_equal(got, np.full(100, 3.0))
+        read = Task(None, marked_snapshot, TaskRef("x"))
+        dsk = {"x": Task("x", produce, 100, 4.0, 0.1), "out-x": Task("out-x", _ident, read)}
+        got = values(pickle.loads(client.get(dsk, "out-x")))  # a key of its own
+        np.testing.assert_array_equal(got, np.full(100, 4.0))
+
+
 # --- worker failure -------------------------------------------------------------------------
 
 

@@ -184,6 +184,49 @@ def test_a_host_task_on_a_task_nested_in_its_arguments_reads_its_input_complete(
         _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain)
 
 
+def _nested_read_of_a_nested_producer(i, j, v):
+    """``Task(k, _ident, Task(None, host_fn, Task(None, _produce, v)))``, a legacy graph's
+    ``(_ident, (host_fn, (_produce, v)))``."""
+    read = Task(None, _read_off_stream, Task(None, _produce, v))
+    return {("r", i, j): Task(("r", i, j), _ident, read)}, ("r", i, j)
+
+
+def _nested_read_of_an_input(i, j, v):
+    """``Task(k, _ident, Task(None, host_fn, TaskRef(p)))``: ``p`` made by another task."""
+    produced = Task(("p", i, j), _produce, v)
+    read = Task(None, _read_off_stream, TaskRef(produced.key))
+    return {produced.key: produced, ("r", i, j): Task(("r", i, j), _ident, read)}, ("r", i, j)
+
+
+def _fused_nested_read_of_an_inner_value(i, j, v):
+    """A fused task whose inner task nests the host call: ``_ident(host_fn(p))``, ``p`` inner."""
+    produced = Task(("p", i, j), _produce, v)
+    read = Task(("r", i, j), _ident, Task(None, _read_off_stream, TaskRef(produced.key)))
+    return {read.key: GraphNode.fuse(produced, read)}, read.key
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [
+        _nested_read_of_a_nested_producer,
+        _nested_read_of_an_input,
+        _fused_nested_read_of_an_inner_value,
+    ],
+)
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_host_task_nested_in_another_task_s_arguments_reads_its_input_complete(
+    gpustreams, on_the_launcher, slow_kernels, scheduler, chain
+):
+    """A ``host_task`` called by a task nested in the arguments of a task that is none
+    (``Task(k, g, Task(None, host_fn, ...))``) waits for its task's stream too, whether its
+    input is made by a task nested in it, by another task, or inside the same fused task
+    (before: the poison, NaN, or a stale value on every route)."""
+    with gpustreams(streams=4):
+        _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain)
+
+
 @dask_gpustreams.host_task
 def _read_both(x, y):
     a, b = (float(copy.deepcopy(v).get()[-1]) for v in (x, y))

@@ -37,6 +37,7 @@ per task. With the plugin off, and for a block that runs on the host, Dask's
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -166,13 +167,48 @@ def _wait_own_stream() -> None:
             raise error.with_traceback(None)
 
 
-def _nests_producer(node: Task) -> bool:
-    """Whether ``node`` calls a ``host_task`` (not ``to_host``) on an argument computed by a
-    task nested in it (the test of :func:`_calls_host` of a task's own function, inlined)."""
+def _after_stream(node: Task, nested: bool) -> Task:
+    """``node`` with each task in it that calls a ``host_task`` (not ``to_host``) on values
+    made on its task's stream calling it after a host wait for that stream
+    (:class:`AfterStream`): ``node`` itself if an argument is a task nested in it
+    (``Task(k, f, Task(None, g))``), and a task nested in another's arguments (``Task(k, g,
+    Task(None, f, ...))``, a legacy graph's ``(g, (f, ...))``), whatever its arguments: its
+    inputs' work, ``g``'s task's, got no host wait either, as ``g`` is no ``host_task``.
+    ``node`` itself if none does. ``nested``: whether ``node`` is in another's arguments."""
+    args = node.args
+    kwargs = node.kwargs
     func = node.func
-    if not is_host_task(func) or func is to_host:
-        return False
-    return any(isinstance(a, GraphNode) for a in (*node.args, *node.kwargs.values()))
+    wrap = (
+        type(func) is not AfterStream
+        and is_host_task(func)
+        and func is not to_host
+        and (nested or any(isinstance(a, GraphNode) for a in (*args, *kwargs.values())))
+    )
+    new_args = args
+    for a in args:  # a loop, not a comprehension: most tasks nest none
+        if isinstance(a, Task):
+            new_args = tuple(_after_stream(b, True) if isinstance(b, Task) else b for b in args)
+            break
+    new_kwargs = kwargs
+    if kwargs and any(isinstance(v, Task) for v in kwargs.values()):
+        new_kwargs = {
+            k: _after_stream(v, True) if isinstance(v, Task) else v for k, v in kwargs.items()
+        }
+    if not wrap and (
+        (new_args is args and new_kwargs is kwargs)
+        or (
+            all(a is b for a, b in zip(new_args, args, strict=True))
+            and all(new_kwargs[k] is v for k, v in kwargs.items())
+        )
+    ):
+        return node
+    new = copy.copy(node)  # of its own class (a List, a Dict), its dependencies unchanged
+    new.args = new_args
+    new.kwargs = new_kwargs
+    if wrap:
+        new.func = AfterStream(func)
+    new._token = new._repr = None
+    return new
 
 
 def run_subgraph(
@@ -190,22 +226,25 @@ def run_subgraph(
 
 def lean_subgraphs(node: GraphNode, host: bool) -> GraphNode:
     """``node`` running its plan with :func:`run_subgraph` where it, or a task fused inside
-    it, calls ``_execute_subgraph``; a ``host_task`` on a task nested in its arguments
-    after a host wait for its stream (:class:`AfterStream`); else ``node`` itself.
+    it, calls ``_execute_subgraph``; a ``host_task`` on a task nested in its arguments, or
+    nested in another task's, after a host wait for its stream (:class:`AfterStream`); else
+    ``node`` itself.
 
     ``host``: whether ``node`` calls a ``host_task``, also inside a fused task (what
-    ``blocks_host`` says, or True); if not, nothing in it is searched for a host wait."""
+    ``blocks_host`` says, or True); if not, a fused task's steps are not searched for a
+    host wait (:class:`HostStep`). Tasks nested in arguments are searched whenever there
+    are any: ``blocks_host`` reads a task's own function only."""
     if not isinstance(node, Task):
         return node
     if node.func is not _execute_subgraph:
-        if host and type(node) is Task and _nests_producer(node):
-            return Task(
-                node.key,
-                AfterStream(node.func),
-                *node.args,
-                _data_producer=node.data_producer,
-                **node.kwargs,
-            )
+        if type(node) is Task:
+            # Only a task with a task nested in it may call a host_task that needs the wait.
+            for a in node.args:  # a loop, not any(): this runs for every task
+                if isinstance(a, GraphNode):
+                    return _after_stream(node, False)
+            kwargs = node.kwargs
+            if kwargs and any(isinstance(v, GraphNode) for v in kwargs.values()):
+                return _after_stream(node, False)
         return node
     inner, outkey, *rest = node.args
     plan = subgraph_plan({k: lean_subgraphs(v, host) for k, v in inner.items()}, outkey, host)
