@@ -433,6 +433,38 @@ def test_kernel_error_left_by_a_failed_compute_does_not_reach_the_next_one(gpust
         np.testing.assert_array_equal(delayed(to_host)(delayed(leaf)(3.0, 4, 0)).compute(), [3] * 4)
 
 
+def test_kernel_error_of_a_task_still_running_when_the_compute_fails_stays_with_it(gpustreams):
+    """Dask's ``get_async`` raises a task's exception while another task of the graph still
+    runs in its pool: that task's failing kernel is reported by the failed compute's drain.
+    Before, the compute returned without waiting for it, and the next compute on the stream
+    raised its ``KernelError`` (a key of the failed graph) instead of its value."""
+    raised, returned, launched = threading.Event(), threading.Event(), threading.Event()
+
+    def broken():
+        raised.set()
+        raise LookupError("host side")
+
+    def fails_late():
+        raised.wait()
+        # Until the failed compute returns (at once, before the fix). With the fix it waits
+        # for this task, so the wait ends at the timeout: either way the kernel is launched
+        # after the other task raised.
+        returned.wait(timeout=0.5)
+        out = failing(4)
+        launched.set()
+        return out
+
+    with gpustreams(streams=1):
+        late = delayed(fails_late)(dask_key_name="late-failure")
+        with pytest.raises(LookupError, match="host side"):
+            dask.compute(delayed(broken)(), late, num_workers=2)
+        returned.set()
+        assert launched.wait(timeout=10)
+        np.testing.assert_array_equal(delayed(to_host)(delayed(leaf)(3.0, 4, 0)).compute(), [3] * 4)
+        assert get_runtime().collect() == 0
+    assert hook._runs == {}
+
+
 def leaf_on_host(value):
     return np.asarray(leaf(value, 4, 0.0).get())
 

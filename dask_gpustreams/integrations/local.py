@@ -74,8 +74,8 @@ import dask.threaded
 from dask_gpustreams.config import enabled
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.integrations.patching import Patch
-from dask_gpustreams.integrations.tasks import transfer_rewrites, wrap_task
-from dask_gpustreams.runtime import EventRegistry, StreamRuntime, acquire_runtime
+from dask_gpustreams.integrations.tasks import ComputeRegistry, transfer_rewrites, wrap_task
+from dask_gpustreams.runtime import StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.context import active_task
 from dask_gpustreams.runtime.policies import critical_keys
 
@@ -90,7 +90,7 @@ class LocalSchedulerHook:
     """
 
     def __init__(self) -> None:
-        self._runs: dict[int, tuple[StreamRuntime, EventRegistry]] = {}
+        self._runs: dict[int, tuple[StreamRuntime, ComputeRegistry]] = {}
         self._lock = threading.Lock()
         self._advised = False
 
@@ -105,7 +105,7 @@ class LocalSchedulerHook:
     def _start(self, dsk: dict) -> None:
         runtime = acquire_runtime()  # held until _finish, so it is not closed meanwhile
         runtime.order_after_caller()  # inputs this thread is still writing
-        registry = EventRegistry()
+        registry = ComputeRegistry()
         with self._lock:
             self._runs[id(dsk)] = (runtime, registry)
         if not self._advised:
@@ -131,6 +131,9 @@ class LocalSchedulerHook:
             return
         runtime, registry = run
         try:
+            # A failed compute ends while other tasks of it still run in Dask's threads:
+            # their work is this graph's, drained below.
+            registry.close()
             if errored:
                 # The exception being raised wins; wait for this graph's work so that a
                 # kernel failure it left behind is reported here, not by the next compute.

@@ -16,6 +16,7 @@ the workers drop these frames (:mod:`.distributed.tracebacks`).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Hashable, Mapping
 from inspect import CO_COROUTINE
 from types import BuiltinFunctionType, FunctionType
@@ -40,6 +41,46 @@ TRACEBACK_SHORTEN = (
     r"dask_gpustreams[\\/]integrations[\\/]distributed[\\/](execution|gathered)\.py",
     r"dask_gpustreams[\\/]runtime[\\/](runtime|launcher)\.py",
 )
+
+
+class ComputeRegistry(EventRegistry):
+    """The registry of one compute on Dask's own threads, which counts the compute's tasks
+    running there (:class:`StreamTask` tells it).
+
+    Dask's ``get_async`` raises a task's exception at once, while other tasks of the
+    graph still run, or wait for a thread, in its pool. :meth:`close`, at the compute's
+    end, waits for those running, and a task that starts later raises instead of
+    launching: the compute's drain then reports their kernels' failures, which the next
+    compute on those streams raised before, as its own error (a ``KernelError`` naming a
+    key of the failed graph).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._running = 0
+        self._closed = False
+        self._idle = threading.Condition(threading.Lock())
+
+    def begin(self, key: Hashable) -> None:
+        """Task ``key`` starts in this thread (it raises if the compute has ended)."""
+        with self._idle:
+            if self._closed:
+                raise RuntimeError(f"task {key!r} started after its compute ended")
+            self._running += 1
+
+    def end(self) -> None:
+        """A task that :meth:`begin` let start has returned or raised."""
+        with self._idle:
+            self._running -= 1
+            if not self._running:
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        """Block until no task of the compute runs; none starts after."""
+        with self._idle:
+            self._closed = True
+            while self._running:
+                self._idle.wait()
 
 
 class StreamTask(Task):
@@ -103,7 +144,14 @@ class StreamTask(Task):
         # A fused task's plan is made here, in the task's thread: not on distributed's
         # event loop (Execution.prepare), and pickled, the task stays Dask's.
         node = lean_subgraphs(self.node, self.host_wait)
-        return self.runtime.run(self.key, node, values, self.registry, self.critical)
+        registry = self.registry
+        if type(registry) is not ComputeRegistry:
+            return self.runtime.run(self.key, node, values, registry, self.critical)
+        registry.begin(self.key)
+        try:
+            return self.runtime.run(self.key, node, values, registry, self.critical)
+        finally:
+            registry.end()
 
     def __reduce__(self):
         return self.node.__reduce__()
