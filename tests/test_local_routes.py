@@ -17,7 +17,7 @@ import dask.threaded
 import numpy as np
 import pytest
 from dask import delayed
-from dask._task_spec import GraphNode, Task, TaskRef
+from dask._task_spec import GraphNode, List, Task, TaskRef
 from dask.callbacks import Callback
 
 import dask_gpustreams
@@ -223,6 +223,49 @@ def test_a_host_task_nested_in_another_task_s_arguments_reads_its_input_complete
     (``Task(k, g, Task(None, host_fn, ...))``) waits for its task's stream too, whether its
     input is made by a task nested in it, by another task, or inside the same fused task
     (before: the poison, NaN, or a stale value on every route)."""
+    with gpustreams(streams=4):
+        _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain)
+
+
+class _SubTask(Task):
+    """A subclass of ``Task`` (a library's own task class)."""
+
+    __slots__ = ()
+
+
+def _first(values):
+    return values[0]
+
+
+def _list_of_a_read_of_an_input(i, j, v):
+    """A graph's ``List`` node (as ``delayed([...])`` makes one, its key set as Dask does),
+    whose element calls a ``host_task`` on another task's value: ``[host_fn(p)]``."""
+    produced = Task(("p", i, j), _produce, v)
+    listed = List(Task(None, _read_off_stream, TaskRef(produced.key)))
+    listed.key = ("l", i, j)
+    out = Task(("r", i, j), _first, TaskRef(listed.key))
+    return {produced.key: produced, listed.key: listed, out.key: out}, out.key
+
+
+def _subtask_nesting_a_read_of_an_input(i, j, v):
+    """A ``Task`` subclass whose argument calls a ``host_task``: ``g(host_fn(p))``."""
+    produced = Task(("p", i, j), _produce, v)
+    read = _SubTask(("r", i, j), _ident, Task(None, _read_off_stream, TaskRef(produced.key)))
+    return {produced.key: produced, read.key: read}, read.key
+
+
+@pytest.mark.parametrize(
+    "chain", [_list_of_a_read_of_an_input, _subtask_nesting_a_read_of_an_input]
+)
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_host_task_nested_in_a_list_node_or_a_task_subclass_reads_its_input_complete(
+    gpustreams, on_the_launcher, slow_kernels, scheduler, chain
+):
+    """A ``host_task`` nested in a graph node that is a ``Task`` subclass (a ``List`` node,
+    a library's task class) waits for its task's stream as in a plain ``Task`` (before: the
+    poison, NaN, or a stale value on every route; the node was not walked)."""
     with gpustreams(streams=4):
         _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain)
 

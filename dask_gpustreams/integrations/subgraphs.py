@@ -237,14 +237,15 @@ def lean_subgraphs(node: GraphNode, host: bool) -> GraphNode:
     if not isinstance(node, Task):
         return node
     if node.func is not _execute_subgraph:
-        if type(node) is Task:
-            # Only a task with a task nested in it may call a host_task that needs the wait.
-            for a in node.args:  # a loop, not any(): this runs for every task
-                if isinstance(a, GraphNode):
-                    return _after_stream(node, False)
-            kwargs = node.kwargs
-            if kwargs and any(isinstance(v, GraphNode) for v in kwargs.values()):
+        # Only a task with a task nested in it may call a host_task that needs the wait; a
+        # Task subclass too (a List or Dict node, such as delayed([...]) makes): copied of
+        # its own class (_after_stream).
+        for a in node.args:  # a loop, not any(): this runs for every task
+            if isinstance(a, GraphNode):
                 return _after_stream(node, False)
+        kwargs = node.kwargs
+        if kwargs and any(isinstance(v, GraphNode) for v in kwargs.values()):
+            return _after_stream(node, False)
         return node
     inner, outkey, *rest = node.args
     plan = subgraph_plan({k: lean_subgraphs(v, host) for k, v in inner.items()}, outkey, host)
