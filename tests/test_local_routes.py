@@ -205,12 +205,28 @@ def _fused_nested_read_of_an_inner_value(i, j, v):
     return {read.key: GraphNode.fuse(produced, read)}, read.key
 
 
+def _deep_read_of_an_input(i, j, v):
+    """Two levels down: ``Task(k, _ident, Task(None, _ident, Task(None, host_fn, TaskRef(p))))``."""
+    produced = Task(("p", i, j), _produce, v)
+    read = Task(None, _ident, Task(None, _read_off_stream, TaskRef(produced.key)))
+    return {produced.key: produced, ("r", i, j): Task(("r", i, j), _ident, read)}, ("r", i, j)
+
+
+def _read_in_a_list_argument(i, j, v):
+    """In a ``List`` argument: ``Task(k, _first, List(Task(None, host_fn, TaskRef(p))))``."""
+    produced = Task(("p", i, j), _produce, v)
+    listed = List(Task(None, _read_off_stream, TaskRef(produced.key)))
+    return {produced.key: produced, ("r", i, j): Task(("r", i, j), _first, listed)}, ("r", i, j)
+
+
 @pytest.mark.parametrize(
     "chain",
     [
         _nested_read_of_a_nested_producer,
         _nested_read_of_an_input,
         _fused_nested_read_of_an_inner_value,
+        _deep_read_of_an_input,
+        _read_in_a_list_argument,
     ],
 )
 @pytest.mark.parametrize(

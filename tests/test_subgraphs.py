@@ -258,3 +258,18 @@ def test_a_task_that_calls_no_host_task_is_not_searched(gpustreams):
     node = fused(inner, "r", ["in"], ["in"], "r")
     with gpustreams():
         assert not wrap_task(node, get_runtime(), EventRegistry()).host_wait
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        Task("k", mix, "k", Task(None, mix, "n", TaskRef("in"))),
+        Task("k", mix, "k", dask._task_spec.List(TaskRef("in"), Task(None, mix, "n", 1))),
+        Task("k", mix, "k", s=Task(None, mix, "n", TaskRef("in"))),
+    ],
+    ids=["nested task", "List argument", "keyword argument"],
+)
+def test_a_task_nesting_tasks_that_call_no_host_task_is_kept_as_it_is(node):
+    """A task whose nested tasks call no host_task comes back itself: no AfterStream."""
+    assert lean_subgraphs(node, False) is node
+    assert lean_subgraphs(node, True) is node

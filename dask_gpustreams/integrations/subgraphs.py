@@ -167,46 +167,48 @@ def _wait_own_stream() -> None:
             raise error.with_traceback(None)
 
 
-def _after_stream(node: Task, nested: bool) -> Task:
-    """``node`` with each task in it that calls a ``host_task`` (not ``to_host``) on values
-    made on its task's stream calling it after a host wait for that stream
-    (:class:`AfterStream`): ``node`` itself if an argument is a task nested in it
-    (``Task(k, f, Task(None, g))``), and a task nested in another's arguments (``Task(k, g,
-    Task(None, f, ...))``, a legacy graph's ``(g, (f, ...))``), whatever its arguments: its
-    inputs' work, ``g``'s task's, got no host wait either, as ``g`` is no ``host_task``.
-    ``node`` itself if none does. ``nested``: whether ``node`` is in another's arguments."""
-    args = node.args
-    kwargs = node.kwargs
+def _wraps(node: Task, nested: bool) -> bool:
+    """Whether ``node`` calls a ``host_task`` (not ``to_host``) on values made on its task's
+    stream: on a task nested in its arguments (``Task(k, f, Task(None, g))``), or, being
+    nested in another's (``nested``: ``Task(k, g, Task(None, f, ...))``, a legacy graph's
+    ``(g, (f, ...))``), whatever its arguments: its inputs' work, ``g``'s task's, got no
+    host wait either, as ``g`` is no ``host_task``."""
     func = node.func
-    wrap = (
-        type(func) is not AfterStream
-        and is_host_task(func)
-        and func is not to_host
-        and (nested or any(isinstance(a, GraphNode) for a in (*args, *kwargs.values())))
+    if type(func) is AfterStream or func is to_host or not is_host_task(func):
+        return False
+    return nested or any(isinstance(a, GraphNode) for a in (*node.args, *node.kwargs.values()))
+
+
+def _wants_wait(node: Task, nested: bool) -> bool:
+    """Whether ``node`` or a task nested in its arguments, at any depth, :func:`_wraps`: a
+    scan that copies nothing (most tasks that nest others call no ``host_task``)."""
+    if _wraps(node, nested):
+        return True
+    for a in node.args:  # a loop, not any(): per task with a nested one
+        if isinstance(a, Task) and _wants_wait(a, True):
+            return True
+    kwargs = node.kwargs
+    return bool(kwargs) and any(
+        isinstance(v, Task) and _wants_wait(v, True) for v in kwargs.values()
     )
-    new_args = args
-    for a in args:  # a loop, not a comprehension: most tasks nest none
-        if isinstance(a, Task):
-            new_args = tuple(_after_stream(b, True) if isinstance(b, Task) else b for b in args)
-            break
-    new_kwargs = kwargs
-    if kwargs and any(isinstance(v, Task) for v in kwargs.values()):
-        new_kwargs = {
-            k: _after_stream(v, True) if isinstance(v, Task) else v for k, v in kwargs.items()
+
+
+def _after_stream(node: Task, nested: bool) -> Task:
+    """A copy of ``node`` (of its own class: a ``List``, a ``Dict``; its dependencies
+    unchanged) where each task that :func:`_wraps` calls its function after a host wait
+    for its task's stream (:class:`AfterStream`); for a ``node`` that :func:`_wants_wait`."""
+    new = copy.copy(node)
+    new.args = tuple(
+        _after_stream(a, True) if isinstance(a, Task) and _wants_wait(a, True) else a
+        for a in node.args
+    )
+    if node.kwargs:
+        new.kwargs = {
+            k: _after_stream(v, True) if isinstance(v, Task) and _wants_wait(v, True) else v
+            for k, v in node.kwargs.items()
         }
-    if not wrap and (
-        (new_args is args and new_kwargs is kwargs)
-        or (
-            all(a is b for a, b in zip(new_args, args, strict=True))
-            and all(new_kwargs[k] is v for k, v in kwargs.items())
-        )
-    ):
-        return node
-    new = copy.copy(node)  # of its own class (a List, a Dict), its dependencies unchanged
-    new.args = new_args
-    new.kwargs = new_kwargs
-    if wrap:
-        new.func = AfterStream(func)
+    if _wraps(node, nested):
+        new.func = AfterStream(node.func)
     new._token = new._repr = None
     return new
 
@@ -237,15 +239,16 @@ def lean_subgraphs(node: GraphNode, host: bool) -> GraphNode:
     if not isinstance(node, Task):
         return node
     if node.func is not _execute_subgraph:
-        # Only a task with a task nested in it may call a host_task that needs the wait; a
-        # Task subclass too (a List or Dict node, such as delayed([...]) makes): copied of
-        # its own class (_after_stream).
+        # Only a task with a task nested in it may call a host_task that needs the wait (an
+        # Alias, DataNode or TaskRef argument queues no work on the stream); a Task subclass
+        # too (a List or Dict node, such as delayed([...]) makes): copied of its own class.
         for a in node.args:  # a loop, not any(): this runs for every task
-            if isinstance(a, GraphNode):
-                return _after_stream(node, False)
-        kwargs = node.kwargs
-        if kwargs and any(isinstance(v, GraphNode) for v in kwargs.values()):
-            return _after_stream(node, False)
+            if isinstance(a, Task):
+                return _after_stream(node, False) if _wants_wait(node, False) else node
+        if node.kwargs:
+            for v in node.kwargs.values():
+                if isinstance(v, Task):
+                    return _after_stream(node, False) if _wants_wait(node, False) else node
         return node
     inner, outkey, *rest = node.args
     plan = subgraph_plan({k: lean_subgraphs(v, host) for k, v in inner.items()}, outkey, host)
