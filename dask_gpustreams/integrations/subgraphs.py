@@ -176,7 +176,7 @@ def _wraps(node: Task, nested: bool) -> bool:
     func = node.func
     if type(func) is AfterStream or func is to_host or not is_host_task(func):
         return False
-    return nested or any(isinstance(a, GraphNode) for a in (*node.args, *node.kwargs.values()))
+    return nested or any(isinstance(a, Task) for a in (*node.args, *node.kwargs.values()))
 
 
 def _wants_wait(node: Task, nested: bool) -> bool:
