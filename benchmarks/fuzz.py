@@ -11,7 +11,9 @@ A DAG is either a ``dask.delayed`` graph of 2-24 tasks on arrays of 1-64 element
 (kernels, uploads and downloads, unmarked host tasks that ``.get()`` a device
 array, ``host_task``-marked ones that read theirs off the streams on the sim (so a
 missing host wait shows), sleeps that pass their input through, NumPy
-work; in a fifth of them one kernel fails) or a ``dask.array`` expression over
+work; in a fifth of them one kernel fails, and in half of those (``--multi``) 1-3 more
+nodes fail: kernels, or tasks whose Python code raises ``TaskRaised``) or a
+``dask.array`` expression over
 device chunks (elementwise ops, reductions, ``@``, ``rechunk``, slicing,
 transposes, concatenation, sleeping kernels). Each has its own stream count
 (1-8), policy, kernel delays (``Device.kernel_delay`` and kernels that sleep,
@@ -44,9 +46,12 @@ first copied to the others). Outcomes: a wrong value; a hang (a local compute pa
 ``--timeout``; on a cluster, an output pending while no task finishes there for
 ``--timeout``, or still pending after ``LIVELOCK`` times it; the run goes on
 with fresh runtimes or a fresh cluster); an unexpected error (any exception, or
-a ``KernelError`` naming another key). With a failing kernel, a local compute must raise the
-``KernelError`` of the failing key; on distributed, each output derived from
-it must raise that error, and every other one its exact value or that error.
+a ``KernelError`` naming another key). With failing nodes, a local compute must raise the
+error of one that it runs (a ``KernelError`` or ``TaskRaised`` naming its key); on
+distributed, each output derived from one must raise, and every other one give its exact
+value; an output may raise the ``TaskRaised`` of a node it derives from, and the
+``KernelError`` of any failing kernel of the DAG (work queued behind a failing kernel on
+its stream fails with it; the ``queued`` column counts those not of its ancestors).
 On a cluster, a leak: once every future and persisted collection of the DAG is dropped,
 a task that was not on the scheduler when the DAG started is still there after
 ``LEAK_WAIT`` s (2; the scheduler is polled, and garbage cycles here collected first). It
@@ -255,6 +260,15 @@ def sim_fail(a):
     return out
 
 
+class TaskRaised(RuntimeError):
+    """The Python exception of a ``raise`` node (its task's key in ``args[0]``)."""
+
+
+def raise_task(*args: Any) -> Any:
+    """A task whose Python code raises :class:`TaskRaised` naming its key (its last argument)."""
+    raise TaskRaised(args[-1])
+
+
 _SPIN_SOURCE = r"""
 extern "C" __global__ void fuzz_spin(long long cycles) {
     long long start = clock64();
@@ -392,6 +406,7 @@ DELAYED_REFS: dict[str, Callable | None] = {
     "host-sleep": _same,
     "slow": lambda a, delay: inc(a),
     "fail": None,
+    "raise": None,
     "fft": lambda a: (a * 2 + 1) % P,
     "torch": lambda a: (a * 3 + 2) % P,
 }
@@ -407,6 +422,7 @@ GENERIC = {
     "numpy": numpy_work,
     "to-device": dask_gpustreams.to_device,
     "to-host": dask_gpustreams.to_host,
+    "raise": raise_task,
 }
 
 
@@ -588,15 +604,46 @@ class Dag:
     split: int = 0
     failing: int | None = None
     fail_key: str = ""
+    #: More failing nodes (``fail``: a kernel that raises; ``raise``: a task that raises
+    #: ``TaskRaised``), by index: their keys. Only in DAGs with ``failing``.
+    extra: dict[int, str] = field(default_factory=dict)
     again: bool = False  # on a cluster: computed a second time while the first futures live
     retried: int | None = None  # on a cluster: a node whose first attempt raises (retries=1)
 
+    def failures(self) -> dict[int, str]:
+        """Every failing node (the failing kernel and ``extra``): its key."""
+        first = {} if self.failing is None else {self.failing: self.fail_key}
+        return {**first, **self.extra}
+
     def tainted(self) -> list[bool]:
-        """Per node: whether its value derives from the failing kernel."""
+        """Per node: whether its value derives from a failing node."""
+        failing = self.failures()
         bad: list[bool] = []
         for i, node in enumerate(self.nodes):
-            bad.append(i == self.failing or any(bad[j] for j in node.inputs))
+            bad.append(i in failing or any(bad[j] for j in node.inputs))
         return bad
+
+    def ancestors(self, roots: Any) -> set[int]:
+        """The nodes that ``roots`` (node indices) derive from, ``roots`` included."""
+        seen: set[int] = set()
+        todo = list(roots)
+        while todo:
+            i = todo.pop()
+            if i not in seen:
+                seen.add(i)
+                todo.extend(self.nodes[i].inputs)
+        return seen
+
+    def computed(self) -> set[int]:
+        """The nodes a compute of the DAG runs: those its outputs and persists derive from."""
+        return self.ancestors([*self.outputs, *self.persist])
+
+    def acceptable(self, nodes: set[int]) -> tuple[set[str], set[str]]:
+        """Of the failing nodes among ``nodes``: the keys of the kernels, and of the tasks
+        that raise ``TaskRaised``."""
+        failing = self.failures()
+        kernels = {failing[i] for i in nodes & failing.keys() if self.nodes[i].op == "fail"}
+        return kernels, {failing[i] for i in nodes & failing.keys()} - kernels
 
     def describe(self) -> str:
         def const(c):
@@ -612,6 +659,8 @@ class Dag:
         threads = f" threads={self.threads} chunksize={self.chunksize}"
         again = " computed twice" if self.again and self.route in DISTRIBUTED else ""
         retried = "" if self.retried is None else f" node {self.retried} retried"
+        if self.extra:
+            retried += f" failing nodes {sorted(self.failures())}"
         return (
             f"{self.route} dag {self.index} ({self.kind}): {ops}; outputs {self.outputs}{persist}"
             f"{again}{retried};"
@@ -767,8 +816,45 @@ def array_dag(rng: np.random.Generator, base: dict, libraries: tuple[str, ...] =
     return Dag(kind="array", nodes=nodes, outputs=outputs[: int(rng.integers(1, 3))], **base)
 
 
-def make_dag(seed: int, route: str, index: int, backend: str, failures: bool = True) -> Dag:
-    """DAG ``index`` of ``route`` for ``seed``: the same on every run (``failures``: may fail)."""
+#: Of the DAGs with a failing kernel, the fraction given 1-3 more failing nodes (``--multi``).
+MULTI = 0.5
+#: The ops a further failing node may replace (device in, device out: a ``fail`` takes the
+#: first input as its own).
+REPLACEABLE = ("add", "affine", "mix", "total", "flip", "slow")
+
+
+def add_failures(dag: Dag, rng: np.random.Generator) -> None:
+    """1-3 more failing nodes in ``dag``: computed nodes of ``REPLACEABLE`` ops (not the
+    retried one) become a failing kernel (``fail`` of their first input; 70%) or a task
+    that raises ``TaskRaised`` (``raise``, same inputs)."""
+    computed = dag.computed()
+    candidates = [
+        i
+        for i, node in enumerate(dag.nodes)
+        if node.op in REPLACEABLE and i in computed and i not in (dag.failing, dag.retried)
+    ]
+    count = min(len(candidates), 1 + int(rng.integers(3)))
+    for i in sorted(int(j) for j in rng.choice(candidates, count, replace=False)):
+        node = dag.nodes[i]
+        if rng.random() < 0.7:
+            dag.extra[i] = f"fail-{int(rng.integers(2**63)):x}"
+            dag.nodes[i] = Node("fail", node.inputs[:1])
+        else:
+            dag.extra[i] = f"raise-{int(rng.integers(2**63)):x}"
+            dag.nodes[i] = Node("raise", node.inputs, (dag.extra[i],))
+
+
+def make_dag(
+    seed: int,
+    route: str,
+    index: int,
+    backend: str,
+    failures: bool = True,
+    multi: float = MULTI,
+) -> Dag:
+    """DAG ``index`` of ``route`` for ``seed``: the same on every run (``failures``: may fail;
+    ``multi``: the fraction of failing DAGs with more failing nodes, drawn apart, so that
+    the other DAGs stay those of earlier commits)."""
     rng = np.random.default_rng([seed, ROUTES.index(route), index])
     base = {
         "route": route,
@@ -795,6 +881,10 @@ def make_dag(seed: int, route: str, index: int, backend: str, failures: bool = T
         retried = int(rng.integers(len(dag.nodes)))  # drawn after: as above
         if retried != dag.failing:
             dag.retried = retried
+    if dag.failing is not None:
+        more = np.random.default_rng([seed, ROUTES.index(route), index, 1])
+        if more.random() < multi:
+            add_failures(dag, more)
     return dag
 
 
@@ -843,7 +933,8 @@ def build(dag: Dag, kernels: Kernels, persist: Callable[[list], list]) -> list:
                 task = delayed(FailsOnce(delayed_func(node.op, kernels)))
                 values.append(task(*args, *node.consts))
         else:
-            name = {"dask_key_name": dag.fail_key} if i == dag.failing else {}
+            key = dag.failures().get(i)
+            name = {} if key is None else {"dask_key_name": key}
             values.append(delayed(delayed_func(node.op, kernels))(*args, *node.consts, **name))
     return [values[i] for i in dag.outputs]
 
@@ -864,28 +955,52 @@ def compare(got: Any, want: np.ndarray) -> str | None:
     return f"{int((host != want).sum())} of {host.size} differ ({nan} NaN)"
 
 
-def _blame(error: BaseException, dag: Dag) -> tuple[str, str]:
-    """The outcome of ``error`` raised by a compute of ``dag``.
+def _blame(error: BaseException, dag: Dag, output: int | None = None) -> tuple[str, str]:
+    """The outcome of ``error`` raised by a compute of ``dag`` (``output``: by that output's
+    future on a cluster; None: by the compute as a whole, one error for every output).
 
-    With a failing kernel, any output may raise its ``KernelError`` (work queued behind it
-    on its stream fails with it). So may the retried node's first attempt, which then
-    spends its one retry: its next call, :class:`FailsOnce`'s first, raises
-    ``RetriedError`` with no retry left (helper-72: seed 5120, DAG 2167).
+    A compute may raise the ``KernelError`` of any failing kernel that it runs (its
+    outputs' and persists' ancestors), or the ``TaskRaised`` of any ``raise`` node that it
+    runs. An output on a cluster may raise the ``TaskRaised`` of a ``raise`` node it
+    derives from only, and the ``KernelError`` of a failing kernel it derives from or of
+    any other that the compute runs (work queued behind a failing kernel on its stream
+    fails with it: docs/guide.md#guarantees). So may the retried node's first attempt,
+    with a failing kernel in the DAG, which then spends its one retry: its next call,
+    :class:`FailsOnce`'s first, raises ``RetriedError`` with no retry left (helper-72:
+    seed 5120, DAG 2167); only outputs derived from the retried node see it. Any other
+    error, a key of another DAG's among them, is unexpected.
     """
-    if dag.failing is not None:
-        if isinstance(error, KernelError) and error.key == dag.fail_key:
-            return OK
-        if dag.retried is not None and isinstance(error, RetriedError):
-            return OK
+    computed = dag.computed()
+    kernels, raised = dag.acceptable(computed)
+    derived = computed if output is None else dag.ancestors([output])
+    if output is not None:
+        raised = dag.acceptable(derived)[1]
+    if isinstance(error, KernelError) and error.key in kernels:
+        return OK
+    if isinstance(error, TaskRaised) and error.args and error.args[0] in raised:
+        return OK
+    if isinstance(error, RetriedError) and kernels and dag.retried in derived:
+        return OK
     return "error", f"{type(error).__name__}: {error}"
 
 
+def _queued(error: BaseException, dag: Dag, output: int) -> bool:
+    """Whether ``error``, accepted for ``output``, is the ``KernelError`` of a failing kernel
+    that the output does not derive from (queued behind it on its stream)."""
+    return (
+        isinstance(error, KernelError)
+        and error.key not in dag.acceptable(dag.ancestors([output]))[0]
+    )
+
+
 def check_local(dag: Dag, result: Any, error: BaseException | None) -> tuple[str, str]:
-    """A local compute of ``dag``: exact outputs, or the failing kernel's ``KernelError``."""
+    """A local compute of ``dag``: exact outputs, or the error of a failing node it runs."""
     if error is not None:
         return _blame(error, dag)
-    if dag.failing is not None:
-        return "wrong", f"no KernelError for the failing kernel {dag.fail_key!r}"
+    failing = dag.failures()
+    ran = sorted(failing[i] for i in dag.computed() & failing.keys())
+    if ran:
+        return "wrong", f"no error for the failing nodes {ran}"
     want = reference(dag)
     for i, got in zip(dag.outputs, result, strict=True):
         problem = compare(got, want[i])
@@ -1102,6 +1217,8 @@ class DistributedRoute:
         self.interrupted = 0  # ... of which had tasks in flight when they went
         self.last_loss = ""  # ... the last one, as a wrong output's report gives it
         self.loss_error: BaseException | None = None  # what the last loss raised
+        #: Outputs that raised the KernelError of a failing kernel they do not derive from
+        self.queued = 0
         self._config: Any = None  # the dask.config.set of the cluster's settings
         self.pending: list[Pending] = []  # at most the two DAGs before
         #: DAGs whose tasks stayed on the scheduler, and what stayed (run_route takes them)
@@ -1366,15 +1483,16 @@ class DistributedRoute:
                 # raising it appended these frames to its traceback: the futures would stay
                 # reachable from the client's ``futures`` and never be released.
                 e.__traceback__ = None
-                outcome = _blame(e, dag)
+                outcome = _blame(e, dag, i)
                 if outcome != OK:
                     if self.last_loss:
                         outcome = (outcome[0], f"{outcome[1]} (output {i}; {self.last_loss})")
                     return outcome
+                self.queued += _queued(e, dag, i)
                 continue
             if tainted[i]:
                 where = self.whereabouts(futures[k])
-                return "wrong", f"output {i} derives from the failing kernel, yet resolved{where}"
+                return "wrong", f"output {i} derives from a failing node, yet resolved{where}"
             problem = compare(got, want[i])
             if problem is not None:
                 return "wrong", f"output {i}: {problem}"
@@ -1429,6 +1547,8 @@ class Tally:
 
     dags: int = 0
     failing: int = 0
+    multi: int = 0  # DAGs with 2 or more failing nodes
+    queued: int = 0  # on a cluster: outputs that raised a kernel error not of their ancestors
     wrong: int = 0
     hangs: int = 0
     errors: int = 0
@@ -1439,6 +1559,7 @@ class Tally:
     def add(self, dag: Dag, outcome: str, seconds: float, slow: bool) -> None:
         self.dags += 1
         self.failing += dag.failing is not None
+        self.multi += len(dag.failures()) > 1
         self.wrong += outcome == "wrong"
         self.hangs += outcome == "hang"
         self.errors += outcome == "error"
@@ -1465,6 +1586,7 @@ def run_route(
     """
     tally = Tally()
     deadline = time.monotonic() + seconds if seconds is not None else None
+    queued = getattr(route, "queued", 0)
     index = args.start
 
     def report(dag: Dag, outcome: str, detail: str, problem: bool) -> None:
@@ -1487,7 +1609,7 @@ def run_route(
     while (quota is None or tally.dags < quota) and (
         deadline is None or time.monotonic() < deadline
     ):
-        dag = make_dag(args.seed, route.name, index, args.backend, failures)
+        dag = make_dag(args.seed, route.name, index, args.backend, failures, args.multi)
         t0 = time.perf_counter()
         outcome, detail = route.run(dag)
         elapsed = time.perf_counter() - t0
@@ -1503,6 +1625,7 @@ def run_route(
     if hasattr(route, "settle"):
         route.settle()
         leaks()
+    tally.queued = getattr(route, "queued", 0) - queued
     return tally
 
 
@@ -1510,18 +1633,29 @@ def print_tallies(tallies: dict[str, Tally], seconds: float) -> Tally:
     """The per-route table and the summary line; returns the sum over the routes."""
     print(
         f"{'route':<18} {'DAGs':>7} {'failing':>7} {'wrong':>5} {'hangs':>5} {'errors':>6}"
-        f" {'leaks':>5} {'slow':>5} {'s':>7}"
+        f" {'leaks':>5} {'slow':>5} {'s':>7} {'multi':>5} {'queued':>6}"
     )
     total = Tally()
     for name, t in tallies.items():
         print(
             f"{name:<18} {t.dags:>7} {t.failing:>7} {t.wrong:>5} {t.hangs:>5} {t.errors:>6}"
-            f" {t.leaks:>5} {t.slow:>5} {t.seconds:>7.1f}"
+            f" {t.leaks:>5} {t.slow:>5} {t.seconds:>7.1f} {t.multi:>5} {t.queued:>6}"
         )
-        for f in ("dags", "failing", "wrong", "hangs", "errors", "leaks", "slow"):
+        for f in (
+            "dags",
+            "failing",
+            "multi",
+            "queued",
+            "wrong",
+            "hangs",
+            "errors",
+            "leaks",
+            "slow",
+        ):
             setattr(total, f, getattr(total, f) + getattr(t, f))
     print(
-        f"fuzz: {total.dags} DAGs ({total.failing} with a failing kernel), {total.wrong} wrong,"
+        f"fuzz: {total.dags} DAGs ({total.failing} with a failing kernel, {total.multi} with"
+        f" several failing nodes), {total.wrong} wrong,"
         f" {total.hangs} hangs, {total.errors} unexpected errors, {total.leaks} leaks,"
         f" {total.slow} slow (over"
         f" --timeout, not hung), {seconds:.1f} s",
@@ -1726,6 +1860,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         const=list(MECHANISMS),
         metavar="MECHANISMS",
         help=f"break each mechanism ({', '.join(MECHANISMS)}; default all) and find wrong values",
+    )
+    parser.add_argument(
+        "--multi",
+        type=float,
+        default=MULTI,
+        help=f"of the DAGs with a failing kernel, the fraction given 1-3 more failing nodes,"
+        f" kernels or tasks that raise (default {MULTI}; 0: one failing kernel a DAG)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="print every DAG")
     args = parser.parse_args(argv)

@@ -16,7 +16,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from benchmarks import fuzz
 
 SUMMARY = re.compile(
-    r"^fuzz: (\d+) DAGs \((\d+) with a failing kernel\), (\d+) wrong, (\d+) hangs,"
+    r"^fuzz: (\d+) DAGs \((\d+) with a failing kernel, \d+ with several failing nodes\),"
+    r" (\d+) wrong, (\d+) hangs,"
     r" (\d+) unexpected errors, (\d+) leaks, (\d+) slow \(over --timeout, not hung\), [\d.]+ s$"
 )
 
@@ -274,13 +275,57 @@ def test_a_retried_node_may_raise_its_first_error_only_where_a_kernel_fails():
     behind it) has no retry left when its own first call raises: with a failing kernel in
     the DAG, ``RetriedError`` is an accepted outcome, as that kernel's error is; without
     one, it is an unexpected error (helper-72: seed 5120, DAG 2167)."""
-    nodes = [fuzz.Node("upload", (), (np.arange(8.0),)), fuzz.Node("affine", (0,), (3,))]
+    nodes = [
+        fuzz.Node("upload", (), (np.arange(8.0),)),
+        fuzz.Node("affine", (0,), (3,)),
+        fuzz.Node("fail", (0,)),
+    ]
     kw = {"streams": 2, "policy": "round-robin", "delay": (0.0, 0.0), "retried": 1}
     plain = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[1], **kw)
-    failing = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[1], failing=0, **kw)
+    failing = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[1, 2], failing=2, **kw)
     error = fuzz.RetriedError("the first attempt of a retried task fails")
     assert fuzz._blame(error, failing) == fuzz.OK
     assert fuzz._blame(error, plain) == (
         "error",
         "RetriedError: the first attempt of a retried task fails",
     )
+
+
+def test_several_failing_nodes_are_blamed_only_where_the_oracle_allows():
+    """A DAG with two failing kernels and a task that raises: a local compute may raise the
+    error of any failing node it runs; an output on a cluster that of a raising task it
+    derives from, or any failing kernel's of the DAG (queued behind it on its stream);
+    another DAG's key, or a failing node computed by nothing, is unexpected."""
+    nodes = [
+        fuzz.Node("upload", (), (np.arange(8.0),)),  # 0
+        fuzz.Node("fail", (0,)),  # 1
+        fuzz.Node("affine", (0,), (3,)),  # 2: exact
+        fuzz.Node("fail", (2,)),  # 3
+        fuzz.Node("raise", (2,), ("raise-a",)),  # 4
+        fuzz.Node("fail", (0,)),  # 5: no output derives from it
+    ]
+    kw = {"streams": 2, "policy": "round-robin", "delay": (0.0, 0.0)}
+    extra = {3: "fail-b", 4: "raise-a", 5: "fail-c"}
+    dag = fuzz.Dag("distributed", 0, "delayed", nodes, [1, 2, 3, 4], failing=1, **kw)
+    dag.fail_key, dag.extra = "fail-a", extra
+    assert dag.tainted() == [False, True, False, True, True, True]
+    assert dag.computed() == {0, 1, 2, 3, 4}
+    ok, raised = fuzz.KernelError("fail-a", "boom"), fuzz.TaskRaised("raise-a")
+    assert [fuzz._blame(e, dag) for e in (ok, raised)] == [fuzz.OK] * 2
+    for error in (fuzz.KernelError("fail-c", "boom"), fuzz.KernelError("fail-x", "boom")):
+        assert fuzz._blame(error, dag)[0] == "error"
+    assert fuzz._blame(fuzz.KernelError("fail-b", "boom"), dag, 2) == fuzz.OK  # queued
+    assert fuzz._queued(fuzz.KernelError("fail-b", "boom"), dag, 2)
+    assert not fuzz._queued(fuzz.KernelError("fail-b", "boom"), dag, 3)
+    assert fuzz._blame(raised, dag, 4) == fuzz.OK
+    assert fuzz._blame(raised, dag, 3) == ("error", "TaskRaised: raise-a")
+    assert fuzz.check_local(dag, None, None)[0] == "wrong"
+    assert "failing nodes [1, 3, 4, 5]" in dag.describe()
+
+
+def test_some_failing_dags_have_several_failing_nodes_and_multi_0_has_none():
+    dags = [fuzz.make_dag(5, "launcher", i, "sim") for i in range(300)]
+    several = [d for d in dags if len(d.failures()) > 1]
+    assert several and all(d.failing is not None for d in several)
+    assert any(n.op == "raise" for d in several for n in d.nodes)
+    assert not any(fuzz.make_dag(5, "launcher", i, "sim", multi=0).extra for i in range(300))
