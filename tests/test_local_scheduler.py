@@ -465,6 +465,25 @@ def test_kernel_error_of_a_task_still_running_when_the_compute_fails_stays_with_
     assert hook._runs == {}
 
 
+def test_second_kernel_error_of_a_compute_does_not_reach_the_next_one(gpustreams):
+    """Two outputs whose kernels fail, each on its own stream, and no Python exception: the
+    final sync raises the first output's ``KernelError``, and the other failure is reported
+    by that compute too (the fuzzer's seed 11, threaded DAGs 429 and 430). Before, the
+    sync raised at the first failure and left the second on its stream: the next compute
+    there raised it (a key of the failed graph) instead of its value."""
+    with gpustreams(streams=2, policy="round-robin"):
+        first = delayed(failing)(4, dask_key_name="first-failure")
+        second = delayed(failing)(4, dask_key_name="second-failure")
+        with pytest.raises(KernelError) as e:
+            dask.compute(first, second)
+        assert e.value.key in ("first-failure", "second-failure")
+        for value in (3.0, 5.0):  # on each stream
+            got = delayed(to_host)(delayed(leaf)(value, 4, 0)).compute()
+            np.testing.assert_array_equal(got, [value] * 4)
+        assert get_runtime().collect() == 0
+    assert hook._runs == {}
+
+
 def leaf_on_host(value):
     return np.asarray(leaf(value, 4, 0.0).get())
 

@@ -140,7 +140,15 @@ class LocalSchedulerHook:
                 runtime.drain(registry)
             else:
                 results = state.get("cache", {})
-                runtime.synchronize(results, registry)
+                try:
+                    runtime.synchronize(results, registry)
+                except BaseException:
+                    # The first failure found wins; another kernel of the graph may have
+                    # failed too (on another stream): reported here, not by the next compute.
+                    runtime.drain(registry)
+                    runtime.collect()
+                    runtime.release_events(registry)
+                    raise
                 holds = active_task()[2]
                 if holds is not None:
                     # A nested compute: the calling task's kernels, on its own stream, may
