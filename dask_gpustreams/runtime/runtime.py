@@ -278,15 +278,19 @@ class StreamRuntime:
         stream, from ``active_task``); the error of failed work before it, or None.
 
         Never raises it, as :meth:`wait`: an event recorded now carries the error even
-        when another thread's sync reported it meanwhile.
+        when another thread's sync reported it meanwhile. The event comes from the pool
+        and goes back to it done.
         """
         backend = self.backend
+        events = self.events
         try:
-            event = backend.create_event()
+            event = events.acquire()
             backend.record(event, stream)
-            return backend.event_error(event)
+            error = backend.event_error(event)
         except Exception as e:
             return e
+        events.release((event,), done=True)
+        return error
 
     def wait_all(self, records: Iterable[TaskRecord]) -> None:
         """Block until the task of each of ``records`` completes; errors: see :meth:`state`."""
