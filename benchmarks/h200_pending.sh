@@ -2,7 +2,7 @@
 # What stops 51 to 53 left for the H200, in calls of under 600 s each (first
 # benchmarks/h200_verify.sh, which verifies the library, then parts ahead and b; a and c
 # together cover what h200_verify.sh does, with more). Usage on the device, with the dask-cuda wheels carried
-# (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|ahead|b|c
+# (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_pending.sh COMMIT a|ahead|b|c|d
 #
 # a: tests/gpu (no run since 67a7dc3, 7997f25, d86d073, 0dce10e, nor on stop 52's library:
 #    038c6ea's host wait for host_task, with tests/gpu/test_host_tasks_gpu.py, the preload,
@@ -19,10 +19,14 @@
 # b: the cluster workloads no call finished since stop 50 (qr, rechunk, tiny-tasks at 1,024
 #    leaves), off / per key / blocks; the wide shapes on distributed at 8 ms against
 #    ptds-sync and ideal, at 2 ms, and at width 32 on 32 streams; the CuPy fuzz with blocks.
+# d: the launcher's targets not rerun since stops 47 and 48: the threaded wide shapes at 2 and
+#    0.5 ms against plain sync and the ideal, each in two processes (the host's speed differs
+#    from process to process), then Dagger's tiles twice (24 samples in 12 rounds), as
+#    benchmarks/results/h200-threaded-80d227e/call.sh ran them.
 # Each part packs $R into $OUT as it ends, so a call cut by the limit keeps what ended.
 set -u
 source benchmarks/h200_setup.sh
-part pending "a ahead b c"
+part pending "a ahead b c d"
 if [ "$PART" = a ] || [ "$PART" = ahead ]; then
     if [ "$PART" = a ]; then
         gpu_tests 150
@@ -46,6 +50,28 @@ if [ "$PART" = a ] || [ "$PART" = ahead ]; then
     echo "cluster rc $?" >> "$R/cluster-ahead.log"
     grep -v "^\[" "$R/cluster-ahead.log" | tail -24
     pack
+elif [ "$PART" = d ]; then
+    for run in 1 2; do
+        for kernel_ms in 2 0.5; do
+            name="wide$kernel_ms-$run"
+            timeout 60 python3 -m benchmarks.bench_shapes --backend cupy --schedulers threaded \
+                --families wide --modes serial-sync,launcher,ideal --policies auto --streams 8 \
+                --kernel-ms $kernel_ms --warmup 1 --samples 4 --rounds 2 --ideal layers \
+                --out "$R/$name" > "$R/$name.log" 2>&1
+            echo "shapes rc $?" >> "$R/$name.log"
+            echo "== $name"; grep -A10 "paired by round" "$R/$name.log" | grep -E "launcher|ideal"
+        done
+        pack
+    done
+    for i in 1 2; do
+        timeout 75 python3 -m benchmarks.bench_shapes --backend cupy --schedulers threaded \
+            --families dagger --modes serial-sync,launcher,ideal --policies auto --streams 8 \
+            --dagger-streams 8 --warmup 1 --samples 24 --rounds 12 --ideal layers \
+            --out "$R/dagger-$i" > "$R/dagger-$i.log" 2>&1
+        echo "shapes rc $?" >> "$R/dagger-$i.log"
+        echo "== dagger $i"; grep -A10 "paired by round" "$R/dagger-$i.log" | grep -E "launcher|ideal"
+        pack
+    done
 elif [ "$PART" = c ]; then
     launcher_workloads 200 50
     grep -v "^\[" "$R/workloads.log" | tail -48
