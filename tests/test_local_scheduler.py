@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import pickle
 import threading
 import time
@@ -30,7 +31,7 @@ from dask.callbacks import Callback
 
 from dask_gpustreams import KernelError, sim
 from dask_gpustreams.integrations.local import hook
-from dask_gpustreams.integrations.tasks import StreamTask, wrap_task
+from dask_gpustreams.integrations.tasks import ComputeRegistry, StreamTask, wrap_task
 from dask_gpustreams.runtime import EventRegistry, StreamPool, get_runtime, live_runtimes
 from dask_gpustreams.runtime.policies import make_policy, policy_names
 
@@ -462,6 +463,41 @@ def test_kernel_error_of_a_task_still_running_when_the_compute_fails_stays_with_
         assert launched.wait(timeout=10)
         np.testing.assert_array_equal(delayed(to_host)(delayed(leaf)(3.0, 4, 0)).compute(), [3] * 4)
         assert get_runtime().collect() == 0
+    assert hook._runs == {}
+
+
+def test_a_failed_compute_waiting_for_a_running_task_says_so(gpustreams, monkeypatch):
+    """A failed compute waits for its tasks still running in Dask's threads; a task that
+    waits for the caller would hang it, so the wait logs a warning that says what it waits
+    for. Here the running task returns only once that warning is logged."""
+    warned = threading.Event()
+
+    class Warnings(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.WARNING and "still running" in record.getMessage():
+                self.message = record.getMessage()
+                warned.set()
+
+    handler = Warnings()
+    logging.getLogger("dask_gpustreams").addHandler(handler)
+    monkeypatch.setattr(ComputeRegistry, "warn_after", 0.01)
+    raised = threading.Event()
+
+    def broken():
+        raised.set()
+        raise LookupError("host side")
+
+    def waits_for_the_warning():
+        raised.wait()
+        return warned.wait(timeout=10)
+
+    try:
+        with gpustreams(streams=1), pytest.raises(LookupError, match="host side"):
+            dask.compute(delayed(broken)(), delayed(waits_for_the_warning)(), num_workers=2)
+    finally:
+        logging.getLogger("dask_gpustreams").removeHandler(handler)
+    assert warned.is_set()
+    assert "the 1 task(s) of the compute still running in Dask's threads" in handler.message
     assert hook._runs == {}
 
 

@@ -16,6 +16,7 @@ the workers drop these frames (:mod:`.distributed.tracebacks`).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Hashable, Mapping
 from inspect import CO_COROUTINE
@@ -30,6 +31,8 @@ from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.markers import is_host_task
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime
 from dask_gpustreams.transfers import to_device, to_host
+
+logger = logging.getLogger("dask_gpustreams")
 
 #: ``admin.traceback.shorten`` patterns: the modules whose frames sit between Dask's and a
 #: task's own (the task wrappers, the runtime's ``run``, the local route's callbacks, the
@@ -55,6 +58,10 @@ class ComputeRegistry(EventRegistry):
     key of the failed graph).
     """
 
+    #: Seconds :meth:`close` waits before it logs a warning that names what it waits for: a
+    #: running task that waits for the caller (after the compute) would hang it silently.
+    warn_after = 10.0
+
     def __init__(self) -> None:
         super().__init__()
         self._running = 0
@@ -79,8 +86,17 @@ class ComputeRegistry(EventRegistry):
         """Block until no task of the compute runs; none starts after."""
         with self._idle:
             self._closed = True
+            warned = False
             while self._running:
-                self._idle.wait()
+                if not self._idle.wait(self.warn_after) and not warned:
+                    warned = True
+                    logger.warning(
+                        "gpustreams: a task of this compute raised; its error is raised once "
+                        "the %d task(s) of the compute still running in Dask's threads return "
+                        "(their kernels' failures are reported with it). A running task that "
+                        "waits for something the caller does after the compute would hang it",
+                        self._running,
+                    )
 
 
 class StreamTask(Task):

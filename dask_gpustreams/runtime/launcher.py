@@ -185,16 +185,19 @@ class _HostOutcomes:
         self._done.append(done)
         self._wake.set()
 
-    def wait(self) -> None:
-        """Block until an outcome is handed back and not yet taken (at once if one is).
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until an outcome is handed back and not yet taken (at once if one is), or
+        until a wake-up's wait passes ``timeout`` seconds; whether one is.
 
         It checks the outcomes, not only the wake-up: two handed back before one
         wait share one wake-up, and the launcher may leave the loop that takes them
         (an exception in a callback) before it took the second.
         """
         while not self._done:
-            self._wake.wait()
+            if not self._wake.wait(timeout):
+                return False
             self._wake.clear()
+        return True
 
     def submitted(self, inputs: int) -> None:
         """On the launching thread: a host task with ``inputs`` bytes of device inputs is
@@ -228,6 +231,9 @@ class GraphLauncher:
     returning, read every event of the graph with ``Backend.event_error``
     and raise the first error (see :meth:`run`).
     """
+
+    #: Seconds :meth:`_join_host` waits for host tasks still running before it says so.
+    warn_after = 10.0
 
     def __init__(
         self,
@@ -666,8 +672,18 @@ class GraphLauncher:
                 self.hooks.posttask(key, done.result, done.worker)
 
     def _join_host(self, dependents, missing, consumers) -> None:
-        """Wait for every host task still running (their dependents are not launched)."""
+        """Wait for every host task still running (their dependents are not launched); log
+        a warning if that takes :attr:`warn_after` seconds (a host task that waits for the
+        caller, after the compute, would hang it)."""
         ready = ReadyTasks(self._priority, ())  # launches nothing more
+        warned = False
         while self._outcomes.running:
-            self._outcomes.wait()
+            if not self._outcomes.wait(self.warn_after) and not warned:
+                warned = True
+                logger.warning(
+                    "gpustreams: the compute ends once the %d host task(s) still running on "
+                    "the launcher's host threads return. A host task that waits for something "
+                    "the caller does after the compute would hang it",
+                    self._outcomes.running,
+                )
             self._absorb(ready, dependents, missing, consumers)
