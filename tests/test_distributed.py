@@ -40,6 +40,7 @@ from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, host_task, s
 from dask_gpustreams.backends import gpu_visible
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.distributed.execution import Execution
+from tests.test_hosttasks import nested_partial
 
 # Worker processes unpickle these task functions without importing this module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -683,6 +684,54 @@ def test_a_host_task_nested_in_another_task_s_arguments_runs_after_its_work(bloc
         dsk = {"x": Task("x", produce, 100, 4.0, 0.1), "out-x": Task("out-x", _ident, read)}
         got = values(pickle.loads(client.get(dsk, "out-x")))  # a key of its own
         np.testing.assert_array_equal(got, np.full(100, 4.0))
+
+
+#: A partial of a marked function, and a partial of a partial of one.
+PARTIAL_SNAPSHOT = functools.partial(marked_snapshot)
+PARTIAL_OF_A_PARTIAL_SNAPSHOT = nested_partial(marked_snapshot)
+
+
+def _alone(client, reader):
+    x = client.submit(produce, 100, 3.0, 0.1, pure=False)
+    return client.submit(reader, x, pure=False).result()
+
+
+def _in_one_graph(client, reader):
+    return delayed(reader, pure=False)(delayed(produce, pure=False)(100, 3.0, 0.1)).compute()
+
+
+def _fused_with_its_producer(client, reader):
+    produced = Task("x", produce, 100, 3.0, 0.1)
+    read = Task("read", reader, TaskRef("x"))
+    return client.get({"read": GraphNode.fuse(produced, read)}, "read")
+
+
+def _nested_in_another_task_s_arguments(client, reader):
+    nested = Task(None, reader, TaskRef("x"))
+    dsk = {"x": Task("x", produce, 100, 3.0, 0.1), "out": Task("out", _ident, nested)}
+    return client.get(dsk, "out")
+
+
+@pytest.mark.parametrize(
+    ("blocks", "processes"),
+    [("auto", False), ("off", False), ("off", True)],
+    ids=["auto", "off", "off-processes"],
+)
+@pytest.mark.parametrize(
+    "case", [_alone, _in_one_graph, _fused_with_its_producer, _nested_in_another_task_s_arguments]
+)
+@pytest.mark.parametrize(
+    "reader", [PARTIAL_SNAPSHOT, PARTIAL_OF_A_PARTIAL_SNAPSHOT], ids=["partial", "partial2"]
+)
+def test_a_partial_of_a_host_task_runs_after_its_inputs_work(blocks, processes, case, reader):
+    """``functools.partial(host_fn)`` (and a partial of one) is a ``host_task``: alone, in one
+    graph with its producer, fused with it and nested in another task's arguments (before:
+    unwritten, NaN; the mark was looked up on the partial only). In worker processes each
+    task's partial is unpickled anew (decided by the function it wraps)."""
+    config = {"gpustreams.blocks": blocks}
+    with cluster(n_workers=1, processes=processes, config=config) as client:
+        got = values(pickle.loads(case(client, reader)))
+        np.testing.assert_array_equal(got, np.full(100, 3.0))
 
 
 # --- worker failure -------------------------------------------------------------------------

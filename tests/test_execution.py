@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import types
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.tasks import StreamTask
 from dask_gpustreams.transfers import to_device
+from tests.test_hosttasks import nested_partial
 
 
 class _Payload:
@@ -180,6 +182,31 @@ def test_partials_shipped_anew_with_each_task_are_decided_once_by_what_they_wrap
     odd.__tornado_coroutine__ = True  # a mark of its own: tornado reads the partial's
     assert type(_prepare(execution, tasks, "odd", odd, 0)) is Task
     assert decided == [0, 0, "co", "odd"]
+
+
+def test_partials_of_a_host_task_shipped_anew_wait_for_their_inputs(execution, decided):
+    """A partial of a marked function (a partial of one too) runs after a host wait for its
+    inputs (``WorkerHostTask``), decided once by the function it wraps; a partial of an
+    unmarked function, decided by its own, does not wait."""
+    execution, tasks = execution
+    marked = host_task(_plain_copy(_inc))
+    runs = [
+        (key, _prepare(execution, tasks, key, func, 0).host_wait)
+        for key, func in [
+            ("m0", functools.partial(marked)),
+            ("u0", functools.partial(_inc)),
+            ("m1", functools.partial(marked)),
+            ("u1", functools.partial(_inc)),
+            ("nested", nested_partial(marked)),
+        ]
+    ]
+    assert runs == [("m0", True), ("u0", False), ("m1", True), ("u1", False), ("nested", True)]
+    assert decided == ["m0", "m0", "u0", "nested"]  # the first again, with the runtime
+
+
+def _plain_copy(fn):
+    """A new function object of ``fn``'s code (marked apart from it)."""
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__)
 
 
 class _Partial(functools.partial):

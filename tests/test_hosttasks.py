@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
 import pytest
 
 from dask_gpustreams import host_task
+from dask_gpustreams.markers import is_host_task
 from dask_gpustreams.runtime.hosttasks import HostTasks
 
 
@@ -81,3 +83,56 @@ def test_the_oldest_suspicion_is_dropped_beyond_max_suspects():
 def test_host_task_on_what_takes_no_attribute_is_a_type_error_naming_it(fn):
     with pytest.raises(TypeError, match="^" + re.escape(f"host_task cannot mark {fn!r}: ")):
         host_task(fn)
+
+
+def _on_host(x, scale=1):
+    return x * scale
+
+
+def _on_device(x, scale=1):
+    return x * scale
+
+
+host_task(_on_host)
+
+
+def nested_partial(fn, *args, **kwargs):
+    """``partial(partial(fn), ...)``, kept nested: ``partial`` flattens a partial of a
+    partial unless the inner one has attributes of its own (a label here)."""
+    inner = functools.partial(fn)
+    inner.label = "inner"
+    outer = functools.partial(inner, *args, **kwargs)
+    assert outer.func is inner
+    return outer
+
+
+@pytest.mark.parametrize(
+    ("fn", "marked"),
+    [
+        (_on_host, True),
+        (functools.partial(_on_host, scale=2), True),
+        (nested_partial(_on_host, scale=2), True),
+        (nested_partial(nested_partial(_on_host, 2)), True),
+        (host_task(functools.partial(_on_device)), True),  # the partial's own mark
+        (functools.partial(host_task(functools.partial(_on_device))), True),
+        (_on_device, False),
+        (functools.partial(_on_device, scale=2), False),
+        (nested_partial(nested_partial(_on_device)), False),
+        (len, False),
+    ],
+    ids=[
+        "marked",
+        "partial",
+        "partial-of-partial",
+        "three-deep",
+        "marked-partial",
+        "partial-of-marked-partial",
+        "unmarked",
+        "unmarked-partial",
+        "unmarked-three-deep",
+        "builtin",
+    ],
+)
+def test_a_partial_of_a_host_task_is_one(fn, marked):
+    """The mark is found through ``functools.partial`` at any depth: the partial calls it."""
+    assert is_host_task(fn) is marked

@@ -8,6 +8,7 @@ thread), the launcher (``"gpustreams"``) and, for comparison, the function
 from __future__ import annotations
 
 import copy
+import functools
 import random
 
 import dask
@@ -22,6 +23,7 @@ from dask.callbacks import Callback
 
 import dask_gpustreams
 from dask_gpustreams import sim
+from tests.test_hosttasks import nested_partial
 
 GET_SYNC = pytest.param(dask.local.get_sync, id="get_sync")
 ROUTES = [GET_SYNC, "sync", "gpustreams"]
@@ -403,3 +405,123 @@ def test_a_start_callback_may_replace_a_node_by_its_value(gpustreams, scheduler)
         schedule = dask.base.get_scheduler(scheduler=scheduler)
         assert schedule({"a": 1, "b": (slow, "a"), "c": (_inc, "b")}, "c") == 71
     assert calls == []
+
+
+# --- a host_task behind functools.partial ---------------------------------------------------
+
+
+@dask_gpustreams.host_task
+def _read_at(x, index):
+    """:func:`_read_off_stream` of element ``index``: partials of it bind ``index``."""
+    return float(copy.deepcopy(x).get()[index])
+
+
+#: A partial of a marked function, and a partial of a partial of one: the mark is the
+#: function's, not the partial's.
+_PARTIAL_READ = functools.partial(_read_at, index=-1)
+_PARTIAL_OF_A_PARTIAL_READ = nested_partial(_read_at, index=-1)
+
+
+def _partial_reads_an_input(reader):
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(("r", i, j), reader, TaskRef(produced.key))
+        return {produced.key: produced, read.key: read}, read.key
+
+    return chain
+
+
+def _partial_fused_with_its_producer(reader):
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(("r", i, j), reader, TaskRef(produced.key))
+        return {read.key: GraphNode.fuse(produced, read)}, read.key
+
+    return chain
+
+
+def _partial_fused_with_its_dependent(reader):
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(("r", i, j), reader, TaskRef(produced.key))
+        out = Task(("o", i, j), _ident, TaskRef(read.key))
+        return {produced.key: produced, out.key: GraphNode.fuse(read, out)}, out.key
+
+    return chain
+
+
+def _partial_on_a_nested_producer(reader):
+    def chain(i, j, v):
+        key = ("r", i, j)
+        return {key: Task(key, reader, Task(None, _produce, v))}, key
+
+    return chain
+
+
+def _partial_nested_in_another_task_s_arguments(reader):
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(None, reader, TaskRef(produced.key))
+        return {produced.key: produced, ("r", i, j): Task(("r", i, j), _ident, read)}, ("r", i, j)
+
+    return chain
+
+
+@pytest.mark.parametrize("reader", [_PARTIAL_READ, _PARTIAL_OF_A_PARTIAL_READ], ids=["1", "2"])
+@pytest.mark.parametrize(
+    "chain",
+    [
+        _partial_reads_an_input,
+        _partial_fused_with_its_producer,
+        _partial_fused_with_its_dependent,
+        _partial_on_a_nested_producer,
+        _partial_nested_in_another_task_s_arguments,
+    ],
+)
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_partial_of_a_host_task_reads_its_input_complete(
+    gpustreams, on_the_launcher, slow_kernels, scheduler, chain, reader
+):
+    """``functools.partial(host_fn, ...)`` (a partial of one too) is a ``host_task``: as a
+    task's function, inside a fused task and nested in arguments (before: the poison, NaN,
+    or a stale value on every route; the mark was looked up on the partial only)."""
+    with gpustreams(streams=4):
+        _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain(reader))
+
+
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_delayed_partial_of_a_host_task_reads_its_input_complete(
+    gpustreams, on_the_launcher, slow_kernels, scheduler
+):
+    """``delayed(functools.partial(host_fn, ...))(x)``: the task's function is the partial."""
+    rng = random.Random(0)
+    with gpustreams(streams=4):
+        for _ in range(10):
+            values = [rng.random() for _ in range(6)]
+            parts = [delayed(_PARTIAL_READ)(delayed(_produce)(v)) for v in values]
+            assert list(dask.compute(*parts, scheduler=scheduler)) == values
+
+
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_partial_of_a_host_task_in_map_blocks_reads_its_input_complete(
+    gpustreams, on_the_launcher, slow_kernels, scheduler
+):
+    """``map_blocks(functools.partial(host_fn, ...))`` after kernels, fused with them."""
+    host = np.arange(64.0).reshape(8, 8)
+    with gpustreams(streams=4):
+        for _ in range(3):
+            x = da.from_array(host, chunks=4).map_blocks(sim.asarray) * 3 + 1
+            snap = functools.partial(_snapshot_times, factor=2)
+            got = x.map_blocks(snap).sum(axis=0).compute(scheduler=scheduler)
+            np.testing.assert_array_equal(sim.asnumpy(got), ((host * 3 + 1) * 2).sum(axis=0))
+
+
+@dask_gpustreams.host_task
+def _snapshot_times(x, factor):
+    return sim.asarray(copy.deepcopy(x).get() * factor)

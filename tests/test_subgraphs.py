@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import dask
 import dask._task_spec
@@ -24,6 +25,7 @@ from dask_gpustreams.integrations.subgraphs import (
 from dask_gpustreams.integrations.tasks import wrap_task
 from dask_gpustreams.runtime import EventRegistry, get_runtime
 from tests.test_distributed import cluster
+from tests.test_hosttasks import nested_partial
 
 
 def mix(tag, *values):
@@ -189,9 +191,24 @@ class SubTask(Task):
     __slots__ = ()
 
 
-def _fused_host_reads_inner(cls: type = Task) -> Task:
+@pytest.mark.parametrize(
+    "func",
+    [read, functools.partial(read, 1), nested_partial(read, 1)],
+    ids=["marked", "partial", "partial of a partial"],
+)
+def test_every_route_s_test_finds_a_partial_of_a_host_task(gpustreams, func):
+    """The launcher (``launch_plan``), Dask's schedulers (the StreamTask's class) and a
+    worker (:meth:`Execution._kind`) find a ``host_task`` through partials."""
+    node = Task("k", func, TaskRef("in"))
+    with gpustreams():
+        runtime = get_runtime()
+        assert launch_plan([node], runtime)[2] == {"k"}
+        assert wrap_task(node, runtime, EventRegistry()).host_wait
+
+
+def _fused_host_reads_inner(cls: type = Task, reader=read) -> Task:
     """A fused task whose ``host_task`` reads a value made by an inner task."""
-    inner = {"p": Task("p", mix, "p", TaskRef("in")), "r": Task("r", read, TaskRef("p"))}
+    inner = {"p": Task("p", mix, "p", TaskRef("in")), "r": Task("r", reader, TaskRef("p"))}
     return cls("r", _execute_subgraph, inner, "r", ("in",), TaskRef("in"))
 
 
@@ -208,6 +225,11 @@ WAITING = {
         TaskRef("in"),
     ),
     "fused, a Task subclass": _fused_host_reads_inner(SubTask),
+    "fused, a partial": _fused_host_reads_inner(reader=functools.partial(read, "x")),
+    "fused, a partial of a partial": _fused_host_reads_inner(reader=nested_partial(read, "x")),
+    "nested producer, a partial": Task(
+        "r", nested_partial(read, "x"), Task(None, mix, "p", TaskRef("in"))
+    ),
     # One wait, not a HostStep and an AfterStream: the AfterStream covers the inner kernel.
     "nested producer in fused": fused(
         {
