@@ -25,10 +25,10 @@ def host_task(fn: F) -> F:
 
     The mark is found where the task calls ``fn``: as its function, through a
     ``functools.partial`` of it at any depth (``partial(fn, scale=2)``), inside a fused
-    task, and in a task nested in another task's arguments, where it runs after a host
-    wait for its task's stream; not inside a fused task that is itself nested in another
-    task's arguments. Other wrappers (a subclass of ``partial``, a ``toolz.curry``, a
-    lambda, a function of your own that calls ``fn``) hide it: mark them.
+    task, and in a task nested in another task's arguments (a fused one too), where it
+    runs after a host wait for its task's stream. Other wrappers (a subclass of
+    ``partial``, a ``toolz.curry``, a lambda, a function of your own that calls ``fn``)
+    hide it: mark them.
     """
     try:
         setattr(fn, HOST_TASK_ATTR, True)

@@ -32,7 +32,7 @@ import pytest
 import tornado.gen
 import zict
 from dask import delayed
-from dask._task_spec import GraphNode, Task, TaskRef
+from dask._task_spec import GraphNode, Task, TaskRef, _execute_subgraph
 from dask.sizeof import sizeof
 from distributed import Client, LocalCluster, wait
 
@@ -731,6 +731,35 @@ def test_a_partial_of_a_host_task_runs_after_its_inputs_work(blocks, processes, 
     config = {"gpustreams.blocks": blocks}
     with cluster(n_workers=1, processes=processes, config=config) as client:
         got = values(pickle.loads(case(client, reader)))
+        np.testing.assert_array_equal(got, np.full(100, 3.0))
+
+
+def _nested_fused_read_of_an_inner_value():
+    """``Task(k, _ident, <fused: host_fn(produce(...))>)``: a value of its fused task."""
+    produced = Task("p", produce, 100, 3.0, 0.1)
+    read = Task("q", marked_snapshot, TaskRef("p"))
+    nested = Task(None, _execute_subgraph, *GraphNode.fuse(produced, read).args)
+    return {"out": Task("out", _ident, nested)}, "out"
+
+
+def _nested_fused_read_of_an_input():
+    """``Task(k, _ident, <fused: _ident(host_fn(x))>)``, ``x`` a key of its own."""
+    read = Task("q", marked_snapshot, TaskRef("x"))
+    out = Task("o", _ident, TaskRef("q"))
+    nested = Task(None, _execute_subgraph, *GraphNode.fuse(read, out).args)
+    return {"x": Task("x", produce, 100, 3.0, 0.1), "out": Task("out", _ident, nested)}, "out"
+
+
+@pytest.mark.parametrize("blocks", ["auto", "off"])
+@pytest.mark.parametrize(
+    "graph", [_nested_fused_read_of_an_inner_value, _nested_fused_read_of_an_input]
+)
+def test_a_host_task_in_a_fused_task_nested_in_arguments_runs_after_its_work(blocks, graph):
+    """``Task(k, g, <fused task calling host_fn>)``: the nested fused task's ``host_task``
+    reads its input whole, made inside that fused task or by another task (before:
+    unwritten, NaN; a nested fused task's steps were not searched)."""
+    with cluster(n_workers=1, config={"gpustreams.blocks": blocks}) as client:
+        got = values(pickle.loads(client.get(*graph())))
         np.testing.assert_array_equal(got, np.full(100, 3.0))
 
 

@@ -18,7 +18,7 @@ import dask.threaded
 import numpy as np
 import pytest
 from dask import delayed
-from dask._task_spec import GraphNode, List, Task, TaskRef
+from dask._task_spec import GraphNode, List, Task, TaskRef, _execute_subgraph
 from dask.callbacks import Callback
 
 import dask_gpustreams
@@ -407,7 +407,7 @@ def test_a_start_callback_may_replace_a_node_by_its_value(gpustreams, scheduler)
     assert calls == []
 
 
-# --- a host_task behind functools.partial ---------------------------------------------------
+# --- a host_task behind functools.partial; a host_task in a nested fused task -------------
 
 
 @dask_gpustreams.host_task
@@ -525,3 +525,95 @@ def test_a_partial_of_a_host_task_in_map_blocks_reads_its_input_complete(
 @dask_gpustreams.host_task
 def _snapshot_times(x, factor):
     return sim.asarray(copy.deepcopy(x).get() * factor)
+
+
+def _nested_fused(node: Task) -> Task:
+    """``node``, a fused task, as a task nested in another's arguments (no key of its own)."""
+    return Task(None, node.func, *node.args, _data_producer=node.data_producer, **node.kwargs)
+
+
+def _nested_fused_read_of_an_inner_value(reader):
+    """``Task(k, _ident, <fused: host_fn(produce(v))>)``: the host step reads its fused
+    task's kernel's value."""
+
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(("q", i, j), reader, TaskRef(produced.key))
+        nested = _nested_fused(GraphNode.fuse(produced, read))
+        return {("r", i, j): Task(("r", i, j), _ident, nested)}, ("r", i, j)
+
+    return chain
+
+
+def _nested_fused_read_of_an_input(reader):
+    """``Task(k, _ident, <fused: _ident(host_fn(p))>)``, ``p`` made by another task."""
+
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(("q", i, j), reader, TaskRef(produced.key))
+        out = Task(("o", i, j), _ident, TaskRef(read.key))
+        nested = _nested_fused(GraphNode.fuse(read, out))
+        return {produced.key: produced, ("r", i, j): Task(("r", i, j), _ident, nested)}, ("r", i, j)
+
+    return chain
+
+
+def _nested_fused_read_of_a_nested_producer(reader):
+    """``Task(k, _ident, <fused: _ident(host_fn(in))>(produce(v)))``: the nested fused
+    task's input is made by a task nested in its own arguments."""
+
+    def chain(i, j, v):
+        read = Task(("q", i, j), reader, TaskRef(("in", i, j)))
+        out = Task(("o", i, j), _ident, TaskRef(read.key))
+        inner = {read.key: read, out.key: out}
+        nested = Task(
+            None, _execute_subgraph, inner, out.key, (("in", i, j),), Task(None, _produce, v)
+        )
+        return {("r", i, j): Task(("r", i, j), _ident, nested)}, ("r", i, j)
+
+    return chain
+
+
+def _fused_nesting_a_fused_read(reader):
+    """A fused task whose inner task nests a fused task: ``_ident(<fused: host_fn(p)>)``,
+    ``p`` an inner value of the outer fused task."""
+
+    def chain(i, j, v):
+        produced = Task(("p", i, j), _produce, v)
+        read = Task(("q", i, j), reader, TaskRef(("in", i, j)))
+        nested = Task(
+            None,
+            _execute_subgraph,
+            {read.key: read},
+            read.key,
+            (("in", i, j),),
+            TaskRef(produced.key),
+        )
+        out = Task(("r", i, j), _ident, nested)
+        return {out.key: GraphNode.fuse(produced, out)}, out.key
+
+    return chain
+
+
+@pytest.mark.parametrize("reader", [_read_off_stream, _PARTIAL_READ], ids=["marked", "partial"])
+@pytest.mark.parametrize(
+    "chain",
+    [
+        _nested_fused_read_of_an_inner_value,
+        _nested_fused_read_of_an_input,
+        _nested_fused_read_of_a_nested_producer,
+        _fused_nesting_a_fused_read,
+    ],
+)
+@pytest.mark.parametrize(
+    "scheduler", ["sync", "gpustreams", GET_SYNC, pytest.param(dask.threaded.get, id="threaded")]
+)
+def test_a_host_task_in_a_fused_task_nested_in_arguments_reads_its_input_complete(
+    gpustreams, on_the_launcher, slow_kernels, scheduler, chain, reader
+):
+    """A ``host_task`` inside a fused task that is itself nested in another task's arguments
+    waits for its task's stream before it runs: its input, made inside the nested fused
+    task, by another task or by a task nested in it, is complete (before: the poison, NaN,
+    or a stale value on every route; a nested fused task's steps were not searched)."""
+    with gpustreams(streams=4):
+        _chains_give_their_values(dask.base.get_scheduler(scheduler=scheduler), chain(reader))

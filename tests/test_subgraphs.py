@@ -212,6 +212,11 @@ def _fused_host_reads_inner(cls: type = Task, reader=read) -> Task:
     return cls("r", _execute_subgraph, inner, "r", ("in",), TaskRef("in"))
 
 
+def _nested(node: Task) -> Task:
+    """``node`` with no key, as a task nested in another's arguments."""
+    return Task(None, node.func, *node.args)
+
+
 #: Tasks whose lean form waits on the host once (a HostStep or an AfterStream).
 WAITING = {
     "nested producer": Task("r", read, Task(None, mix, "p", TaskRef("in"))),
@@ -229,6 +234,18 @@ WAITING = {
     "fused, a partial of a partial": _fused_host_reads_inner(reader=nested_partial(read, "x")),
     "nested producer, a partial": Task(
         "r", nested_partial(read, "x"), Task(None, mix, "p", TaskRef("in"))
+    ),
+    # A fused task nested in an argument: its host_task waits whatever it reads (its
+    # fused task's inputs from outside got no host wait either).
+    "nested fused": Task("o", mix, "o", _nested(_fused_host_reads_inner())),
+    "nested fused, an input": Task(
+        "o",
+        mix,
+        "o",
+        _nested(fused({"r": Task("r", read, TaskRef("in"))}, "r", ["in"], ["in"], "r")),
+    ),
+    "nested fused in fused": fused(
+        {"o": Task("o", mix, "o", _nested(_fused_host_reads_inner()))}, "o", ["in"], ["in"], "o"
     ),
     # One wait, not a HostStep and an AfterStream: the AfterStream covers the inner kernel.
     "nested producer in fused": fused(
@@ -251,8 +268,10 @@ def host_waits(node) -> int:
     if not isinstance(node, Task):
         return 0
     if node.func is run_subgraph:
-        return sum(host_waits(n) for _, n, _ in node.args[0])
-    return int(type(node.func) is AfterStream)
+        steps, *args = node.args
+        return sum(host_waits(n) for _, n, _ in steps) + sum(map(host_waits, args))
+    own = int(type(node.func) is AfterStream)
+    return own + sum(map(host_waits, (*node.args, *node.kwargs.values())))
 
 
 @pytest.mark.parametrize("name", WAITING)
@@ -264,7 +283,7 @@ def test_a_task_that_calls_a_host_task_waits_once_on_every_route(gpustreams, nam
     node = WAITING[name]
     # A task nested in arguments is walked whatever the flag (blocks_host reads only a
     # task's own function); a fused task's steps only where the route says it calls one.
-    unflagged = 1 if name.startswith("nested producer") else 0
+    unflagged = 1 if name.startswith("nested") else 0
     assert host_waits(lean_subgraphs(node, True)) == 1
     assert host_waits(lean_subgraphs(node, False)) == unflagged
     with gpustreams():
@@ -288,8 +307,14 @@ def test_a_task_that_calls_no_host_task_is_not_searched(gpustreams):
         Task("k", mix, "k", Task(None, mix, "n", TaskRef("in"))),
         Task("k", mix, "k", dask._task_spec.List(TaskRef("in"), Task(None, mix, "n", 1))),
         Task("k", mix, "k", s=Task(None, mix, "n", TaskRef("in"))),
+        Task(
+            "k",
+            mix,
+            "k",
+            _nested(fused({"a": Task("a", mix, "a", TaskRef("in"))}, "a", ["in"], ["in"], "a")),
+        ),
     ],
-    ids=["nested task", "List argument", "keyword argument"],
+    ids=["nested task", "List argument", "keyword argument", "fused task"],
 )
 def test_a_task_nesting_tasks_that_call_no_host_task_is_kept_as_it_is(node):
     """A task whose nested tasks call no host_task comes back itself: no AfterStream."""

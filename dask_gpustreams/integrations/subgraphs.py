@@ -23,7 +23,10 @@ one task) runs after a host wait for the work its task's stream has queued so fa
 (:class:`HostStep`): the host wait made before the fused task covers only its inputs
 from outside, and ``f`` would read the inner kernels' outputs unwritten. A ``host_task``
 on a task nested in its own arguments waits after that task (:class:`AfterStream`),
-inside a fused task too: that one wait covers the inner kernels before it as well.
+inside a fused task too: that one wait covers the inner kernels before it as well. A
+fused task nested in another task's arguments runs its plan too, where each inner task
+that calls a ``host_task`` waits (:class:`HostStep`), whatever it reads: no host wait
+covered that fused task's inputs either.
 
 The routes that run tasks on streams use it (:func:`lean_subgraphs`): the
 launcher's and stream blocks' launch plans, and the stream tasks of Dask's
@@ -52,12 +55,14 @@ Step = tuple[Hashable, GraphNode, tuple[Hashable, ...]]
 
 
 def subgraph_plan(
-    inner: Mapping[Hashable, GraphNode], outkey: Hashable, host: bool = True
+    inner: Mapping[Hashable, GraphNode], outkey: Hashable, host: bool = True, nested: bool = False
 ) -> tuple[Step, ...]:
     """The inner tasks that ``outkey`` needs, each after its inner dependencies (depth
     first, dependencies in ``inner``'s order), with the values read for the last time.
     ``host``: whether an inner task may call a ``host_task``; if not, none is searched
-    for one (:class:`HostStep`)."""
+    for one (:class:`HostStep`). ``nested``: the fused task is nested in another task's
+    arguments, so its inputs from outside got no host wait either: each inner task that
+    calls a ``host_task`` waits, whatever it reads."""
     position = {k: i for i, k in enumerate(inner)}
     order: list[Hashable] = []
     uses: dict[Hashable, int] = {}  # dependency -> inner tasks that read it
@@ -82,7 +87,7 @@ def subgraph_plan(
     steps = []
     for key in order:
         node = inner[key]
-        if host and _reads_own_kernels(node, position):
+        if host and _reads_own_kernels(node, position, nested):
             node = HostStep(node)
         drops = []
         for d in node.dependencies:
@@ -115,13 +120,14 @@ class HostStep:
         return f"HostStep({self.node!r})"
 
 
-def _reads_own_kernels(node: GraphNode, inner: Mapping[Hashable, Any]) -> bool:
-    """Whether inner task ``node`` calls a ``host_task`` on values of ``inner``'s tasks,
-    with no host wait of its own: an :class:`AfterStream` task waits after its nested
-    tasks, for all its stream's work, theirs and the inner tasks' before it."""
+def _reads_own_kernels(node: GraphNode, inner: Mapping[Hashable, Any], nested: bool) -> bool:
+    """Whether inner task ``node`` calls a ``host_task`` on values of ``inner``'s tasks (on
+    any value, where its fused task is ``nested`` in another's arguments), with no host
+    wait of its own: an :class:`AfterStream` task waits after its nested tasks, for all
+    its stream's work, theirs and the inner tasks' before it."""
     if isinstance(node, Task) and type(node.func) is AfterStream:
         return False
-    return _calls_host(node) and any(d in inner for d in node.dependencies)
+    return _calls_host(node) and (nested or any(d in inner for d in node.dependencies))
 
 
 def _calls_host(node: Any) -> bool:
@@ -172,8 +178,14 @@ def _wraps(node: Task, nested: bool) -> bool:
     stream: on a task nested in its arguments (``Task(k, f, Task(None, g))``), or, being
     nested in another's (``nested``: ``Task(k, g, Task(None, f, ...))``, a legacy graph's
     ``(g, (f, ...))``), whatever its arguments: its inputs' work, ``g``'s task's, got no
-    host wait either, as ``g`` is no ``host_task``."""
+    host wait either, as ``g`` is no ``host_task``. A fused task nested in another's
+    arguments does if one of its inner tasks does, or a task nested in one: its inner
+    tasks run in its call, after no host wait of theirs (:func:`_after_stream`)."""
     func = node.func
+    if func is _execute_subgraph:
+        return nested and any(
+            isinstance(t, Task) and _wants_wait(t, True) for t in node.args[0].values()
+        )
     if type(func) is AfterStream or func is to_host or not is_host_task(func):
         return False
     return nested or any(isinstance(a, Task) for a in (*node.args, *node.kwargs.values()))
@@ -196,7 +208,9 @@ def _wants_wait(node: Task, nested: bool) -> bool:
 def _after_stream(node: Task, nested: bool) -> Task:
     """A copy of ``node`` (of its own class: a ``List``, a ``Dict``; its dependencies
     unchanged) where each task that :func:`_wraps` calls its function after a host wait
-    for its task's stream (:class:`AfterStream`); for a ``node`` that :func:`_wants_wait`."""
+    for its task's stream (:class:`AfterStream`), and each fused task that does runs its
+    plan (:func:`run_subgraph`), where each inner task that calls a ``host_task`` waits
+    (:class:`HostStep`); for a ``node`` that :func:`_wants_wait`."""
     new = copy.copy(node)
     new.args = tuple(
         _after_stream(a, True) if isinstance(a, Task) and _wants_wait(a, True) else a
@@ -208,7 +222,13 @@ def _after_stream(node: Task, nested: bool) -> Task:
             for k, v in node.kwargs.items()
         }
     if _wraps(node, nested):
-        new.func = AfterStream(node.func)
+        if node.func is _execute_subgraph:
+            inner, outkey = node.args[0], node.args[1]
+            lean = {k: lean_subgraphs(v, True) for k, v in inner.items()}
+            new.func = run_subgraph
+            new.args = (subgraph_plan(lean, outkey, True, nested=True), *new.args[1:])
+        else:
+            new.func = AfterStream(node.func)
     new._token = new._repr = None
     return new
 
