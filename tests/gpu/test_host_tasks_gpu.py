@@ -6,6 +6,8 @@ the host wait, the copy runs while the producer's 20 ms kernel still writes, and
 the memory held before. Values are new at each run, so stale memory cannot pass.
 """
 
+import functools
+
 import dask
 import dask.local
 import dask.threaded
@@ -25,11 +27,11 @@ N = 1 << 14
 
 
 @dask_gpustreams.host_task
-def read_off_stream(x):
-    """The input, copied on a non-blocking stream that waits for nothing."""
+def read_off_stream(x, scale=1.0):
+    """The input (times ``scale``), copied on a non-blocking stream that waits for nothing."""
     stream = cupy.cuda.Stream(non_blocking=True)
     out = x.get(stream=stream)  # (synchronizes that stream only)
-    return float(out[0]), float(out[-1])
+    return float(out[0]) * scale, float(out[-1]) * scale
 
 
 ROUTES = [
@@ -39,17 +41,20 @@ ROUTES = [
 ]
 
 
+@pytest.mark.parametrize("scale", [None, 2.0], ids=["marked", "partial"])
 @pytest.mark.parametrize("scheduler", ROUTES)
-def test_a_host_task_reads_its_input_whole_on_every_local_route(scheduler):
+def test_a_host_task_reads_its_input_whole_on_every_local_route(scheduler, scale):
+    """Called as marked, or through a ``functools.partial`` of it (found through it)."""
+    reader = read_off_stream if scale is None else functools.partial(read_off_stream, scale=scale)
     config = {"gpustreams.enabled": True, "gpustreams.backend": "cupy"}
     rng = np.random.default_rng()
     with dask.config.set(config):
         for _ in range(4):
             value = float(rng.integers(1, 1 << 30))
             got = dask.compute(
-                delayed(read_off_stream)(delayed(spin_fill)(N, value, 20.0)), scheduler=scheduler
+                delayed(reader)(delayed(spin_fill)(N, value, 20.0)), scheduler=scheduler
             )[0]
-            assert got == (value, value)
+            assert got == (value * (scale or 1.0),) * 2
 
 
 def test_a_host_task_reads_its_input_whole_on_a_worker_task_per_key():
