@@ -520,6 +520,30 @@ def test_second_kernel_error_of_a_compute_does_not_reach_the_next_one(gpustreams
     assert hook._runs == {}
 
 
+def test_kernel_error_of_a_task_rerun_locally_does_not_reach_the_next_compute(gpustreams):
+    """With Dask's ``rerun_exceptions_locally``, ``get_async`` runs a failed task again on the
+    calling thread before it raises: each run launches a failing kernel, each on its own
+    stream. The failed compute reports both. Before, the rerun's record replaced the first
+    run's in the compute's registry, so the drain left the first run's failure on its
+    stream: the next compute there raised its ``KernelError`` (a key of the failed graph)
+    instead of its value."""
+
+    def fails_then_raises():
+        failing(4)
+        raise LookupError("after a failing kernel")
+
+    with gpustreams(streams=2, policy="round-robin"):
+        task = delayed(fails_then_raises)(dask_key_name="rerun-failure")
+        rerun = dask.config.set(rerun_exceptions_locally=True)
+        with rerun, pytest.raises(LookupError, match="after a failing kernel"):
+            dask.compute(task, num_workers=2)
+        for value in (3.0, 5.0):  # on each stream
+            got = delayed(to_host)(delayed(leaf)(value, 4, 0)).compute()
+            np.testing.assert_array_equal(got, [value] * 4)
+        assert get_runtime().collect() == 0
+    assert hook._runs == {}
+
+
 def leaf_on_host(value):
     return np.asarray(leaf(value, 4, 0.0).get())
 

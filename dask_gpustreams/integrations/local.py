@@ -134,6 +134,11 @@ class LocalSchedulerHook:
             # A failed compute ends while other tasks of it still run in Dask's threads:
             # their work is this graph's, drained below.
             registry.close()
+            for record in registry.superseded:
+                # A task's earlier run (rerun_exceptions_locally): its kernels' failure is
+                # this graph's too, reported here, not by the next compute on its stream.
+                runtime.wait(record)
+                runtime.report(record)
             if errored:
                 # The exception being raised wins; wait for this graph's work so that a
                 # kernel failure it left behind is reported here, not by the next compute.

@@ -29,7 +29,7 @@ from dask.sizeof import sizeof
 
 from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.markers import is_host_task
-from dask_gpustreams.runtime import EventRegistry, StreamRuntime
+from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord
 from dask_gpustreams.transfers import to_device, to_host
 
 logger = logging.getLogger("dask_gpustreams")
@@ -56,6 +56,10 @@ class ComputeRegistry(EventRegistry):
     launching: the compute's drain then reports their kernels' failures, which the next
     compute on those streams raised before, as its own error (a ``KernelError`` naming a
     key of the failed graph).
+
+    A task that runs again (``get_async`` reruns a failed one on the calling thread with
+    ``rerun_exceptions_locally``) records its event under the same key: the earlier
+    run's record is kept in :attr:`superseded`, for the compute's drain too.
     """
 
     #: Seconds :meth:`close` waits before it logs a warning that names what it waits for: a
@@ -67,6 +71,8 @@ class ComputeRegistry(EventRegistry):
         self._running = 0
         self._closed = False
         self._idle = threading.Condition(threading.Lock())
+        #: The records of earlier runs of keys that ran again, replaced in the registry.
+        self.superseded: list[TaskRecord] = []
 
     def begin(self, key: Hashable) -> None:
         """Task ``key`` starts in this thread (it raises if the compute has ended)."""
@@ -74,6 +80,9 @@ class ComputeRegistry(EventRegistry):
             if self._closed:
                 raise RuntimeError(f"task {key!r} started after its compute ended")
             self._running += 1
+            earlier = self._records.get(key)  # run again: its new record replaces this one
+            if earlier is not None:
+                self.superseded.append(earlier)
 
     def end(self) -> None:
         """A task that :meth:`begin` let start has returned or raised."""
