@@ -743,6 +743,33 @@ def test_a_python_exception_inside_a_block_fails_only_the_outputs_that_derive_fr
         assert formed(client) == (1, 6)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the scheduler errs a block, and so each of its outputs, when any input errs",
+)
+def test_an_erred_input_of_a_block_fails_only_the_outputs_that_derive_from_it():
+    """A block of three tasks reads two inputs from outside: ``src`` (in memory) and a task
+    that raises (its retries keep it out of blocks). ``x`` reads only ``src`` and gets its
+    value, as task per key; ``z`` derives from the failed input and gets its exception.
+    The scheduler errs the block's task when one of its inputs errs, and with it every
+    getter: ``x`` raises the other task's exception instead of giving its value (found by
+    the fuzzer, seed 6101, distributed-spill DAG 145: an output got the ``TaskRaised`` of a
+    node it does not derive from, an input of its block, instead of its own ancestor's)."""
+    with cluster(1) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        with dask.annotate(retries=1):
+            failed = delayed(py_fail)(s, "input raised", dask_key_name="failing-input")
+        x = delayed(mix)(1, s, delay=0.002, dask_key_name="x")
+        y = delayed(mix)(2, failed, dask_key_name="y")
+        z = delayed(mix)(3, x, y, dask_key_name="z")
+        fx, fz = client.compute([x, z])
+        with pytest.raises(ValueError, match="^input raised$"):
+            fz.result(timeout=30)
+        assert formed(client) == (1, 3)
+        expected = host_mix(1, np.arange(N))
+        np.testing.assert_array_equal(sim.asnumpy(fx.result(timeout=30)), expected)
+
+
 def test_a_failed_output_of_a_block_keeps_its_tasks_traceback_when_pickled():
     """The slot of an output whose task raised holds the exception and the task's frames
     (their names and lines, not their values), also once pickled for another worker."""
