@@ -10,6 +10,7 @@ import dask
 import dask.threaded
 import numpy as np
 import pytest
+from dask._task_spec import Task, TaskRef
 
 import dask_gpustreams
 from dask_gpustreams import sim
@@ -227,3 +228,41 @@ def test_each_workers_records_name_the_worker_that_ran_them(processes):
         assert {r["key"]: r["worker"] for r in records} == {"on-a": a, "on-b": b}
         tracks = to_rectangles(records)["tracks"]
         assert len(tracks) == 2 and tracks[0].startswith(a) and tracks[1].startswith(b)
+
+
+@dask_gpustreams.host_task
+def _host_pass(x):
+    return x
+
+
+def test_a_record_keeps_its_events_when_the_timeline_is_turned_on_during_a_graph(
+    on_the_launcher,
+):
+    """The dashboard turns the timeline on (``enable_timeline``) while a graph runs on the
+    launcher: its host tasks from then on get timing events and a place in the timeline,
+    and their durations stay theirs. Before, the launcher, which had started with the
+    timeline off, gave those events back to the runtime's event pool with its other ones:
+    a host wait of the next graph (``wait_stream`` takes its event from the pool) recorded
+    one again after its own kernel, and the record's duration grew by that kernel's."""
+    config = {"gpustreams.enabled": True, "gpustreams.backend": "sim", "gpustreams.streams": 2}
+    with dask.config.set(config):
+        runtime = dask_gpustreams.get_runtime()
+        runtime.disable_timeline()
+        launch = dask.base.get_scheduler(scheduler="gpustreams")
+        try:
+
+            def turn_on(x):
+                runtime.enable_timeline()  # as the dashboard does, from another thread
+                return x
+
+            first = {"on": Task("on", turn_on, 1), "read": Task("read", _host_pass, TaskRef("on"))}
+            assert launch(first, "read") == 1
+            (record,) = [r for r in runtime.timeline_snapshot() if r.key == "read"]
+            duration = runtime.elapsed_ms(record)
+            # A host task on a task nested in its arguments waits for its stream (a host wait).
+            nested = Task(None, sleep_kernel(0.05))
+            second = {"out": Task("out", _host_pass, nested)}
+            launch(second, "out")
+            assert runtime.elapsed_ms(record) == duration
+        finally:
+            runtime.disable_timeline()

@@ -266,6 +266,9 @@ class GraphLauncher:
         #: The key of the task whose exception :meth:`run` raised (None: no task's).
         self.failed: Hashable | None = None
         self._launched: list[Any] = []
+        #: Whether a host task got timing events (the timeline was turned on during the
+        #: graph): the timeline keeps its record, so the graph's events stay out of the pool.
+        self._timed = False
         self._streams: list[Any] = []  # the pool's, while run() runs
         #: Keys whose value's memory their task allocated on its own stream (the meter's
         #: ``made_on``), while they are results: see :meth:`_launch_all`'s holds.
@@ -540,7 +543,7 @@ class GraphLauncher:
             state["launching"] = nested
             registry.clear()
             drained = not runtime.collect()  # then every event it recorded has completed
-            if timeline is None:
+            if timeline is None and not self._timed:
                 runtime.events.release(launched, done=drained)
 
     def _make_room(self, key: Hashable, limit: int, in_flight: int) -> int:
@@ -654,8 +657,11 @@ class GraphLauncher:
         """Take the outcomes of host tasks that finished (on the launching thread)."""
         learned = self.runtime.host_tasks
         while (done := self._outcomes.take()) is not None:
-            if done.record is not None:
-                self._launched.append(done.record.event)
+            record = done.record
+            if record is not None:
+                self._launched.append(record.event)
+                if record.start is not None:
+                    self._timed = True
             if done.error is not None:
                 if self._error is None:
                     self._error = done.error
@@ -665,8 +671,8 @@ class GraphLauncher:
             if key not in self.host:
                 learned.observe(self.group_of(key), done.seconds)
             self.results[key] = done.result
-            if done.record is not None:
-                self.registry.add(done.record)
+            if record is not None:
+                self.registry.add(record)
             self._finish(key, self.dependencies[key], ready, dependents, missing, consumers)
             if self.hooks is not None:
                 self.hooks.posttask(key, done.result, done.worker)
