@@ -1455,6 +1455,33 @@ def test_a_failure_read_straight_from_another_block_names_the_inner_key():
         assert executed(client) - before == 2
 
 
+def test_a_failure_read_straight_from_another_block_fails_only_what_derives_from_it():
+    """Blocks of 4: ``src, a, inner-failure, g`` (outputs ``inner-failure`` and ``g``) and
+    ``x, y1, y2, y3``, which reads both straight from the first's tuple (and 4 sources held
+    outside). The client wants ``x``, which derives from the failed ``inner-failure`` and
+    raises its ``KernelError``, and ``y3``, which reads only ``g`` (the first block's good
+    output) and gets its value, as task per key. Before, the failed slot raised as the
+    second block read its inputs, and ``y3`` got the error too."""
+    with cluster(1, config={"gpustreams.block-size": 4}) as client:
+        outside = persisted(client, 4)
+        before = executed(client)
+        s = delayed(source)(0, 0.0, dask_key_name="src")
+        a = delayed(mix)(1, s, dask_key_name="a")
+        k = delayed(bad)(a, dask_key_name="inner-failure")
+        g = delayed(mix)(2, a, dask_key_name="g")
+        x = delayed(mix)(3, k, g, outside[0][0], dask_key_name="x")
+        y, ref = g, host_mix(2, host_mix(1, np.arange(N) + 0.0))
+        for i in range(1, 4):
+            y, ref = delayed(mix)(3 + i, y, outside[i][0]), host_mix(3 + i, ref, outside[i][1])
+        fx, fy = client.compute([x, y])
+        np.testing.assert_array_equal(sim.asnumpy(fy.result(timeout=30)), ref)
+        with pytest.raises(KernelError, match="boom in a block") as info:
+            fx.result(timeout=30)
+        assert info.value.key == "inner-failure"
+        assert formed(client) == (2, 8)
+        assert executed(client) - before == 2 + 2  # the blocks, and x's and y's getters
+
+
 FLAKY_CALLS: dict[str, int] = {}
 
 

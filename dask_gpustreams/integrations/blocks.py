@@ -158,8 +158,9 @@ class StreamBlock:
 
         ``values`` holds the inputs (or, for those in :attr:`sources`, the
         tuples of the blocks they come from: an input whose slot there holds a
-        failure raises its error), whose work must be complete and good (the
-        worker checks them first). Every event of the block is checked, so its
+        failure fails the outputs that derive from it, as a failed task of the
+        block does), whose work must be complete and good (the worker checks
+        them first). Every event of the block is checked, so its
         outputs are known good when it returns (they need no event nor taint),
         even where a sync elsewhere reported the failure first.
 
@@ -187,15 +188,26 @@ class StreamBlock:
         task's ``distributed.Reschedule`` is raised as is: the block is
         rescheduled, whole.
         """
-        sources = self.sources
-        if sources:  # (each launch below copies the inputs it reads from ``values``)
-            values = {
-                k: block_output(values[s[0]], s[1]) if (s := sources.get(k)) else values[k]
-                for k in self.inputs
-            }
         nodes: Sequence[GraphNode] = self.nodes
         wanted = self.outputs
         failed: dict[Hashable, _Failed] = {}
+        sources = self.sources
+        if sources:  # (each launch below copies the inputs it reads from ``values``)
+            values = {
+                k: values[s[0]][s[1]] if (s := sources.get(k)) else values[k] for k in self.inputs
+            }
+            for k in sources:
+                slot = values[k]
+                if type(slot) is _Failed:
+                    # A failed output of the block it comes from fails what derives from it
+                    # here too, and only that, as one task per key would.
+                    bad = _downstream(nodes, k)
+                    if len(self.outputs) == 1 and self.outputs[0] in bad:
+                        block_output((slot,), 0)  # raises its error, with its task's frames
+                    failed.update((o, slot) for o in wanted if o in bad)
+                    wanted = tuple(o for o in wanted if o not in bad)
+            if failed:
+                nodes = _upstream(nodes, wanted)
         got: Mapping[Hashable, Any] = {}
         while wanted:
             got, raised = self._launch(runtime, values, nodes, wanted)
@@ -229,7 +241,7 @@ class StreamBlock:
         priority = {node.key: i for i, node in enumerate(nodes)}
         seen: list[KernelError] = []
         while True:
-            cache = {k: values[k] for k in self.inputs}
+            cache = {k: v for k in self.inputs if type(v := values[k]) is not _Failed}
             args = (runtime, tasks, dependencies, priority, wanted, cache, host, key_split)
             launcher = GraphLauncher(*args, check=True)
             try:
