@@ -745,6 +745,7 @@ def test_a_python_exception_inside_a_block_fails_only_the_outputs_that_derive_fr
 
 @pytest.mark.xfail(
     strict=True,
+    raises=ValueError,
     reason="the scheduler errs a block, and so each of its outputs, when any input errs",
 )
 def test_an_erred_input_of_a_block_fails_only_the_outputs_that_derive_from_it():

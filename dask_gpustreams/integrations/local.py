@@ -137,7 +137,6 @@ class LocalSchedulerHook:
             for record in registry.superseded:
                 # A task's earlier run (rerun_exceptions_locally): its kernels' failure is
                 # this graph's too, reported here, not by the next compute on its stream.
-                runtime.wait(record)
                 runtime.report(record)
             if errored:
                 # The exception being raised wins; wait for this graph's work so that a

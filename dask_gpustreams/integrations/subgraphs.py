@@ -99,7 +99,8 @@ def subgraph_plan(
 
 
 class HostStep:
-    """An inner task of a plan that calls a ``host_task`` and reads inner values: it runs
+    """An inner task of a plan that calls a ``host_task`` and reads inner values (any
+    values, in the plan of a fused task nested in another task's arguments): it runs
     after a host wait for the work its task's stream has queued so far (the inner
     kernels that made them), and raises that work's error instead of running on it."""
 
@@ -249,8 +250,9 @@ def run_subgraph(
 def lean_subgraphs(node: GraphNode, host: bool) -> GraphNode:
     """``node`` running its plan with :func:`run_subgraph` where it, or a task fused inside
     it, calls ``_execute_subgraph``; a ``host_task`` on a task nested in its arguments, or
-    nested in another task's, after a host wait for its stream (:class:`AfterStream`); else
-    ``node`` itself.
+    nested in another task's, after a host wait for its stream (:class:`AfterStream`), and
+    a fused task nested in arguments that calls one running its plan, where each inner task
+    that calls one waits (:class:`HostStep`); else ``node`` itself.
 
     ``host``: whether ``node`` calls a ``host_task``, also inside a fused task (what
     ``blocks_host`` says, or True); if not, a fused task's steps are not searched for a

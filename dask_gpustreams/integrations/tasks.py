@@ -100,7 +100,7 @@ class ComputeRegistry(EventRegistry):
                 if not self._idle.wait(self.warn_after) and not warned:
                     warned = True
                     logger.warning(
-                        "gpustreams: a task of this compute raised; its error is raised once "
+                        "gpustreams: this compute failed; its error is raised once "
                         "the %d task(s) of the compute still running in Dask's threads return "
                         "(their kernels' failures are reported with it). A running task that "
                         "waits for something the caller does after the compute would hang it",

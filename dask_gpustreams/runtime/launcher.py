@@ -187,7 +187,7 @@ class _HostOutcomes:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until an outcome is handed back and not yet taken (at once if one is), or
-        until a wake-up's wait passes ``timeout`` seconds; whether one is.
+        until a wake-up's wait passes ``timeout`` seconds; False if it returns on a timeout.
 
         It checks the outcomes, not only the wake-up: two handed back before one
         wait share one wake-up, and the launcher may leave the loop that takes them
@@ -682,14 +682,17 @@ class GraphLauncher:
         a warning if that takes :attr:`warn_after` seconds (a host task that waits for the
         caller, after the compute, would hang it)."""
         ready = ReadyTasks(self._priority, ())  # launches nothing more
-        warned = False
+        warn_at: float | None = perf_counter() + self.warn_after
         while self._outcomes.running:
-            if not self._outcomes.wait(self.warn_after) and not warned:
-                warned = True
+            if warn_at is None:
+                self._outcomes.wait()
+            elif not self._outcomes.wait(max(warn_at - perf_counter(), 0.0)):
+                warn_at = None
                 logger.warning(
                     "gpustreams: the compute ends once the %d host task(s) still running on "
                     "the launcher's host threads return. A host task that waits for something "
                     "the caller does after the compute would hang it",
                     self._outcomes.running,
                 )
+                continue
             self._absorb(ready, dependents, missing, consumers)
