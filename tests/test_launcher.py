@@ -37,6 +37,7 @@ from dask_gpustreams.transfers import to_device
 from tests.test_local_scheduler import (
     BUILTIN_POLICIES,
     META,
+    StillRunningWarning,
     array_workload,
     combine,
     download,
@@ -1108,37 +1109,26 @@ def test_a_failed_compute_waiting_for_a_running_host_task_says_so(launcher, monk
     """A failed compute waits for its host tasks still running; one that waits for the
     caller would hang it, so the wait logs a warning that says what it waits for. Here the
     host task returns only once that warning is logged."""
-    warned = threading.Event()
-
-    class Warnings(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno == logging.WARNING and "still running" in record.getMessage():
-                self.message = record.getMessage()
-                warned.set()
-
     started = threading.Event()
-
-    @host_task
-    def waits_for_the_warning():
-        started.set()
-        return warned.wait(timeout=TIMEOUT)
+    monkeypatch.setattr(GraphLauncher, "warn_after", 0.01)
 
     def broken():
         started.wait(timeout=TIMEOUT)
         raise LookupError("host side")
 
-    handler = Warnings()
-    logging.getLogger("dask_gpustreams").addHandler(handler)
-    monkeypatch.setattr(GraphLauncher, "warn_after", 0.01)
-    try:
+    with StillRunningWarning() as warning:
+
+        @host_task
+        def waits_for_the_warning():
+            started.set()
+            return warning.seen.wait(timeout=TIMEOUT)
+
         with launcher(streams=2):
             dsk = {"waits": (waits_for_the_warning,), "broken": (broken,)}
             with pytest.raises(LookupError, match="host side"):
                 launcher_get(dsk, list(dsk))
-    finally:
-        logging.getLogger("dask_gpustreams").removeHandler(handler)
-    assert warned.is_set()
-    assert "the 1 host task(s) still running on the launcher's host threads" in handler.message
+    assert warning.seen.is_set()
+    assert "the 1 host task(s) still running on the launcher's host threads" in warning.message
 
 
 def test_download_in_graph_is_a_host_task(launcher):

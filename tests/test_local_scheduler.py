@@ -466,20 +466,32 @@ def test_kernel_error_of_a_task_still_running_when_the_compute_fails_stays_with_
     assert hook._runs == {}
 
 
+class StillRunningWarning(logging.Handler):
+    """Catches the package's WARNING that a failed compute waits for tasks still running:
+    :attr:`seen` is set once it is logged, :attr:`message` holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = threading.Event()
+        self.message = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno == logging.WARNING and "still running" in record.getMessage():
+            self.message = record.getMessage()
+            self.seen.set()
+
+    def __enter__(self) -> StillRunningWarning:
+        logging.getLogger("dask_gpustreams").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("dask_gpustreams").removeHandler(self)
+
+
 def test_a_failed_compute_waiting_for_a_running_task_says_so(gpustreams, monkeypatch):
     """A failed compute waits for its tasks still running in Dask's threads; a task that
     waits for the caller would hang it, so the wait logs a warning that says what it waits
     for. Here the running task returns only once that warning is logged."""
-    warned = threading.Event()
-
-    class Warnings(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno == logging.WARNING and "still running" in record.getMessage():
-                self.message = record.getMessage()
-                warned.set()
-
-    handler = Warnings()
-    logging.getLogger("dask_gpustreams").addHandler(handler)
     monkeypatch.setattr(ComputeRegistry, "warn_after", 0.01)
     raised = threading.Event()
 
@@ -487,17 +499,16 @@ def test_a_failed_compute_waiting_for_a_running_task_says_so(gpustreams, monkeyp
         raised.set()
         raise LookupError("host side")
 
-    def waits_for_the_warning():
-        raised.wait()
-        return warned.wait(timeout=10)
+    with StillRunningWarning() as warning:
 
-    try:
+        def waits_for_the_warning():
+            raised.wait(timeout=10)
+            return warning.seen.wait(timeout=10)
+
         with gpustreams(streams=1), pytest.raises(LookupError, match="host side"):
             dask.compute(delayed(broken)(), delayed(waits_for_the_warning)(), num_workers=2)
-    finally:
-        logging.getLogger("dask_gpustreams").removeHandler(handler)
-    assert warned.is_set()
-    assert "the 1 task(s) of the compute still running in Dask's threads" in handler.message
+    assert warning.seen.is_set()
+    assert "the 1 task(s) of the compute still running in Dask's threads" in warning.message
     assert hook._runs == {}
 
 
