@@ -512,6 +512,25 @@ def test_a_failed_compute_waiting_for_a_running_task_says_so(gpustreams, monkeyp
     assert hook._runs == {}
 
 
+def test_a_compute_whose_start_fails_releases_the_runtime(gpustreams, monkeypatch):
+    """The start hook acquires the runtime, then orders the streams after the caller's
+    work; if that raises, the compute raises it and the runtime is released (a later
+    ``close`` does not wait for it). Before, nothing released it: ``close`` timed out."""
+    with gpustreams(streams=2):
+        runtime = get_runtime()
+
+        def broken(self):
+            raise LookupError("caller's stream")
+
+        monkeypatch.setattr(type(runtime), "order_after_caller", broken)
+        with pytest.raises(LookupError, match="caller's stream"):
+            delayed(leaf)(1.0, 4, 0).compute(scheduler=dask.threaded.get)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(delayed(to_host)(delayed(leaf)(3.0, 4, 0)).compute(), [3] * 4)
+        runtime.close(timeout=5)
+    assert hook._runs == {}
+
+
 def test_second_kernel_error_of_a_compute_does_not_reach_the_next_one(gpustreams):
     """Two outputs whose kernels fail, each on its own stream, and no Python exception: the
     final sync raises the first output's ``KernelError``, and the other failure is reported

@@ -104,7 +104,11 @@ class LocalSchedulerHook:
 
     def _start(self, dsk: dict) -> None:
         runtime = acquire_runtime()  # held until _finish, so it is not closed meanwhile
-        runtime.order_after_caller()  # inputs this thread is still writing
+        try:
+            runtime.order_after_caller()  # inputs this thread is still writing
+        except BaseException:
+            runtime.release()  # _finish finds no run of this graph to release
+            raise
         registry = ComputeRegistry()
         with self._lock:
             self._runs[id(dsk)] = (runtime, registry)
