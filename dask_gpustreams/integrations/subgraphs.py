@@ -224,10 +224,8 @@ def _after_stream(node: Task, nested: bool) -> Task:
         }
     if _wraps(node, nested):
         if node.func is _execute_subgraph:
-            inner, outkey = node.args[0], node.args[1]
-            lean = {k: lean_subgraphs(v, True) for k, v in inner.items()}
             new.func = run_subgraph
-            new.args = (subgraph_plan(lean, outkey, True, nested=True), *new.args[1:])
+            new.args = (_lean_plan(node.args[0], node.args[1], True, True), *new.args[1:])
         else:
             new.func = AfterStream(node.func)
     new._token = new._repr = None
@@ -245,6 +243,16 @@ def run_subgraph(
         for d in drops:
             del values[d]
     return values[outkey]
+
+
+def _lean_plan(
+    inner: Mapping[Hashable, GraphNode], outkey: Hashable, host: bool, nested: bool
+) -> tuple[Step, ...]:
+    """:func:`subgraph_plan` of a fused task's ``inner`` graph, each inner task lean
+    (:func:`lean_subgraphs`) first."""
+    return subgraph_plan(
+        {k: lean_subgraphs(v, host) for k, v in inner.items()}, outkey, host, nested
+    )
 
 
 def lean_subgraphs(node: GraphNode, host: bool) -> GraphNode:
@@ -273,7 +281,7 @@ def lean_subgraphs(node: GraphNode, host: bool) -> GraphNode:
                     return _after_stream(node, False) if _wants_wait(node, False) else node
         return node
     inner, outkey, *rest = node.args
-    plan = subgraph_plan({k: lean_subgraphs(v, host) for k, v in inner.items()}, outkey, host)
+    plan = _lean_plan(inner, outkey, host, False)
     return Task(
         node.key,
         run_subgraph,
