@@ -826,6 +826,30 @@ def test_a_closing_workers_teardown_waits_at_most_close_timeout_in_all(cluster, 
         gate.set()
 
 
+LEFT_OPEN = """
+import sys
+
+sys.stderr = sys.stdout  # distributed's log handlers, made at import, write to stdout
+import dask, numpy as np
+from distributed import Client, LocalCluster
+from dask_gpustreams import sim
+from dask_gpustreams.integrations.distributed import StreamsPlugin
+
+cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None)
+client = Client(cluster)
+client.register_plugin(StreamsPlugin(backend="sim", streams=4))
+x = dask.delayed(sim.asarray)(np.arange(10.0)) * 2
+print(float(sim.asnumpy(x.compute()).sum()))
+"""
+
+
+def test_an_in_process_cluster_left_open_at_exit_closes_without_an_error(run_python):
+    """A script that never closes its in-process cluster: the worker's teardown runs while
+    the interpreter exits, when no executor takes new work, and closes the runtime itself
+    (before, it logged "Worker plugin gpustreams failed to teardown" with a traceback)."""
+    assert run_python(LEFT_OPEN, timeout=60) == "90.0\n"
+
+
 def test_a_closed_workers_results_go_back_to_the_pool():
     """A worker closed with results in its memory (in-process, as in a notebook): once
     distributed's own caches of handlers forget it, nothing of the plugin's keeps it, or

@@ -432,10 +432,25 @@ class Provenance:
         runtime = self._runtime
         if runtime is None:
             return
-        closing = asyncio.wrap_future(self._threads.submit(runtime.close))
+        try:
+            submitted = self._threads.submit(runtime.close)
+        except RuntimeError:
+            # The interpreter is exiting (a cluster left open at the end of a script): the
+            # executor takes no new work, so the runtime closes here, on the event loop.
+            self._close_at_exit(runtime, timeout)
+            return
+        closing = asyncio.wrap_future(submitted)
         closing.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no log
         try:  # shielded: a close not started yet (busy threads) still runs after the timeout
             await asyncio.wait_for(asyncio.shield(closing), timeout)
+        except TimeoutError:
+            logger.warning("gpustreams: %r did not close within %s s", runtime, timeout)
+
+    @staticmethod
+    def _close_at_exit(runtime: StreamRuntime, timeout: float) -> None:
+        """Close ``runtime`` in this thread, as :meth:`close` would in an egress thread."""
+        try:
+            runtime.close(timeout)
         except TimeoutError:
             logger.warning("gpustreams: %r did not close within %s s", runtime, timeout)
 
