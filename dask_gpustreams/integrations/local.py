@@ -105,11 +105,11 @@ class LocalSchedulerHook:
     def _start(self, dsk: dict) -> None:
         runtime = acquire_runtime()  # held until _finish, so it is not closed meanwhile
         try:
-            runtime.order_after_caller()  # inputs this thread is still writing
+            caller = runtime.order_after_caller()  # inputs this thread is still writing
         except BaseException:
             runtime.release()  # _finish finds no run of this graph to release
             raise
-        registry = ComputeRegistry()
+        registry = ComputeRegistry(caller)
         with self._lock:
             self._runs[id(dsk)] = (runtime, registry)
         if not self._advised:

@@ -66,8 +66,11 @@ class ComputeRegistry(EventRegistry):
     #: running task that waits for the caller (after the compute) would hang it silently.
     warn_after = 10.0
 
-    def __init__(self) -> None:
+    def __init__(self, caller: Any = None) -> None:
         super().__init__()
+        #: The event after the caller's work (``order_after_caller``): host tasks wait for
+        #: it, as a literal input may still be written there (a nested compute's task's).
+        self.caller = caller
         self._running = 0
         self._closed = False
         self._idle = threading.Condition(threading.Lock())
@@ -221,8 +224,11 @@ class HostStreamTask(StreamTask):
     host_wait = True
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
-        wait = self.runtime.wait
-        for record in self.registry.records(self._dependencies):
+        runtime, registry = self.runtime, self.registry
+        if type(registry) is ComputeRegistry and registry.caller is not None:
+            runtime.check(registry.caller)  # a literal input, the caller's
+        wait = runtime.wait
+        for record in registry.records(self._dependencies):
             error = wait(record)
             if error is not None:  # the failed work's error, not a value
                 raise error.with_traceback(None)  # not this task's frames, kept with the error

@@ -270,6 +270,9 @@ class GraphLauncher:
         #: graph): the timeline keeps its record, so the graph's events stay out of the pool.
         self._timed = False
         self._streams: list[Any] = []  # the pool's, while run() runs
+        #: The event after the caller's work (``order_after_caller``), while run() runs:
+        #: host tasks wait for it, as a literal input may still be written there.
+        self._caller: Any = None
         #: Keys whose value's memory their task allocated on its own stream (the meter's
         #: ``made_on``), while they are results: see :meth:`_launch_all`'s holds.
         self._own: set[Hashable] = set()
@@ -324,7 +327,7 @@ class GraphLauncher:
         wanted, hooks = self.wanted, self.hooks
         host, offload = self.host, self.host_threads
         backend, pool = runtime.backend, runtime.pool
-        runtime.order_after_caller()  # creates the streams before the first task, too
+        self._caller = runtime.order_after_caller()  # creates the streams first, too
         runtime.isolate_thread()
         # Bound once: the loop below runs once per task.
         get_record, add_record = registry.get, registry.add
@@ -404,8 +407,10 @@ class GraphLauncher:
                     if not offload and key in host:
                         # A marked host task reads its inputs on the host, maybe not through
                         # its stream (host_task's promise): complete first, as on host threads.
+                        if self._caller is not None:
+                            runtime.check(self._caller)
                         for r in producers:
-                            backend.synchronize_event(r.event)
+                            runtime.check(r.event)
                     with assign_lock:
                         on_path = None if critical is None else key in critical
                         info = TaskInfo(key, producers, registry, on_path, large)
@@ -631,8 +636,11 @@ class GraphLauncher:
         registry = EventRegistry()
         try:
             backend = runtime.backend
+            check = runtime.check  # also a failure another compute's sync reported first
+            if self._caller is not None:  # a literal input, the caller's (a nested compute's)
+                check(self._caller)
             for r in producers:
-                backend.synchronize_event(r.event)
+                check(r.event)
             # Small blocks apart and large ones shared here too (the meter is the launching
             # thread's business).
             config = runtime.config

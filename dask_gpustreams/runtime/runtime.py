@@ -219,12 +219,25 @@ class StreamRuntime:
             self.pool.wait(slot, r.slot, r.event, r.seq)
 
     def synchronize(self, keys: Iterable[Hashable], registry: EventRegistry) -> None:
-        """Block until the work producing ``keys`` is done; raise if it failed.
+        """Block until the work producing ``keys`` is done; raise if it failed (:meth:`check`).
 
         Only the events of these keys are waited for, not the whole device.
         """
+        check = self.check
         for record in registry.records(keys):
-            self.backend.synchronize_event(record.event)
+            check(record.event)
+
+    def check(self, event: Any) -> None:
+        """Block until ``event``'s work is done; raise its failure, also one that another
+        thread's sync reported first (a concurrent compute's, whose work queued behind
+        it), which a sync would not raise again on the sim. A failure not reported yet is
+        reported here, so the streams it reached run again (:meth:`report`)."""
+        backend = self.backend
+        error = backend.event_error(event)
+        if error is not None:
+            with contextlib.suppress(Exception):
+                backend.synchronize_event(event)
+            raise error.with_traceback(None)  # shared: not the frames of an earlier raise
 
     def release_events(self, registry: EventRegistry) -> None:
         """Give the events of ``registry``, a finished graph's, back for reuse; forget them."""
@@ -310,25 +323,33 @@ class StreamRuntime:
         with contextlib.suppress(Exception):
             self.backend.synchronize_event(record.event)
 
-    def order_after_caller(self) -> None:
-        """Make every stream wait (on the device) for what this thread has enqueued so far.
+    def order_after_caller(self) -> Any:
+        """Make every stream wait (on the device) for what this thread has enqueued so far;
+        return an event recorded after that work, for the host waits of host tasks (None
+        where that work is done).
 
         A graph's inputs may still be being written on the calling thread's current
-        stream (a CuPy array made just before ``compute``). CUDA orders the legacy
-        default stream with the pool's blocking streams, but not a per-thread default
-        stream (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), a stream the caller made,
-        or the sim's default stream: then one event is recorded there, and every stream,
-        compute and copy (created now if need be), waits for it. Once per compute.
+        stream (a CuPy array made just before ``compute``, or a nested compute's caller,
+        a task whose own stream writes them). CUDA orders the legacy default stream with
+        the pool's blocking streams, but not a per-thread default stream
+        (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), a stream the caller made, or the
+        sim's default stream: then every stream, compute and copy (created now if need
+        be), waits for the event. A host task reads its inputs off the streams (a GDS
+        write), so it waits on the host for the event too (:meth:`check`), whatever
+        the stream. Once per compute.
         """
         backend = self.backend
         stream = backend.current_stream()
-        if backend.orders_before_pool(stream):
-            return
+        ordered = backend.orders_before_pool(stream)
+        if ordered and backend.stream_idle(stream):
+            return None
         event = backend.create_event()
         backend.record(event, stream)
-        transfers = self.transfers
-        for pool in (self.pool, transfers.h2d, transfers.d2h):
-            pool.wait_event_all(event)
+        if not ordered:
+            transfers = self.transfers
+            for pool in (self.pool, transfers.h2d, transfers.d2h):
+                pool.wait_event_all(event)
+        return event
 
     def clear_errors(self) -> None:
         """Block until every stream, compute and copy, is idle, ignoring their errors.

@@ -1,0 +1,100 @@
+"""Two local computes at once on one runtime (sim, one stream): a kernel failure of one
+that the other's sync reports first still fails what derives from it, or was skipped
+behind it (found by helper-92's fuzzing of concurrent computes).
+
+Before, the compute whose results derive from the failure, or whose kernels were skipped
+behind it, returned NaN with no error: the final wait (``StreamRuntime.synchronize``)
+raised only a failure no sync had reported yet, where the sim's other thread had.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import dask
+import dask.threaded
+import numpy as np
+import pytest
+from dask import delayed
+
+from dask_gpustreams import KernelError, host_task, sim
+
+WAIT = 10.0  # seconds; a gate not opened by then fails the test, never hangs it
+
+
+def _gated_boom(out, a, started, gate):
+    started.set()
+    gate.wait(WAIT)
+    raise ValueError("boom")
+
+
+def gated_fail(a, started, gate):
+    out = sim.empty(a.shape)
+    sim.launch(_gated_boom, out, a, started, gate)
+    return out
+
+
+def inc(a):
+    return a + 1
+
+
+def inc_then_say(a, launched):
+    out = a + 1  # enqueued behind the failing kernel, on the only stream
+    launched.set()
+    return out
+
+
+@host_task
+def after(x, done):
+    """Holds its compute's final sync until the other compute has ended."""
+    assert done.wait(WAIT)
+    return x
+
+
+def _compute(graph, box, scheduler, done):
+    try:
+        box["result"] = dask.compute(*graph, scheduler=scheduler)
+    except Exception as e:  # noqa: BLE001 - the outcome, asserted by the test
+        box["error"] = e
+    finally:
+        done.set()
+
+
+@pytest.mark.parametrize("route", ["launcher", "threaded"])
+@pytest.mark.parametrize("reports_first", ["B, whose kernels queued behind it", "A, its own"])
+def test_a_failure_that_another_compute_reports_first_still_fails_this_one(route, reports_first):
+    config = {"gpustreams.backend": "sim", "gpustreams.streams": 1}
+    scheduler = "gpustreams"
+    if route == "threaded":
+        config["gpustreams.enabled"] = True
+        scheduler = dask.threaded.get
+    started, gate, launched = threading.Event(), threading.Event(), threading.Event()
+    a_done, b_done = threading.Event(), threading.Event()
+    x = np.arange(4.0)
+    # A: a kernel that fails once the gate opens. B: a chain queued behind it on the only
+    # stream. The other's host task holds one compute's final sync until the other ends.
+    a_graph = [delayed(gated_fail)(delayed(sim.asarray)(x), started, gate, dask_key_name="A")]
+    up = delayed(sim.asarray)(x, dask_key_name="B-up")
+    b_graph = [delayed(inc_then_say)(delayed(inc)(up, dask_key_name="B-1"), launched)]
+    if reports_first.startswith("B"):
+        a_graph.append(delayed(after)(x, b_done))
+    else:
+        b_graph.append(delayed(after)(x, a_done))
+    a, b = {}, {}
+    ta = threading.Thread(target=_compute, args=(a_graph, a, scheduler, a_done))
+    tb = threading.Thread(target=_compute, args=(b_graph, b, scheduler, b_done))
+    # Set here, once: two threads' dask.config.set, ended out of order, would leave it set.
+    with dask.config.set(config):
+        ta.start()
+        assert started.wait(WAIT)
+        tb.start()
+        assert launched.wait(WAIT)
+        gate.set()
+        ta.join(2 * WAIT)
+        tb.join(2 * WAIT)
+    # A's result derives from its failing kernel, and B's kernels were skipped behind it:
+    # both raise A's KernelError, whoever reported it first, and neither returns a value.
+    for name, box in (("A", a), ("B", b)):
+        assert "result" not in box, f"{name} returned {box['result']}"
+        assert isinstance(box["error"], KernelError), box["error"]
+        assert box["error"].key == "A"
