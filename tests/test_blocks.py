@@ -743,11 +743,6 @@ def test_a_python_exception_inside_a_block_fails_only_the_outputs_that_derive_fr
         assert formed(client) == (1, 6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="the scheduler errs a block, and so each of its outputs, when any input errs",
-)
 def test_an_erred_input_of_a_block_fails_only_the_outputs_that_derive_from_it():
     """A block of three tasks reads two inputs from outside: ``src`` (in memory) and a task
     that raises (its retries keep it out of blocks). ``x`` reads only ``src`` and gets its

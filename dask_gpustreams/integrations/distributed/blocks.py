@@ -65,6 +65,7 @@ from distributed import SchedulerPlugin
 
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.integrations.blocks import StreamBlock, block_output, get_output, partition
+from dask_gpustreams.integrations.distributed.split import apply_split, plan_split
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -98,6 +99,8 @@ class StreamBlocks(SchedulerPlugin):
         self.blocks_formed = 0
         self.tasks_grouped = 0
         self.largest = 0  # tasks in the largest block formed
+        #: Blocks split because an input erred (:meth:`_split`), since the scheduler started.
+        self.blocks_split = 0
         #: The outputs of live blocks (key -> TaskState), which :meth:`_taskstates` hides.
         self.outputs: dict[Hashable, Any] = {}
         #: Whether this distributed lacks the hook that blocks need (they stay off).
@@ -120,6 +123,59 @@ class StreamBlocks(SchedulerPlugin):
             self.unsupported = True
         elif getattr(generate, "func", None) != self._taskstates:  # (a bound method is new)
             scheduler._generate_taskstates = functools.partial(self._taskstates, generate)
+        transition = scheduler._transition
+        if getattr(transition, "func", None) != self._transition:
+            scheduler._transition = functools.partial(self._transition, transition)
+
+    def _transition(
+        self,
+        transition: Callable[..., tuple],
+        key: Hashable,
+        finish: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple:
+        """The scheduler's ``_transition`` (``transition``), but a waiting block told to err
+        because an input erred (no worker's report: no ``kwargs``) is split instead
+        (:meth:`_split`), so that only the outputs that derive from that input err."""
+        if finish == "erred" and not kwargs:
+            recommendations = self._split(key)
+            if recommendations is not None:
+                return recommendations, {}, {}
+        return transition(key, finish, *args, **kwargs)
+
+    def _split(self, key: Hashable) -> dict | None:
+        """The recommendations after block ``key``, waiting, is split (see
+        :mod:`.split`); None where it is no such block or is not split (it errs whole)."""
+        ts = self.scheduler.tasks.get(key)
+        if ts is None or ts.state != "waiting" or ts.exception_blame is None:
+            return None
+        spec = ts.run_spec
+        if type(spec) is not Task or type(spec.func) is not StreamBlock:
+            return None
+        if len(spec.func.outputs) < 2:
+            return None  # (its one output derives from every input)
+        new_key = (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0)
+        try:
+            plan = plan_split(ts, new_key)
+        except Exception:  # nothing is changed yet: the block errs whole
+            logger.warning("gpustreams: block %r not split, it errs whole", key, exc_info=True)
+            return None
+        if isinstance(plan, str):
+            logger.debug("gpustreams: block %r errs whole: %s", key, plan)
+            return None
+        other = None if plan.bad is None else self._new_block(new_key, plan.bad, ts)
+        blame = ts.exception_blame.key
+        recommendations = apply_split(ts, plan, other, self.scheduler.tasks)
+        self.blocks_split += 1
+        logger.info(
+            "gpustreams: block %r split as its input %r erred: %d outputs kept, %d err with it",
+            key,
+            blame,
+            len(plan.good_getters),
+            len(plan.bad_getters),
+        )
+        return recommendations
 
     def _taskstates(self, generate: Callable[..., tuple], *args: Any, **kwargs: Any) -> tuple:
         """The scheduler's ``_generate_taskstates`` (``generate``), with the definitions of
@@ -470,6 +526,16 @@ class StreamBlocks(SchedulerPlugin):
     def _computation(self) -> Any:
         computations = self.scheduler.computations
         return computations[-1] if computations else None
+
+    def _new_block(self, key: Hashable, spec: Task, like: Any) -> Any:
+        """A new block task ``key`` (released), in the computation and span of ``like``'s."""
+        group = like.group
+        computation = next(
+            (c for c in reversed(self.scheduler.computations) if group in c.groups), None
+        )
+        ts = self.scheduler.new_task(key, spec, "released", computation or self._computation())
+        self._join_span(ts, like)
+        return ts
 
 
 @dataclass
