@@ -766,6 +766,222 @@ def test_an_erred_input_of_a_block_fails_only_the_outputs_that_derive_from_it():
         np.testing.assert_array_equal(sim.asnumpy(fx.result(timeout=30)), expected)
 
 
+def splits(client):
+    """Blocks split on the scheduler so far because an input erred."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["gpustreams-blocks"].blocks_split
+    )
+
+
+def erred_input_graph(s, failing):
+    """A block of six tasks with four outputs: ``x`` and ``x2`` read ``s`` (``src``, held)
+    only, ``z`` and ``w`` derive from ``failing`` (a task outside blocks, by its retries),
+    ``w`` also from ``t``, a task that only the failing part reads. Returns the outputs and
+    the values of ``x`` and ``x2``."""
+    t = delayed(source)(5, 0.0, dask_key_name="t")
+    x = delayed(mix)(1, s, delay=0.002, dask_key_name="x")
+    x2 = delayed(mix)(5, x, dask_key_name="x2")
+    y = delayed(mix)(2, failing, dask_key_name="y")
+    z = delayed(mix)(3, x, y, dask_key_name="z")
+    w = delayed(mix)(4, y, t, dask_key_name="w")
+    ref_x = host_mix(1, np.arange(N) + 0.0)
+    return [x, x2, z, w], [ref_x, host_mix(5, ref_x)]
+
+
+def test_an_erred_input_fails_its_derived_outputs_with_its_own_exception():
+    """The outputs that do not derive from the erred input get their exact values; those
+    that do raise its exception with its frame (``py_fail``), as task per key. The block is
+    split once; the graph computed again (the same keys) gives the same."""
+    with cluster(1) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        for _ in range(2):  # the same keys submitted again
+            with dask.annotate(retries=1):
+                failing = delayed(py_fail)(s, "input raised", dask_key_name="failing-input")
+            outs, refs = erred_input_graph(s, failing)
+            futures = client.compute(outs)
+            for future, ref in zip(futures[:2], refs, strict=True):
+                np.testing.assert_array_equal(sim.asnumpy(future.result(timeout=30)), ref)
+            for future in futures[2:]:
+                with pytest.raises(ValueError, match="^input raised$") as info:
+                    future.result(timeout=30)
+                assert _frames(info.tb)[-1] == "py_fail"
+            assert formed(client)[0] >= 1
+            assert splits(client) == 1
+            del futures
+
+
+COUNTED_FAILURES: dict[str, int] = {}
+
+
+def fails_first(a, name, times):
+    """``mix(7, a)``, but its first ``times`` calls (by ``name``, in this process) raise."""
+    COUNTED_FAILURES[name] = COUNTED_FAILURES.get(name, 0) + 1
+    if COUNTED_FAILURES[name] <= times:
+        raise ValueError(f"{name}: call {COUNTED_FAILURES[name]} raised")
+    return mix(7, a)
+
+
+def not_erred(futures, timeout=30.0):
+    """Wait until the client has heard that ``futures`` were retried (none is erred)."""
+    deadline = time.monotonic() + timeout
+    while any(f.status == "error" for f in futures):
+        assert time.monotonic() < deadline, [f.status for f in futures]
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_a_retry_of_the_outputs_that_an_erred_input_failed_gives_their_values(mode):
+    """``failing-input`` (retries=1) raises on its first two calls: ``z`` and ``w`` err with
+    its exception. ``Client.retry`` of them recomputes them, through the block that erred
+    with the input and the input itself, and they get their exact values; ``x`` and ``x2``
+    kept theirs. distributed's ``Client.retry`` raises KeyError for each retried key it
+    holds no future of (``y`` task per key, the new block's key with blocks) after the
+    scheduler retried them."""
+    name = f"retried-{mode}"
+    with cluster(1, config={"gpustreams.blocks": mode}) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        with dask.annotate(retries=1):
+            failing = delayed(fails_first)(s, name, 2, dask_key_name="failing-input")
+        outs, refs = erred_input_graph(s, failing)
+        futures = client.compute(outs)
+        for future in futures[2:]:
+            with pytest.raises(ValueError, match=f"^{name}: call 2 raised$"):
+                future.result(timeout=30)
+        assert splits(client) == (1 if mode == "auto" else 0)
+        with contextlib.suppress(KeyError):
+            client.retry(futures[2:])
+        not_erred(futures[2:])
+        ref_y = host_mix(2, host_mix(7, np.arange(N) + 0.0))
+        refs += [host_mix(3, refs[0], ref_y), host_mix(4, ref_y, np.arange(N) + 5.0)]
+        for future, ref in zip(futures, refs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(future.result(timeout=30)), ref)
+        assert COUNTED_FAILURES[name] == 3
+
+
+class Messages(logging.Handler):
+    """Records the messages of the ``dask_gpustreams`` logger at DEBUG and above."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_a_block_read_straight_by_another_errs_whole_when_its_input_errs():
+    """Not split (not built): ``a`` reads ``failing-input`` (a task outside blocks that
+    raises) and ``g`` reads ``src``; they are a block that only the next block (``x, y1,
+    y2, y3``) reads, straight from its tuple. The first block errs whole, as before, and
+    says why at DEBUG: ``y3``, which derives from ``g`` only, raises the input's exception
+    (task per key would compute it), and ``x`` too; nothing hangs. The reading block is
+    not split either: every output of it reads the erred block."""
+    messages = Messages()
+    log = logging.getLogger("dask_gpustreams")
+    level = log.level
+    log.addHandler(messages)
+    log.setLevel(logging.DEBUG)
+    try:
+        with cluster(1, config={"gpustreams.block-size": 4}) as client:
+            outside = persisted(client, 5)
+            with dask.annotate(retries=1):
+                failing = delayed(py_fail)(outside[4][0], "input raised", dask_key_name="fi")
+            s = delayed(source)(0, 0.0, dask_key_name="src")
+            a = delayed(mix)(1, failing, dask_key_name="a")
+            g = delayed(mix)(2, s, dask_key_name="g")
+            x = delayed(mix)(3, a, g, outside[0][0], dask_key_name="x")
+            y = g
+            for i in range(1, 4):
+                y = delayed(mix)(3 + i, y, outside[i][0], dask_key_name=f"y{i}")
+            fx, fy = client.compute([x, y])
+            for future in (fx, fy):
+                with pytest.raises(ValueError, match="^input raised$"):
+                    future.result(timeout=30)
+            assert formed(client) == (2, 7)
+            assert splits(client) == 0
+    finally:
+        log.removeHandler(messages)
+        log.setLevel(level)
+    assert any("errs whole" in m and "no getter" in m for m in messages.messages), messages
+
+
+def random_failing_graph(rng, failing):
+    """Random DAG of ``mix`` tasks over 3 sources and the ``failing`` tasks (delayed, each
+    raising ``ValueError(its key)``): each node is (task, reference value or None, the keys
+    of the failing tasks it derives from)."""
+    nodes = [
+        (delayed(source)(i, rng.random() * 0.002), np.arange(N) + float(i), frozenset())
+        for i in range(3)
+    ]
+    nodes += [(f, None, frozenset({f.key})) for f in failing]
+    for salt in range(14):
+        picks = rng.sample(nodes, rng.randint(1, 3))
+        task = delayed(mix)(salt, *(t for t, _, _ in picks), delay=rng.random() * 0.003)
+        bad = frozenset().union(*(b for _, _, b in picks))
+        ref = None if bad else host_mix(salt, *(r for _, r, _ in picks))
+        nodes.append((task, ref, bad))
+    return nodes
+
+
+def test_randomized_graphs_with_erred_inputs_fail_only_what_derives_from_them():
+    """Random DAGs on 2 workers with random delays read 2 tasks outside blocks (retries)
+    that raise: every wanted output that derives from none of them gets its exact value,
+    and every other one raises the exception of one it derives from, as task per key."""
+    rng = random.Random(11)
+    with cluster(2) as client:
+        for g in range(8):
+            sources = client.persist([delayed(source)(9 + i, 0.0) for i in range(2)])
+            with dask.annotate(retries=1):
+                failing = [
+                    delayed(py_fail)(sources[i], f"fail-{g}-{i}", dask_key_name=f"fail-{g}-{i}")
+                    for i in range(2)
+                ]
+            nodes = random_failing_graph(rng, failing)
+            wanted = rng.sample(nodes[5:], 6)
+            futures = client.compute([t for t, _, _ in wanted])
+            for future, (_, ref, bad) in zip(futures, wanted, strict=True):
+                if bad:
+                    with pytest.raises(ValueError) as info:
+                        future.result(timeout=30)
+                    assert str(info.value) in bad
+                else:
+                    np.testing.assert_array_equal(sim.asnumpy(future.result(timeout=30)), ref)
+        assert splits(client) >= 1
+
+
+def test_a_split_block_whose_worker_dies_is_recomputed():
+    """The kept part of a split block runs (two chains of 0.1 s tasks from ``src``) when its
+    worker is killed: it is recomputed on the other worker, and its outputs get their exact
+    values; the outputs that derive from the erred input keep its exception."""
+    with cluster(2, processes=True, threads_per_worker=1) as client:
+        s = delayed(source)(0, 0.0, dask_key_name="src")
+        with dask.annotate(retries=1):
+            failing = delayed(py_fail)(s, "input raised", dask_key_name="failing-input")
+        chains, refs = [], []
+        for j in range(2):
+            t, r = s, np.arange(N) + 0.0
+            for i in range(6):
+                t, r = delayed(mix)(10 * j + i, t, delay=0.1), host_mix(10 * j + i, r)
+            chains.append(t)
+            refs.append(r)
+        z = delayed(mix)(3, chains[0], failing, dask_key_name="z")
+        futures = client.compute([*chains, z])
+        with pytest.raises(ValueError, match="^input raised$"):
+            futures[2].result(timeout=30)
+        assert splits(client) == 1
+        deadline = time.monotonic() + 30
+        running = {}
+        while not any(running.values()) and time.monotonic() < deadline:
+            running = client.run(lambda dask_worker: len(dask_worker.state.executing))
+        assert any(running.values()), "the kept part did not start"
+        victim = next(w for w, n in sorted(running.items()) if n)
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        for value, ref in zip(client.gather(futures[:2]), refs, strict=True):
+            np.testing.assert_array_equal(sim.asnumpy(value), ref)
+        with pytest.raises(ValueError, match="^input raised$"):
+            futures[2].result(timeout=30)
+
+
 def test_a_failed_output_of_a_block_keeps_its_tasks_traceback_when_pickled():
     """The slot of an output whose task raised holds the exception and the task's frames
     (their names and lines, not their values), also once pickled for another worker."""
