@@ -51,9 +51,11 @@ from dask_gpustreams.integrations.blocks import (
     _Failed,
     _pack,
     block_output,
+    get_output,
     partition,
 )
 from dask_gpustreams.integrations.distributed.blocks import StreamBlocks
+from dask_gpustreams.integrations.distributed.split import plan_split
 from dask_gpustreams.runtime.context import active_task
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -980,6 +982,48 @@ def test_a_split_block_whose_worker_dies_is_recomputed():
             np.testing.assert_array_equal(sim.asnumpy(value), ref)
         with pytest.raises(ValueError, match="^input raised$"):
             futures[2].result(timeout=30)
+
+
+class FakeTask(types.SimpleNamespace):
+    """A stand-in for a scheduler TaskState: its attributes, hashed by identity."""
+
+    __hash__ = object.__hash__
+
+
+def fake_block_task(run_id=None, getter_states=("waiting", "waiting", "waiting")):
+    """A scheduler TaskState's stand-in for a block of ``x`` (from ``src``), ``y`` (from
+    ``fi``, erred) and ``z`` (from both), outputs ``x, y, z``, and its getters."""
+    nodes = [
+        Task("x", mix, 1, TaskRef("src")),
+        Task("y", mix, 2, TaskRef("fi")),
+        Task("z", mix, 3, TaskRef("x"), TaskRef("y")),
+    ]
+    key = ("gpustreams-block-test", 0)
+    block = StreamBlock(nodes, ["src", "fi"], ["x", "y", "z"], key)
+    ts = FakeTask(key=key, run_id=run_id, dependents=set(), dependencies=set())
+    ts.run_spec = Task(key, block, TaskRef("src"), TaskRef("fi"))
+    for name, state in (("src", "memory"), ("fi", "erred")):
+        ts.dependencies.add(FakeTask(key=name, state=state))
+    for i, (name, state) in enumerate(zip("xyz", getter_states, strict=True)):
+        spec = Task(name, get_output, TaskRef(key), i)
+        ts.dependents.add(FakeTask(key=name, state=state, run_spec=spec))
+    return ts
+
+
+def test_a_split_plan_keeps_the_outputs_that_do_not_derive_from_the_erred_input():
+    plan = plan_split(fake_block_task(), "new")
+    assert [g.key for g in plan.good_getters] == ["x"]
+    assert [g.key for g in plan.bad_getters] == ["y", "z"]
+    assert plan.good_reads == {"src"} and plan.bad_reads == {"src", "fi"}
+    assert [n.key for n in plan.good.func.nodes] == ["x"]
+    assert plan.bad.func.outputs == ("y", "z") and plan.bad.func.key == "new"
+
+
+def test_a_block_that_a_worker_was_sent_or_whose_getter_erred_is_not_split():
+    """Sent to a worker before, a run there could resume under its key with its old outputs;
+    a getter in a state the split does not relink: the block errs whole, with the reason."""
+    assert "sent to a worker" in plan_split(fake_block_task(run_id=3), "new")
+    assert "is erred" in plan_split(fake_block_task(getter_states=("erred",) * 3), "new")
 
 
 def test_a_failed_output_of_a_block_keeps_its_tasks_traceback_when_pickled():

@@ -48,12 +48,18 @@ def plan_split(ts: Any, new_key: Hashable) -> SplitPlan | str:
     derive from its erred inputs going to a new block ``new_key``; or why it is not
     (a string: the block then errs whole, as before).
 
-    Outputs whose getter was forgotten (no one needs them) go to neither part.
+    Outputs whose getter was forgotten (no one needs them) go to neither part. The
+    block keeps its key, so only one that no worker was ever sent is split.
     """
     spec = ts.run_spec
     block: StreamBlock = spec.func
     if block.key != ts.key or len(block.outputs) < 2:
         return "one output: it derives from every input"
+    if ts.run_id is not None:
+        # Sent back to waiting while a worker ran it (an input's replica lost, say), that
+        # run may go on: sent the block again, the worker resumes it, and its tuple, of
+        # the old outputs, would come under this key, where the getters read the new.
+        return "it was sent to a worker before, whose run of it may resume"
     getters = _getters(ts, block)
     if isinstance(getters, str):
         return getters
