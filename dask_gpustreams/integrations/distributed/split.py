@@ -91,7 +91,7 @@ def apply_split(ts: Any, plan: SplitPlan, other: Any, tasks: Mapping) -> dict:
     """Relink ``ts`` (the block) and ``other`` (the new block task, released; None where
     ``plan`` has no bad part) as ``plan`` says; return the scheduler's recommendations:
     ``other`` erred with ``ts``'s blame, the inputs no one needs now released, and
-    ``ts`` processing where it waits for nothing now.
+    ``ts`` processing where it waits for nothing now (released where no one needs it).
 
     A waiting getter of ``other`` waits for it (and errs with it, as ``other``'s erred
     transition errs each dependent not in memory); one in memory keeps its value.
@@ -117,7 +117,9 @@ def apply_split(ts: Any, plan: SplitPlan, other: Any, tasks: Mapping) -> dict:
         _drop_input(ts, dts, recs)
     ts.run_spec = plan.good
     ts.exception_blame = None
-    if not ts.waiting_on:
+    if not ts.waiters and not ts.who_wants:
+        recs[ts.key] = "released"  # only moved getters waited for it: no one needs it now
+    elif not ts.waiting_on:
         recs[ts.key] = "processing"  # (the scheduler queues it, or finds it no worker)
     return recs
 
