@@ -32,7 +32,9 @@ each, whose function is a :class:`~dask_gpustreams.integrations.blocks.StreamBlo
 The block is then an ordinary task: work stealing, worker loss (it is
 recomputed whole) and errors (a task's exception, or its kernel failure with
 the ``KernelError`` naming the inner key, errs the outputs that derive from
-it) behave as for any task. Only new tasks in ``released`` state, with no
+it) behave as for any task. An input that errs errs only the outputs that
+derive from it: the scheduler would err the whole block, which is split
+first (:mod:`.split`, where it can be). Only new tasks in ``released`` state, with no
 retries, no restrictions, no annotations that change where or how they run
 and no erred inputs, are grouped: a task with retries runs again alone where
 it fails, and inside a block its failure would err the outputs that derive
