@@ -1587,6 +1587,7 @@ def test_blocks_stay_off_where_distributed_lacks_the_hook_they_need(caplog):
     plugin.set_mode("w", "auto")
     assert not plugin.active()
     assert "has no _generate_taskstates; stream blocks are off" in caplog.text
+    assert "has no _transition; a block whose input errs errs whole" in caplog.text
 
 
 def test_independent_chains_on_a_worker_of_one_thread_run_at_once():

@@ -125,8 +125,13 @@ class StreamBlocks(SchedulerPlugin):
             self.unsupported = True
         elif getattr(generate, "func", None) != self._taskstates:  # (a bound method is new)
             scheduler._generate_taskstates = functools.partial(self._taskstates, generate)
-        transition = scheduler._transition
-        if getattr(transition, "func", None) != self._transition:
+        transition = getattr(scheduler, "_transition", None)
+        if transition is None:
+            logger.warning(
+                "gpustreams: this distributed's Scheduler has no _transition; a block "
+                "whose input errs errs whole (every output), not only what derives from it"
+            )
+        elif getattr(transition, "func", None) != self._transition:
             scheduler._transition = functools.partial(self._transition, transition)
 
     def _transition(
