@@ -325,30 +325,30 @@ class StreamRuntime:
 
     def order_after_caller(self) -> Any:
         """Make every stream wait (on the device) for what this thread has enqueued so far;
-        return an event recorded after that work, for the host waits of host tasks (None
-        where that work is done).
+        return the event recorded after that work, for the host waits of host tasks, or
+        None where no event is needed.
 
         A graph's inputs may still be being written on the calling thread's current
         stream (a CuPy array made just before ``compute``, or a nested compute's caller,
-        a task whose own stream writes them). CUDA orders the legacy default stream with
-        the pool's blocking streams, but not a per-thread default stream
-        (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), a stream the caller made, or the
-        sim's default stream: then every stream, compute and copy (created now if need
-        be), waits for the event. A host task reads its inputs off the streams (a GDS
-        write), so it waits on the host for the event too (:meth:`check`), whatever
-        the stream. Once per compute.
+        a task whose own pool stream writes them). CUDA orders the legacy default stream
+        with the pool's blocking streams, but not a per-thread default stream
+        (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), a stream the caller made, a pool
+        stream, or the sim's default stream while busy: then one event is recorded
+        there, every stream, compute and copy (created now if need be), waits for it,
+        and host tasks, which read their inputs off the streams (a GDS write), wait for
+        it on the host (:meth:`check`). On the legacy default stream no event is
+        recorded (it would order the device's later work after all earlier work), so
+        host tasks do not wait for the caller's work there. Once per compute.
         """
         backend = self.backend
         stream = backend.current_stream()
-        ordered = backend.orders_before_pool(stream)
-        if ordered and backend.stream_idle(stream):
+        if backend.orders_before_pool(stream):
             return None
         event = backend.create_event()
         backend.record(event, stream)
-        if not ordered:
-            transfers = self.transfers
-            for pool in (self.pool, transfers.h2d, transfers.d2h):
-                pool.wait_event_all(event)
+        transfers = self.transfers
+        for pool in (self.pool, transfers.h2d, transfers.d2h):
+            pool.wait_event_all(event)
         return event
 
     def clear_errors(self) -> None:
