@@ -768,6 +768,18 @@ def test_an_erred_input_of_a_block_fails_only_the_outputs_that_derive_from_it():
         np.testing.assert_array_equal(sim.asnumpy(fx.result(timeout=30)), expected)
 
 
+def kill_a_worker_running_a_task(client, what):
+    """SIGKILL the first worker (by address) found executing a task, polled up to 30 s;
+    ``what`` is the failure message where none starts."""
+    deadline = time.monotonic() + 30
+    running = {}
+    while not any(running.values()) and time.monotonic() < deadline:
+        running = client.run(lambda dask_worker: len(dask_worker.state.executing))
+    assert any(running.values()), what
+    victim = next(w for w, n in sorted(running.items()) if n)
+    os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+
+
 def splits(client):
     """Blocks split on the scheduler so far because an input erred."""
     return client.run_on_scheduler(
@@ -971,13 +983,7 @@ def test_a_split_block_whose_worker_dies_is_recomputed():
         with pytest.raises(ValueError, match="^input raised$"):
             futures[2].result(timeout=30)
         assert splits(client) == 1
-        deadline = time.monotonic() + 30
-        running = {}
-        while not any(running.values()) and time.monotonic() < deadline:
-            running = client.run(lambda dask_worker: len(dask_worker.state.executing))
-        assert any(running.values()), "the kept part did not start"
-        victim = next(w for w, n in sorted(running.items()) if n)
-        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        kill_a_worker_running_a_task(client, "the kept part did not start")
         for value, ref in zip(client.gather(futures[:2]), refs, strict=True):
             np.testing.assert_array_equal(sim.asnumpy(value), ref)
         with pytest.raises(ValueError, match="^input raised$"):
@@ -1960,14 +1966,7 @@ def test_a_block_whose_worker_dies_is_recomputed_whole():
             refs.append(r)
         futures = client.compute(chains)
         # Wait for a block to run (its tasks take 0.8 s), then kill its worker.
-        deadline = time.monotonic() + 30
-        running = {}
-        while not any(running.values()) and time.monotonic() < deadline:
-            running = client.run(lambda dask_worker: len(dask_worker.state.executing))
-        assert any(running.values()), "no block started"
-        victim = next(w for w, n in sorted(running.items()) if n)
-        pid = client.run(os.getpid, workers=[victim])[victim]
-        os.kill(pid, signal.SIGKILL)
+        kill_a_worker_running_a_task(client, "no block started")
         got = client.gather(futures)
         for value, ref in zip(got, refs, strict=True):
             np.testing.assert_array_equal(sim.asnumpy(value), ref)
