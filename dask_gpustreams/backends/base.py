@@ -178,6 +178,9 @@ class Backend(Protocol):
     def orders_before_pool(self, stream: Any) -> bool:
         """Whether work on ``stream`` comes before later work on the pool's streams anyway."""
 
+    def stream_idle(self, stream: Any) -> bool:
+        """Whether the work enqueued on ``stream`` so far has completed (one query)."""
+
     def is_device_array(self, obj: Any) -> bool:
         """Whether ``obj`` is this backend's device memory."""
 

@@ -193,6 +193,9 @@ class CupyBackend:
         # The legacy default stream (handle 0): the pool's streams are blocking ones.
         return stream.ptr == 0
 
+    def stream_idle(self, stream: cupy.cuda.Stream) -> bool:
+        return stream.done  # cudaStreamQuery
+
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, cupy.ndarray)
 

@@ -88,6 +88,9 @@ class SimBackend:
         """Only when ``stream`` is idle: the sim orders its streams by events alone."""
         return not stream.busy
 
+    def stream_idle(self, stream: sim.Stream) -> bool:
+        return not stream.busy
+
     def is_device_array(self, obj: Any) -> bool:
         return isinstance(obj, sim.SimArray)
 

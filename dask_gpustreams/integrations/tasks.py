@@ -68,8 +68,8 @@ class ComputeRegistry(EventRegistry):
 
     def __init__(self, caller: Any = None) -> None:
         super().__init__()
-        #: The event after the caller's work (``order_after_caller``): host tasks wait for
-        #: it, as a literal input may still be written there (a nested compute's task's).
+        #: What the caller's work left to wait for (``order_after_caller``): host tasks wait
+        #: for it, as a literal input may still be written there.
         self.caller = caller
         self._running = 0
         self._closed = False
@@ -226,7 +226,7 @@ class HostStreamTask(StreamTask):
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         runtime, registry = self.runtime, self.registry
         if type(registry) is ComputeRegistry and registry.caller is not None:
-            runtime.check(registry.caller)  # a literal input, the caller's
+            runtime.wait_caller(registry.caller)  # a literal input, the caller's
         wait = runtime.wait
         for record in registry.records(self._dependencies):
             error = wait(record)

@@ -270,8 +270,8 @@ class GraphLauncher:
         #: graph): the timeline keeps its record, so the graph's events stay out of the pool.
         self._timed = False
         self._streams: list[Any] = []  # the pool's, while run() runs
-        #: The event after the caller's work (``order_after_caller``), while run() runs:
-        #: host tasks wait for it, as a literal input may still be written there.
+        #: What the caller's work left to wait for (``order_after_caller``), while run()
+        #: runs: host tasks wait for it, as a literal input may still be written there.
         self._caller: Any = None
         #: Keys whose value's memory their task allocated on its own stream (the meter's
         #: ``made_on``), while they are results: see :meth:`_launch_all`'s holds.
@@ -408,7 +408,7 @@ class GraphLauncher:
                         # A marked host task reads its inputs on the host, maybe not through
                         # its stream (host_task's promise): complete first, as on host threads.
                         if self._caller is not None:
-                            runtime.check(self._caller)
+                            runtime.wait_caller(self._caller)
                         for r in producers:
                             runtime.check(r.event)
                     with assign_lock:
@@ -637,8 +637,8 @@ class GraphLauncher:
         try:
             backend = runtime.backend
             check = runtime.check  # also a failure another compute's sync reported first
-            if self._caller is not None:  # a literal input, the caller's (a nested compute's)
-                check(self._caller)
+            if self._caller is not None:  # a literal input, the caller's
+                runtime.wait_caller(self._caller)
             for r in producers:
                 check(r.event)
             # Small blocks apart and large ones shared here too (the meter is the launching

@@ -15,7 +15,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from dask.utils import format_bytes
 
@@ -35,6 +35,14 @@ from dask_gpustreams.runtime.sharedblocks import SharedBlocks
 from dask_gpustreams.runtime.transfers import Transfers
 
 logger = logging.getLogger("dask_gpustreams")
+
+
+class CallerStream(NamedTuple):
+    """The caller's stream, still busy when a compute began, that the device orders before
+    the pool's streams on its own (CUDA's legacy default stream): nothing is recorded there,
+    and host tasks wait for it on the host (:meth:`StreamRuntime.wait_caller`)."""
+
+    stream: Any
 
 
 class StreamRuntime:
@@ -325,8 +333,8 @@ class StreamRuntime:
 
     def order_after_caller(self) -> Any:
         """Make every stream wait (on the device) for what this thread has enqueued so far;
-        return the event recorded after that work, for the host waits of host tasks, or
-        None where no event is needed.
+        return what host tasks wait for on the host (:meth:`wait_caller`): an event, a
+        :class:`CallerStream`, or None where that work is done.
 
         A graph's inputs may still be being written on the calling thread's current
         stream (a CuPy array made just before ``compute``, or a nested compute's caller,
@@ -334,22 +342,30 @@ class StreamRuntime:
         with the pool's blocking streams, but not a per-thread default stream
         (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``), a stream the caller made, a pool
         stream, or the sim's default stream while busy: then one event is recorded
-        there, every stream, compute and copy (created now if need be), waits for it,
-        and host tasks, which read their inputs off the streams (a GDS write), wait for
-        it on the host (:meth:`check`). On the legacy default stream no event is
-        recorded (it would order the device's later work after all earlier work), so
-        host tasks do not wait for the caller's work there. Once per compute.
+        there, and every stream, compute and copy (created now if need be), waits for it.
+        On the legacy default stream nothing is recorded (an event there would order the
+        device's later work after all its earlier work); while it is busy, host tasks
+        synchronize it instead. Host tasks read their inputs off the streams (a GDS
+        write), so they wait on the host either way. Once per compute.
         """
         backend = self.backend
         stream = backend.current_stream()
         if backend.orders_before_pool(stream):
-            return None
+            return None if backend.stream_idle(stream) else CallerStream(stream)
         event = backend.create_event()
         backend.record(event, stream)
         transfers = self.transfers
         for pool in (self.pool, transfers.h2d, transfers.d2h):
             pool.wait_event_all(event)
         return event
+
+    def wait_caller(self, caller: Any) -> None:
+        """Block until the caller's work that :meth:`order_after_caller` returned is done
+        (a host task's wait for its literal inputs); raise its failure (:meth:`check`)."""
+        if type(caller) is CallerStream:
+            self.backend.synchronize_stream(caller.stream)
+        else:
+            self.check(caller)
 
     def clear_errors(self) -> None:
         """Block until every stream, compute and copy, is idle, ignoring their errors.

@@ -57,6 +57,24 @@ def test_a_host_task_reads_its_input_whole_on_every_local_route(scheduler, scale
             assert got == (value * (scale or 1.0),) * 2
 
 
+@pytest.mark.parametrize("scheduler", ROUTES)
+def test_a_host_task_reads_whole_an_input_the_caller_writes_on_the_legacy_stream(scheduler):
+    """An array made just before a top-level compute on CUDA's legacy default stream, which
+    the pool's streams follow on the device with nothing recorded: the host task synchronizes
+    that stream first (``CallerStream``). At 6bad72e it read the array before the kernel wrote
+    it (as :func:`test_race_control_without_a_host_wait` does)."""
+    if cupy.cuda.get_current_stream().ptr != 0:
+        pytest.skip("this thread's current stream is not CUDA's legacy default stream")
+    config = {"gpustreams.enabled": True, "gpustreams.backend": "cupy"}
+    rng = np.random.default_rng()
+    with dask.config.set(config):
+        for _ in range(4):
+            value = float(rng.integers(1, 1 << 30))
+            x = spin_fill(N, value, 20.0)  # written 20 ms from now, on the legacy stream
+            got = dask.compute(delayed(read_off_stream)(x), scheduler=scheduler)[0]
+            assert got == (value, value)
+
+
 def test_a_host_task_reads_its_input_whole_on_a_worker_task_per_key():
     from distributed import Client, LocalCluster
 
