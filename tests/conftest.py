@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -149,6 +150,15 @@ def cli_env() -> dict[str, str]:
     }
 
 
+def _written(scheduler_file: str) -> bool:
+    """Whether ``scheduler_file`` holds the scheduler's whole JSON, its address in it."""
+    try:
+        with open(scheduler_file) as f:
+            return "address" in json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+
+
 @pytest.fixture
 def dask_cli(tmp_path, cli_env):
     """``start(*args, env=None)`` runs ``dask <args>`` on a scheduler file; all stopped at the end.
@@ -169,7 +179,7 @@ def dask_cli(tmp_path, cli_env):
         proc_env = {**base_env, **(env or {})}
         procs.append(subprocess.Popen(cmd, env=proc_env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 30
-        while not os.path.exists(scheduler_file):
+        while not _written(scheduler_file):  # the scheduler writes it in place, not at once
             assert time.monotonic() < deadline, "dask scheduler did not start"
             assert procs[0].poll() is None, (tmp_path / "0-scheduler.log").read_text()
             time.sleep(0.05)
