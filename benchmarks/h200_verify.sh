@@ -4,8 +4,9 @@
 # sync, the runtime's cost per no-op task, the plugin's hook cost per task, and the cluster
 # workloads plugin off / on (task per key) / on (blocks). The timeouts add up to 580 s, under
 # the device's 600 s a call (at 37fb352 tests/gpu took 117 s and the workloads' former 130 s
-# cut them after 10 of 13). Usage on the device, with the dask-cuda wheels carried
-# (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_verify.sh COMMIT
+# cut them after 10 of 13; they took 96-163 s since; at a33d571, on an H100, the cost per no-op
+# task's former 40 s cut it before the chains). Usage on the device, with the dask-cuda wheels
+# carried (../shared/tools/gpu-wheels.sh --dask-cuda): bash benchmarks/h200_verify.sh COMMIT
 # Everything goes to $OUT/verify-COMMIT.tgz, packed again after each part, so a call cut by the
 # device's limit still returns the parts that ended; the launcher's workloads come last
 # (stops 51 and 52 changed the worker's per-task path more than the launcher's).
@@ -25,7 +26,7 @@ timeout 120 python3 -m benchmarks.bench_cluster --backend cupy \
 echo "cluster rc $?" >> "$R/cluster.log"
 grep -v "^\[" "$R/cluster.log" | tail -26
 pack
-launcher_workloads 180 40
+launcher_workloads 165 55
 grep -v "^\[" "$R/workloads.log" | tail -30
 tail -8 "$R/overhead.txt"
 pack
