@@ -768,6 +768,32 @@ def test_an_erred_input_of_a_block_fails_only_the_outputs_that_derive_from_it():
         np.testing.assert_array_equal(sim.asnumpy(fx.result(timeout=30)), expected)
 
 
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_an_input_whose_kernel_failed_fails_only_the_outputs_of_a_block_that_derive_from_it(
+    mode,
+):
+    """``failing-input`` (a task outside blocks, by its retries) returns while its kernel
+    runs, and that kernel fails (``bad``: after 10 ms): the scheduler holds it in memory,
+    and the block of ``x, y, z`` finds the failure as it checks its inputs' work. ``z``
+    derives from it and raises its ``KernelError``; ``x`` reads only ``src`` and gets its
+    value, as task per key. Before, the block raised the input's error as a whole, and ``x``
+    got it too (review57)."""
+    with cluster(1, config={"gpustreams.blocks": mode}) as client:
+        s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
+        with dask.annotate(retries=1):
+            failed = delayed(bad)(s, dask_key_name="failing-input")
+        x = delayed(mix)(1, s, delay=0.002, dask_key_name="x")
+        y = delayed(mix)(2, failed, dask_key_name="y")
+        z = delayed(mix)(3, x, y, dask_key_name="z")
+        fx, fz = client.compute([x, z])
+        with pytest.raises(KernelError, match="boom in a block") as info:
+            fz.result(timeout=30)
+        assert info.value.key == "failing-input"
+        expected = host_mix(1, np.arange(N))
+        np.testing.assert_array_equal(sim.asnumpy(fx.result(timeout=30)), expected)
+        assert formed(client) == ((1, 3) if mode == "auto" else (0, 0))
+
+
 def kill_a_worker_running_a_task(client, what):
     """SIGKILL the first worker (by address) found executing a task, polled up to 30 s;
     ``what`` is the failure message where none starts."""

@@ -159,8 +159,9 @@ class StreamBlock:
         ``values`` holds the inputs (or, for those in :attr:`sources`, the
         tuples of the blocks they come from: an input whose slot there holds a
         failure fails the outputs that derive from it, as a failed task of the
-        block does), whose work must be complete and good (the worker checks
-        them first). Every event of the block is checked, so its
+        block does), whose work must be complete (the worker checks them first;
+        an input whose work it found failed is given as such a failure,
+        ``_Failed``, too). Every event of the block is checked, so its
         outputs are known good when it returns (they need no event nor taint),
         even where a sync elsewhere reported the failure first.
 
@@ -196,18 +197,19 @@ class StreamBlock:
             values = {
                 k: values[s[0]][s[1]] if (s := sources.get(k)) else values[k] for k in self.inputs
             }
-            for k in sources:
-                slot = values[k]
-                if type(slot) is _Failed:
-                    # A failed output of the block it comes from fails what derives from it
-                    # here too, and only that, as one task per key would.
-                    bad = _downstream(nodes, k)
-                    if len(self.outputs) == 1 and self.outputs[0] in bad:
-                        block_output((slot,), 0)  # raises its error, with its task's frames
-                    failed.update((o, slot) for o in wanted if o in bad)
-                    wanted = tuple(o for o in wanted if o not in bad)
-            if failed:
-                nodes = _upstream(nodes, wanted)
+        for k in self.inputs:
+            slot = values[k]
+            if type(slot) is _Failed:
+                # A failed output of the block it comes from, or an input whose work failed
+                # (the worker found it), fails what derives from it here too, and only
+                # that, as one task per key would.
+                bad = _downstream(nodes, k)
+                if len(self.outputs) == 1 and self.outputs[0] in bad:
+                    block_output((slot,), 0)  # raises its error, with its task's frames
+                failed.update((o, slot) for o in wanted if o in bad)
+                wanted = tuple(o for o in wanted if o not in bad)
+        if failed:
+            nodes = _upstream(nodes, wanted)
         got: Mapping[Hashable, Any] = {}
         while wanted:
             got, raised = self._launch(runtime, values, nodes, wanted)

@@ -20,7 +20,8 @@ from dask._task_spec import GraphNode, Task, TaskRef, _execute_subgraph
 from distributed import Reschedule
 
 from dask_gpustreams.diagnostics.fine_metrics import launch_meter
-from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock
+from dask_gpustreams.errors import KernelError
+from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock, _Failed
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.integrations.tasks import (
@@ -85,7 +86,9 @@ class WorkerStreamTask(StreamTask):
     (:meth:`.Provenance.watch`). A stream block
     (:class:`~dask_gpustreams.integrations.blocks.StreamBlock`) waits for its
     inputs' work, then launches its tasks onto the pool and returns once they
-    are complete (its key has no event). The launch is metered as
+    are complete (its key has no event); an input whose work failed fails only
+    the outputs that derive from it (its slot of the tuple holds the
+    ``KernelError``, see ``StreamBlock.launch``), as task per key. The launch is metered as
     ``gpustreams-launch`` (fine metrics). :class:`Execution` makes one subclass
     per worker, whose class attribute :attr:`provenance` is that worker's, and
     makes it of what ``wrap_task`` would wrap (:func:`stream_node`). Only
@@ -105,15 +108,27 @@ class WorkerStreamTask(StreamTask):
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         provenance = self.provenance
         error, pending = provenance.input_states(self._dependencies)
-        if error is not None:
+        node = self.node
+        block = type(node) is Task and type(node.func) is StreamBlock
+        if error is not None and not block:
             provenance.clear_stream_errors_soon()
             raise error.with_traceback(None)  # not the frames of the sync that found it
         provenance.report_unread()  # before this task's launch: failures nobody read
-        node = self.node
-        if type(node) is Task and type(node.func) is StreamBlock:
+        if block:
             provenance.free_retired()  # here, not on the event loop that retired them
-            if pending:  # its tasks launch on other streams: the inputs' work must be done
-                provenance.wait_inputs(tuple(self._dependencies))
+            # Its tasks launch on other streams: the inputs' work must be done. An input
+            # whose work failed fails only the outputs that derive from it, as task per key.
+            if error is None and pending:
+                try:
+                    provenance.wait_inputs(tuple(self._dependencies))
+                except KernelError as e:
+                    error = e
+            if error is not None:
+                provenance.clear_stream_errors_soon()
+                failures = provenance.input_failures(tuple(self._dependencies))
+                if not failures:  # (found by no input's records: the block fails whole)
+                    raise error.with_traceback(None)
+                values = {**values, **{k: _Failed(e) for k, e in failures.items()}}
             try:
                 with launch_meter():
                     return node.func.launch(self.runtime, values)

@@ -285,6 +285,18 @@ class Provenance:
             if error is not None:
                 raise self._failed(record, error)
 
+    def input_failures(self, dep_keys: tuple[Hashable, ...]) -> dict[Hashable, KernelError]:
+        """Worker thread: block until the work the inputs derive from is done; the error of
+        each input whose work failed (a block fails only the outputs that derive from it)."""
+        failures = {}
+        for key, records in self.sources_by_key(dep_keys).items():
+            for record in records:
+                error = self._runtime.wait(record)
+                if error is not None:
+                    failures[key] = self._failed(record, error)
+                    break
+        return failures
+
     def forget(self, key: Hashable) -> None:
         """Drop the entries of ``key``, which is no longer this worker's to serve.
 
