@@ -777,7 +777,7 @@ def test_an_input_whose_kernel_failed_fails_only_the_outputs_of_a_block_that_der
     and the block of ``x, y, z`` finds the failure as it checks its inputs' work. ``z``
     derives from it and raises its ``KernelError``; ``x`` reads only ``src`` and gets its
     value, as task per key. Before, the block raised the input's error as a whole, and ``x``
-    got it too (review57)."""
+    got it too (until stop 57, helper-95's review)."""
     with cluster(1, config={"gpustreams.blocks": mode}) as client:
         s = client.persist(delayed(source)(0, 0.0, dask_key_name="src"))
         with dask.annotate(retries=1):
