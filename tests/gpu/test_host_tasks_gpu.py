@@ -61,8 +61,8 @@ def test_a_host_task_reads_its_input_whole_on_every_local_route(scheduler, scale
 def test_a_host_task_reads_whole_an_input_the_caller_writes_on_the_legacy_stream(scheduler):
     """An array made just before a top-level compute on CUDA's legacy default stream, which
     the pool's streams follow on the device with nothing recorded: the host task synchronizes
-    that stream first (``CallerStream``). At 6bad72e it read the array before the kernel wrote
-    it (as :func:`test_race_control_without_a_host_wait` does)."""
+    that stream first (``CallerStream``). Without that host wait the read overtakes the kernel,
+    as in :func:`test_race_control_without_a_host_wait` (6bad72e waited for nothing here)."""
     if cupy.cuda.get_current_stream().ptr != 0:
         pytest.skip("this thread's current stream is not CUDA's legacy default stream")
     config = {"gpustreams.enabled": True, "gpustreams.backend": "cupy"}
