@@ -191,13 +191,21 @@ def _move_getter(getter: Any, ts: Any, other: Any) -> None:
 
 
 def _drop_input(ts: Any, dts: Any, recs: dict) -> None:
-    """Unlink ``dts`` from ``ts`` (it reads it no more); recommend releasing it where no
-    one else needs it, as the scheduler does for the inputs of a task that errs."""
+    """Unlink ``dts`` from ``ts`` (it reads it no more); recommend forgetting it where no
+    task reads it now and no client wants it, as the scheduler does for the inputs of a
+    task it forgets (in any state: an erred one too, which a release would leave on the
+    scheduler for good, as it would a task in memory, released with no dependent); else
+    releasing it where no one else waits for it, as the scheduler does for the inputs of
+    a task that errs."""
     ts.dependencies.discard(dts)
     dts.dependents.discard(ts)
     if ts.waiting_on:
         ts.waiting_on.discard(dts)
     if dts.waiters:
         dts.waiters.discard(ts)
-    if dts.state not in ("released", "erred") and not dts.waiters and not dts.who_wants:
+    if dts.who_wants:
+        return
+    if not dts.dependents:
+        recs[dts.key] = "forgotten"
+    elif dts.state not in ("released", "erred") and not dts.waiters:
         recs[dts.key] = "released"
