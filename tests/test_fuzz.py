@@ -270,6 +270,27 @@ def test_a_retried_node_fails_once_and_its_retry_gives_the_exact_value(cluster_r
     assert "node 1 retried;" in dag.describe()
 
 
+def test_a_retried_host_marked_node_waits_for_its_inputs_work(cluster_route):
+    """A retried ``host-marked`` node keeps the ``host_task`` mark through ``FailsOnce``,
+    so it waits on the host for its input's work (a 0.5 s kernel) before it reads it off
+    the streams, and the output is exact. Unmarked, its retry ran a few ms after its first
+    attempt and read the kernel's output unwritten: NaN, a wrong value of the fuzzer's own
+    (``--seed 9003 --routes distributed-loss --start 1499 --dags 1``, 1 run in 30)."""
+    assert fuzz.is_host_task(fuzz.FailsOnce(fuzz.host_marked))
+    assert not fuzz.is_host_task(fuzz.FailsOnce(fuzz.add))
+    nodes = [
+        fuzz.Node("upload", (), (np.arange(8.0),)),
+        fuzz.Node("slow", (0,), (0.5,)),
+        fuzz.Node("host-marked", (1, 1)),
+    ]
+    kw = {"streams": 2, "policy": "round-robin", "delay": (0.0, 0.0), "retried": 2}
+    dag = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[2], **kw)
+    attempted = set(fuzz.ATTEMPTED)
+    assert cluster_route.run(dag) == fuzz.OK
+    assert len(fuzz.ATTEMPTED - attempted) == 1  # the first attempt raised; the retry passed
+    assert fuzz.reference(dag)[2].tolist() == [(3 * (i + 1)) % fuzz.P for i in range(8)]
+
+
 def test_a_retried_node_may_raise_its_first_error_only_where_a_kernel_fails():
     """A retried node whose first attempt failed with the failing kernel's error (queued
     behind it) has no retry left when its own first call raises: with a failing kernel in
