@@ -407,10 +407,7 @@ class GraphLauncher:
                     if not offload and key in host:
                         # A marked host task reads its inputs on the host, maybe not through
                         # its stream (host_task's promise): complete first, as on host threads.
-                        if self._caller is not None:
-                            runtime.wait_caller(self._caller)
-                        for r in producers:
-                            runtime.check(r.event)
+                        self._wait_on_host(producers)
                     with assign_lock:
                         on_path = None if critical is None else key in critical
                         info = TaskInfo(key, producers, registry, on_path, large)
@@ -622,6 +619,15 @@ class GraphLauncher:
             # Not before: a refused submit must not be waited for.
             self._outcomes.submitted(inputs)
 
+    def _wait_on_host(self, producers: list[TaskRecord]) -> None:
+        """Block until a host task's inputs are complete: the caller's work (a literal input)
+        and its producers'; raise a failure, also one another compute's sync reported first."""
+        runtime = self.runtime
+        if self._caller is not None:
+            runtime.wait_caller(self._caller)
+        for r in producers:
+            runtime.check(r.event)
+
     def _run_host(
         self, key: Hashable, values: dict, producers: list[TaskRecord], large: bool, inputs: int
     ) -> None:
@@ -636,11 +642,7 @@ class GraphLauncher:
         registry = EventRegistry()
         try:
             backend = runtime.backend
-            check = runtime.check  # also a failure another compute's sync reported first
-            if self._caller is not None:  # a literal input, the caller's
-                runtime.wait_caller(self._caller)
-            for r in producers:
-                check(r.event)
+            self._wait_on_host(producers)
             # Small blocks apart and large ones shared here too (the meter is the launching
             # thread's business).
             config = runtime.config
