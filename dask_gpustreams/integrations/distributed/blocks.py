@@ -67,7 +67,7 @@ from distributed import SchedulerPlugin
 
 from dask_gpustreams.config import StreamsConfig
 from dask_gpustreams.integrations.blocks import StreamBlock, block_output, get_output, partition
-from dask_gpustreams.integrations.distributed.split import apply_split, plan_split
+from dask_gpustreams.integrations.distributed.split import SplitPlan, apply_split, plan_split
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -142,47 +142,57 @@ class StreamBlocks(SchedulerPlugin):
         *args: Any,
         **kwargs: Any,
     ) -> tuple:
-        """The scheduler's ``_transition`` (``transition``), but a waiting block told to err
-        because an input erred (no worker's report: no ``kwargs``) is split instead
-        (:meth:`_split`), so that only the outputs that derive from that input err."""
+        """The scheduler's ``_transition`` (``transition``), but a waiting or released block
+        told to err because an input erred (no worker's report: no ``kwargs``) is split
+        first (:meth:`_split`), so that only the outputs that derive from that input err,
+        each with the blame of an erred input it derives from."""
         if finish == "erred" and not kwargs:
-            recommendations = self._split(key)
-            if recommendations is not None:
-                return recommendations, {}, {}
+            split = self._split(key)
+            if split is not None:
+                recommendations, errs = split
+                if not errs:
+                    return recommendations, {}, {}
+                recs, client_msgs, worker_msgs = transition(key, finish, *args, **kwargs)
+                return {**recommendations, **recs}, client_msgs, worker_msgs
         return transition(key, finish, *args, **kwargs)
 
-    def _split(self, key: Hashable) -> dict | None:
-        """The recommendations after block ``key``, waiting, is split (see
-        :mod:`.split`); None where it is no such block or is not split (it errs whole)."""
+    def _split(self, key: Hashable) -> tuple[dict, bool] | None:
+        """The recommendations after block ``key``, waiting or released, is split (see
+        :mod:`.split`), and whether it errs still (a part of it under its key); None where
+        it is no such block or is not split (it errs whole)."""
         ts = self.scheduler.tasks.get(key)
-        if ts is None or ts.state != "waiting" or ts.exception_blame is None:
+        if ts is None or ts.state not in ("waiting", "released") or ts.exception_blame is None:
             return None
         spec = ts.run_spec
         if type(spec) is not Task or type(spec.func) is not StreamBlock:
             return None
-        if len(spec.func.outputs) < 2:
-            return None  # (its one output derives from every input)
-        new_key = (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0)
         try:
-            plan = plan_split(ts, new_key)
+            plan = plan_split(ts, lambda: (f"{BLOCK_PREFIX}-{uuid.uuid4().hex}", 0))
         except Exception:  # nothing is changed yet: the block errs whole
             logger.warning("gpustreams: block %r not split, it errs whole", key, exc_info=True)
             return None
-        if isinstance(plan, str):
-            logger.debug("gpustreams: block %r errs whole: %s", key, plan)
+        if not isinstance(plan, SplitPlan):
+            if plan is not None:
+                logger.debug("gpustreams: block %r errs whole: %s", key, plan)
             return None
-        other = None if plan.bad is None else self._new_block(new_key, plan.bad, ts)
-        blame = ts.exception_blame.key
-        recommendations = apply_split(ts, plan, other, self.scheduler.tasks)
+        new = {
+            part.spec.key: self._new_block(part.spec.key, part.spec, ts)
+            for part in [plan.kept, *plan.erred[1:]]
+            if part is not None
+        }
+        blames = [part.blame.key for part in plan.erred]
+        recommendations = apply_split(ts, plan, new, self.scheduler.tasks)
         self.blocks_split += 1
         logger.info(
-            "gpustreams: block %r split as its input %r erred: %d outputs kept, %d err with it",
+            "gpustreams: block %r split as its inputs erred: %d outputs kept (as %r), "
+            "%d err with the blames %r",
             key,
-            blame,
-            len(plan.good_getters),
-            len(plan.bad_getters),
+            len(plan.kept.getters) if plan.kept else 0,
+            plan.kept.spec.key if plan.kept else None,
+            sum(len(part.getters) for part in plan.erred),
+            blames,
         )
-        return recommendations
+        return recommendations, bool(plan.erred)
 
     def _taskstates(self, generate: Callable[..., tuple], *args: Any, **kwargs: Any) -> tuple:
         """The scheduler's ``_generate_taskstates`` (``generate``), with the definitions of

@@ -3,23 +3,33 @@
 distributed errs every waiting dependent of an erred task (``_propagate_erred``):
 a block's task, and so each of its getters, also the outputs that do not derive
 from the erred input, which one task per key would compute. Told to err so,
-a waiting block is cut in two instead (:class:`~.blocks.StreamBlocks` wraps the
-scheduler's ``_transition``): it keeps the outputs that do not derive from the
-erred inputs (a smaller :class:`~dask_gpustreams.integrations.blocks.StreamBlock`,
-its getters re-indexed, the inputs it no longer reads released where nothing
-else needs them) and keeps waiting; a new block task of the other outputs,
-which reads the erred inputs, errs with the input's blame, so that their
-getters raise the input's own exception, and ``Client.retry`` of them walks
-back through it to the erred input and recomputes them.
+a waiting (or released) block is cut instead (:class:`~.blocks.StreamBlocks` wraps
+the scheduler's ``_transition``):
 
-:func:`plan_split` reads the scheduler's state and changes nothing; it gives
-the reason where a block is not split (it then errs whole, as before), and
+- a new block task (a smaller
+  :class:`~dask_gpustreams.integrations.blocks.StreamBlock`, never sent to a
+  worker) takes the outputs that derive from no erred input, their getters
+  re-indexed, and waits for the inputs it reads;
+- the outputs that derive from erred inputs err, each with the blame of an erred
+  input it derives from, so that its getter raises that input's own exception
+  and ``Client.retry`` of it walks back through it to that input. One block part
+  per blame: the block's own key keeps the first (and errs through the
+  scheduler's own transition), a new block task each further one.
+
+The block's key goes to an erring part, never to the kept one: a worker that was
+sent the block before (it waits again after an input's replica was lost, or its
+worker died) may still finish that run, and the scheduler drops a result that
+comes for an erred or forgotten key; under a kept key it would take the old tuple
+for the new outputs.
+
+:func:`plan_split` reads the scheduler's state and changes nothing; it gives the
+reason where a block is not split (it then errs whole, as before), and
 :func:`apply_split` relinks the tasks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 from dask._task_spec import Alias, GraphNode, Task, TaskRef
@@ -32,95 +42,115 @@ from dask_gpustreams.integrations.blocks import StreamBlock, _downstream, _upstr
 _GETTER_STATES = frozenset({"waiting", "released", "memory"})
 
 
+class Part(NamedTuple):
+    """One part of a split block: its task's run_spec, what it reads, its getters."""
+
+    spec: Task  # the run_spec of the part's block task (under the part's key)
+    reads: frozenset  # the keys of the tasks it reads
+    getters: list  # TaskStates, in the order of its outputs
+    blame: Any  # the TaskState its outputs' errors are blamed on (None: the kept part)
+
+
 class SplitPlan(NamedTuple):
-    """How a block is cut: the run_specs of both parts, the keys they read, their getters."""
+    """How a block is cut: the part kept, and the parts that err, one per blame."""
 
-    good: Task  # the block's own run_spec from now on: the outputs that do not derive
-    good_reads: frozenset  # the keys of the tasks it reads
-    good_getters: list  # TaskStates, in the order of its outputs
-    bad: Task | None  # the new block's run_spec (None: no output needed derives)
-    bad_reads: frozenset
-    bad_getters: list
+    kept: Part | None  # the outputs that derive from no erred input, under a new key
+    erred: list[Part]  # the first under the block's own key, the others under new keys
 
 
-def plan_split(ts: Any, new_key: Hashable) -> SplitPlan | str:
-    """How ``ts``, a waiting block task with an erred input, is cut, the outputs that
-    derive from its erred inputs going to a new block ``new_key``; or why it is not
-    (a string: the block then errs whole, as before).
+def plan_split(ts: Any, new_key: Callable[[], Hashable]) -> SplitPlan | None | str:
+    """How ``ts``, a waiting or released block task with an erred input, is cut (new
+    parts' keys from ``new_key()``); None where it errs whole as it is (its outputs
+    derive from one blame, ``ts``'s own); or why it is not cut (a string: it then errs
+    whole, its outputs with ``ts``'s blame).
 
-    Outputs whose getter was forgotten (no one needs them) go to neither part. The
-    block keeps its key, so only one that no worker was ever sent is split.
+    Each output that derives from erred inputs is blamed on the one ``ts`` errs with
+    where it derives from it, else on the first, in the block's input order. Outputs
+    whose getter was forgotten (no one needs them) go to no part.
     """
     spec = ts.run_spec
     block: StreamBlock = spec.func
     if block.key != ts.key or len(block.outputs) < 2:
-        return "one output: it derives from every input"
-    if ts.run_id is not None:
-        # Sent back to waiting while a worker ran it (an input's replica lost, say), that
-        # run may go on: sent the block again, the worker resumes it, and its tuple, of
-        # the old outputs, would come under this key, where the getters read the new.
-        return "it was sent to a worker before, whose run of it may resume"
+        return None  # one output: it derives from every input
+    if ts.who_wants:
+        return "a client wants the block's own tuple"
     getters = _getters(ts, block)
     if isinstance(getters, str):
         return getters
     args = dict(zip(block.inputs, spec.args, strict=True))
-    erred = {d.key for d in ts.dependencies if d.state == "erred"}
-    failed = [k for k, arg in args.items() if _reads(arg) & erred]
-    if not failed:
+    erred = {d.key: d.exception_blame for d in ts.dependencies if d.state == "erred"}
+    blames = {}  # output key -> the blames of the erred inputs it derives from, in order
+    for k, arg in args.items():
+        for key in _reads(arg) & erred.keys():
+            for out in _downstream(block.nodes, k):
+                blames.setdefault(out, []).append(erred[key])
+    if not blames:
         return "no input erred"
-    derived: set = set()
-    for k in failed:
-        derived |= _downstream(block.nodes, k)
-    good = [k for k in block.outputs if k in getters and k not in derived]
-    bad = [k for k in block.outputs if k in getters and k in derived]
-    if not good:
-        return "every output needed derives from the erred inputs"
-    good_spec, good_reads = _part(spec, block, good, ts.key, args)
-    bad_spec, bad_reads = _part(spec, block, bad, new_key, args) if bad else (None, frozenset())
+    kept = [k for k in block.outputs if k in getters and k not in blames]
+    by_blame: dict[Any, list] = {}
+    for k in block.outputs:
+        if k in getters and k in blames:
+            mine = blames[k]
+            blame = ts.exception_blame if ts.exception_blame in mine else mine[0]
+            by_blame.setdefault(blame, []).append(k)
+    if not kept and list(by_blame) in ([], [ts.exception_blame]):
+        return None
+    if ts.exception_blame in by_blame:  # first: it keeps the block's key and blame
+        by_blame = {ts.exception_blame: by_blame.pop(ts.exception_blame), **by_blame}
+    parts = [
+        _part(spec, block, outs, new_key() if i else ts.key, args, getters, blame)
+        for i, (blame, outs) in enumerate(by_blame.items())
+    ]
     return SplitPlan(
-        good_spec,
-        good_reads,
-        [getters[k] for k in good],
-        bad_spec,
-        bad_reads,
-        [getters[k] for k in bad],
+        _part(spec, block, kept, new_key(), args, getters, None) if kept else None, parts
     )
 
 
-def apply_split(ts: Any, plan: SplitPlan, other: Any, tasks: Mapping) -> dict:
-    """Relink ``ts`` (the block) and ``other`` (the new block task, released; None where
-    ``plan`` has no bad part) as ``plan`` says; return the scheduler's recommendations:
-    ``other`` erred with ``ts``'s blame, the inputs no one needs now released, and
-    ``ts`` processing where it waits for nothing now (released where no one needs it).
+def apply_split(ts: Any, plan: SplitPlan, new: Mapping[Hashable, Any], tasks: Mapping) -> dict:
+    """Relink ``ts`` (the block) and ``new`` (key -> the released new block tasks of
+    ``plan``'s parts but the first erring one) as ``plan`` says; return the
+    scheduler's recommendations: the kept part waiting where a getter of it waits,
+    each further erring part erred with its blame, the inputs no one needs now
+    forgotten or released, and ``ts`` forgotten where no part errs under its key.
+    The caller then errs ``ts`` (its part's getters with it), where a part does.
 
-    A waiting getter of ``other`` waits for it (and errs with it, as ``other``'s erred
-    transition errs each dependent not in memory); one in memory keeps its value.
+    A waiting getter of a new part waits for it (and errs with it, as an erred
+    task errs each dependent not in memory); one in memory keeps its value.
     """
     recs: dict = {}
-    if other is not None:
+    for part in [plan.kept, *plan.erred[1:]]:
+        if part is None:
+            continue
+        other = new[part.spec.key]
         other.priority = ts.priority
         other.retries = ts.retries
         other.worker_restrictions = ts.worker_restrictions
         other.loose_restrictions = ts.loose_restrictions
-        for k in plan.bad_reads:
+        for k in part.reads:
             other.add_dependency(tasks[k])
-        n = len(plan.bad_getters)
-        for i, getter in enumerate(plan.bad_getters):
+        for getter in part.getters:
             _move_getter(getter, ts, other)
-            getter.run_spec = _getter_spec(getter.key, other.key, i, n)
-        other.exception_blame = ts.exception_blame
-        recs[other.key] = "erred"
-    n = len(plan.good_getters)
-    for i, getter in enumerate(plan.good_getters):
-        getter.run_spec = _getter_spec(getter.key, ts.key, i, n)
-    for dts in [d for d in ts.dependencies if d.key not in plan.good_reads]:
+        _point_getters(part)
+        if part.blame is None:
+            if any(g.state == "waiting" for g in part.getters):
+                for dts in other.dependencies:  # kept by it: erring ``ts`` releases no one
+                    if dts.waiters is None:
+                        dts.waiters = set()
+                    dts.waiters.add(other)
+                recs[other.key] = "waiting"
+        else:
+            other.exception_blame = part.blame
+            recs[other.key] = "erred"
+    mine = plan.erred[0] if plan.erred else None
+    reads = mine.reads if mine else frozenset()
+    for dts in [d for d in ts.dependencies if d.key not in reads]:
         _drop_input(ts, dts, recs)
-    ts.run_spec = plan.good
-    ts.exception_blame = None
-    if not ts.waiters and not ts.who_wants:
-        recs[ts.key] = "released"  # only moved getters waited for it: no one needs it now
-    elif not ts.waiting_on:
-        recs[ts.key] = "processing"  # (the scheduler queues it, or finds it no worker)
+    if mine is None:
+        recs[ts.key] = "forgotten"  # (no getter, no dependency left)
+    else:
+        _point_getters(mine)
+        ts.run_spec = mine.spec
+        ts.exception_blame = mine.blame
     return recs
 
 
@@ -153,10 +183,15 @@ def _reads(arg: Any) -> frozenset:
 
 
 def _part(
-    spec: Task, block: StreamBlock, outputs: list, key: Hashable, args: Mapping[Hashable, Any]
-) -> tuple[Task, frozenset]:
-    """The run_spec of the part of ``block`` (``spec``'s function) that computes
-    ``outputs``, under ``key``, and the keys of the tasks it reads."""
+    spec: Task,
+    block: StreamBlock,
+    outputs: list,
+    key: Hashable,
+    args: Mapping[Hashable, Any],
+    getters: Mapping[Hashable, Any],
+    blame: Any,
+) -> Part:
+    """The part of ``block`` (``spec``'s function) that computes ``outputs``, under ``key``."""
     nodes: list[GraphNode] = _upstream(block.nodes, outputs)
     inside = {node.key for node in nodes}
     used = {d for node in nodes for d in node.dependencies if d not in inside}
@@ -165,21 +200,27 @@ def _part(
     part = StreamBlock(nodes, inputs, outputs, key, block.rescheduled, sources)
     refs = [args[k] for k in inputs]
     reads = frozenset().union(*map(_reads, refs))
-    return Task(key, part, *refs, _data_producer=spec.data_producer), reads
+    task = Task(key, part, *refs, _data_producer=spec.data_producer)
+    return Part(task, reads, [getters[k] for k in outputs], blame)
 
 
-def _getter_spec(key: Hashable, block: Hashable, i: int, n: int) -> GraphNode:
-    """The run_spec of the getter of output ``i`` of the ``n`` of ``block``: with one
+def _point_getters(part: Part) -> None:
+    """Make the getters of ``part`` read its outputs out of its block's value: with one
     output, a block's value is that output's (an Alias of it), else its tuple."""
-    return Task(key, get_output, TaskRef(block), i) if n > 1 else Alias(key, block)
+    key, n = part.spec.key, len(part.getters)
+    for i, getter in enumerate(part.getters):
+        getter.run_spec = (
+            Task(getter.key, get_output, TaskRef(key), i) if n > 1 else Alias(getter.key, key)
+        )
 
 
 def _move_getter(getter: Any, ts: Any, other: Any) -> None:
     """Make ``getter`` read ``other`` instead of ``ts``; a waiting one waits for it.
 
-    It is not one of ``other``'s waiters, as no task is of one that errs
-    (``_propagate_erred`` drops them): leaving waiting as it errs, a waiter would
-    release ``other`` (nothing else needs it), and its getters with it.
+    It is not one of ``other``'s waiters: an erring ``other`` errs it all the same, and
+    no task is a waiter of one that errs (``_propagate_erred`` drops them): leaving
+    waiting as it errs, a waiter would release ``other`` (nothing else needs it), and
+    its getters with it. A kept ``other`` finds its waiters as it goes waiting.
     """
     ts.dependents.discard(getter)
     getter.dependencies.discard(ts)
