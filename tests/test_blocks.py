@@ -1944,6 +1944,23 @@ def test_a_task_with_retries_that_fails_once_gives_its_value(mode):
         assert formed(client) == ((1, 3) if mode == "auto" else (0, 0))
 
 
+def test_an_input_given_as_failed_fails_only_the_outputs_that_derive_from_it():
+    """``launch(..., failures)``: an input whose work the worker found failed stands in as
+    its error; ``y`` derives from it and its slot raises that ``KernelError`` (its getter);
+    ``z`` reads only ``o`` and gets its value, as task per key."""
+    nodes = [Task("y", mix, 1, TaskRef("x")), Task("z", mix, 2, TaskRef("o"))]
+    block = StreamBlock(nodes, ["x", "o"], ["y", "z"])
+    o = np.arange(N) + 2.0
+    with dask.config.set(CONFIG):
+        runtime = get_runtime()
+    values = {"x": None, "o": sim.asarray(o)}
+    got = block.launch(runtime, values, {"x": KernelError("x", "boom")})
+    with pytest.raises(KernelError, match="boom") as info:
+        block_output(got, 0)
+    assert info.value.key == "x"
+    np.testing.assert_array_equal(sim.asnumpy(block_output(got, 1)), host_mix(2, o))
+
+
 def test_a_failure_read_from_a_tuple_keeps_none_of_the_readers_inputs_alive():
     """The error in a tuple's failed slot is shared: raised itself, it kept the frames of the
     reader's launch, which hold all its inputs, in a cycle through the tuple that only the

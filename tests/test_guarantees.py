@@ -826,6 +826,28 @@ def test_a_closing_workers_teardown_waits_at_most_close_timeout_in_all(cluster, 
         gate.set()
 
 
+def test_a_kernel_that_never_ends_on_a_closing_worker_gives_one_warning(cluster, gate, caplog):
+    """One cause, one warning: the kernel that keeps the results' work from ending in
+    ``close_timeout`` also keeps the runtime from closing. The warning says both, naming the
+    worker and the runtime. Before, each logged its own, the second "did not close within
+    0.0 s" (the budget spent) with no reason."""
+    client, worker = cluster
+    x = client.submit(gated_kernel, 100, 2.0, pure=False)
+    wait(x)  # in memory; its kernel waits for the gate (until the test's end)
+    plugin = worker.plugins["gpustreams"]
+    plugin.close_timeout = 0.5
+    runtime = repr(plugin.runtime)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+            client.cluster.sync(worker.close)
+        [record] = [r for r in caplog.records if r.name.startswith("dask_gpustreams")]
+        message = record.getMessage()
+        assert f"closing worker {worker.address} did not end within 0.5 s" in message
+        assert f"{runtime} did not close within 0 s: work still runs" in message
+    finally:
+        gate.set()
+
+
 LEFT_OPEN = """
 import sys
 

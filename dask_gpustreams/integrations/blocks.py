@@ -153,15 +153,21 @@ class StreamBlock:
                     del values[d]
         return self._result(values)
 
-    def launch(self, runtime: StreamRuntime, values: Mapping[Hashable, Any]) -> Any:
+    def launch(
+        self,
+        runtime: StreamRuntime,
+        values: Mapping[Hashable, Any],
+        failures: Mapping[Hashable, KernelError] | None = None,
+    ) -> Any:
         """Launch the block onto ``runtime``'s streams; return once its outputs are complete.
 
         ``values`` holds the inputs (or, for those in :attr:`sources`, the
         tuples of the blocks they come from: an input whose slot there holds a
         failure fails the outputs that derive from it, as a failed task of the
-        block does), whose work must be complete (the worker checks them first;
-        an input whose work it found failed is given as such a failure,
-        ``_Failed``, too). Every event of the block is checked, so its
+        block does), whose work must be complete (the worker checks them first).
+        ``failures`` maps an input whose work the caller found failed to its
+        error, which stands in for its value: it fails what derives from that
+        input in the same way. Every event of the block is checked, so its
         outputs are known good when it returns (they need no event nor taint),
         even where a sync elsewhere reported the failure first.
 
@@ -192,6 +198,8 @@ class StreamBlock:
         nodes: Sequence[GraphNode] = self.nodes
         wanted = self.outputs
         failed: dict[Hashable, _Failed] = {}
+        if failures:
+            values = {**values, **{k: _Failed(e) for k, e in failures.items()}}
         sources = self.sources
         if sources:  # (each launch below copies the inputs it reads from ``values``)
             values = {

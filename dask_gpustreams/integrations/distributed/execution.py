@@ -20,7 +20,7 @@ from dask._task_spec import GraphNode, Task, TaskRef, _execute_subgraph
 from distributed import Reschedule
 
 from dask_gpustreams.diagnostics.fine_metrics import launch_meter
-from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock, _Failed
+from dask_gpustreams.integrations.blocks import BlockSkipped, StreamBlock
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.integrations.tasks import (
@@ -117,17 +117,16 @@ class WorkerStreamTask(StreamTask):
             provenance.free_retired()  # here, not on the event loop that retired them
             # Its tasks launch on other streams: the inputs' work must be done. An input
             # whose work failed fails only the outputs that derive from it, as task per key.
+            failures = None
             if error is not None or pending:
                 failures = provenance.input_failures(tuple(self._dependencies))
                 if failures or error is not None:
                     provenance.clear_stream_errors_soon()
-                if failures:
-                    values = {**values, **{k: _Failed(e) for k, e in failures.items()}}
-                elif error is not None:  # found by no input's records: the block fails whole
+                if not failures and error is not None:  # found by no input's records: fails whole
                     raise error.with_traceback(None)
             try:
                 with launch_meter():
-                    return node.func.launch(self.runtime, values)
+                    return node.func.launch(self.runtime, values, failures)
             except BlockSkipped:  # no failure of its own: recompute, report no other key's
                 raise Reschedule() from None
         # A class attribute (no call); a fused task that calls a host_task is found here, in

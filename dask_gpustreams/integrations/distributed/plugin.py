@@ -403,7 +403,8 @@ class StreamsPlugin(WorkerPlugin):
         A closing worker still serves ``get_data`` until its listeners stop (distributed
         removes its plugins first), so the work of what is in memory is waited for there
         too; that wait and the runtime's close take at most ``close_timeout`` s in all (a
-        close not done by then goes on in its thread); its corrupt keys stay withheld until
+        close not done by then goes on in its thread; one warning says what was left undone
+        and why); its corrupt keys stay withheld until
         it has closed. (No task adds a result any more: the close cancelled the worker's async
         instructions before it removed the plugins.)
         A plugin whose settings were bad set nothing up.
@@ -425,14 +426,15 @@ class StreamsPlugin(WorkerPlugin):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.close_timeout  # a closing worker's, for both waits
         waiting = self.egress.wait_for(list(worker.data))
+        # What the teardown left undone, and why: one warning, though one kernel that never
+        # ends both keeps the results' work from ending and the runtime from closing.
+        undone = []
         try:
             failed = await (asyncio.wait_for(waiting, self.close_timeout) if closing else waiting)
         except TimeoutError:
-            logger.warning(
-                "gpustreams: the work of the results on closing worker %s did not end within"
-                " %s s; they may leave it incomplete",
-                worker.address,
-                self.close_timeout,
+            undone.append(
+                f"the work of the results on closing worker {worker.address} did not end"
+                f" within {self.close_timeout} s; they may leave it incomplete"
             )
             failed = {}
         if failed:
@@ -441,7 +443,12 @@ class StreamsPlugin(WorkerPlugin):
         prometheus.unregister(worker)
         self.egress.uninstall(withheld=self.provenance.held)
         left = max(0.0, deadline - loop.time()) if closing else self.close_timeout
-        await self.provenance.close(left)
+        try:
+            await self.provenance.close(left)
+        except TimeoutError as e:
+            undone.append(f"on worker {worker.address}, {e}" if not undone else str(e))
+        if undone:
+            logger.warning("gpustreams: %s", "; ".join(undone))
         if guard is not None:
             guard.torn_down()
         self._egress_threads.shutdown(wait=False)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import logging
 import threading
 import time
 from collections import deque
@@ -28,8 +27,6 @@ from dask_gpustreams.errors import KernelError
 from dask_gpustreams.integrations.distributed.erred_inputs import STIMULUS_PREFIX
 from dask_gpustreams.integrations.distributed.failures import FailureRecords
 from dask_gpustreams.runtime import EventRegistry, StreamRuntime, TaskRecord, runtimes
-
-logger = logging.getLogger("dask_gpustreams")
 
 # Worker task states of a dependent that still needs its inputs in this worker's memory.
 # "cancelled" and "resumed": a task whose thread may still run (its inputs read, or not yet).
@@ -439,6 +436,10 @@ class Provenance:
         device is done; a kernel that never ends leaves it going on in its thread.
         The corrupt keys still held for their dependents, and their failure
         records, stay: :class:`.WithheldKeys` sees them go.
+
+        Raises ``TimeoutError``, naming the runtime and what holds it, where it did
+        not close within ``timeout``: the caller logs it once, with what else its
+        teardown left undone.
         """
         self.clear(keep_held=True)  # before the close: the records refer to the streams
         runtime = self._runtime
@@ -448,23 +449,19 @@ class Provenance:
             submitted = self._threads.submit(runtime.close)
         except RuntimeError:
             # The interpreter is exiting (a cluster left open at the end of a script): the
-            # executor takes no new work, so the runtime closes here, on the event loop.
-            self._close_at_exit(runtime, timeout)
+            # executor takes no new work, so the runtime closes here, on the event loop
+            # (its TimeoutError says which computes still hold it).
+            runtime.close(timeout)
             return
         closing = asyncio.wrap_future(submitted)
         closing.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no log
         try:  # shielded: a close not started yet (busy threads) still runs after the timeout
             await asyncio.wait_for(asyncio.shield(closing), timeout)
         except TimeoutError:
-            logger.warning("gpustreams: %r did not close within %s s", runtime, timeout)
-
-    @staticmethod
-    def _close_at_exit(runtime: StreamRuntime, timeout: float) -> None:
-        """Close ``runtime`` in this thread, as :meth:`close` would in an egress thread."""
-        try:
-            runtime.close(timeout)
-        except TimeoutError:
-            logger.warning("gpustreams: %r did not close within %s s", runtime, timeout)
+            raise TimeoutError(
+                f"{runtime!r} did not close within {timeout:.3g} s: work still runs on its "
+                "streams or threads; its close goes on in an egress thread until that ends"
+            ) from None
 
     def fail_if_reads_held(
         self, key: Hashable, fail: Callable[[Hashable, BaseException], None]
