@@ -132,6 +132,20 @@ class StreamBlock:
     def __repr__(self) -> str:
         return f"StreamBlock({len(self.nodes)} tasks, outputs={list(self.outputs)!r})"
 
+    def derived_from(self, key: Hashable) -> set[Hashable]:
+        """``key`` (an input) and the keys of the block's tasks that derive from it."""
+        return _downstream(self.nodes, key)
+
+    def part(self, outputs: Sequence[Hashable], key: Hashable) -> StreamBlock:
+        """The block of the tasks that ``outputs`` derive from, under ``key``: it reads
+        only the inputs those tasks read (a split block's part, :mod:`.distributed.split`)."""
+        nodes = _upstream(self.nodes, outputs)
+        inside = {node.key for node in nodes}
+        used = {d for node in nodes for d in node.dependencies if d not in inside}
+        inputs = [k for k in self.inputs if k in used]
+        sources = {k: v for k, v in self.sources.items() if k in used}
+        return StreamBlock(nodes, inputs, outputs, key, self.rescheduled, sources)
+
     def _result(self, values: Mapping[Hashable, Any]) -> Any:
         if len(self.outputs) == 1:
             return values[self.outputs[0]]

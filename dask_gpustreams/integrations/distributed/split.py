@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
-from dask._task_spec import Alias, GraphNode, Task, TaskRef
+from dask._task_spec import Alias, Task, TaskRef
 
-from dask_gpustreams.integrations.blocks import StreamBlock, _downstream, _upstream, get_output
+from dask_gpustreams.integrations.blocks import StreamBlock, get_output
 
 #: The states of a getter that a split can relink: one waiting for the block (the
 #: block waits: no getter of it can be queued, processing or in no-worker), one that no
@@ -82,7 +82,7 @@ def plan_split(ts: Any, new_key: Callable[[], Hashable]) -> SplitPlan | None | s
     blames = {}  # output key -> the blames of the erred inputs it derives from, in order
     for k, arg in args.items():
         for key in _reads(arg) & erred.keys():
-            for out in _downstream(block.nodes, k):
+            for out in block.derived_from(k):
                 blames.setdefault(out, []).append(erred[key])
     if not blames:
         return "no input erred"
@@ -192,13 +192,8 @@ def _part(
     blame: Any,
 ) -> Part:
     """The part of ``block`` (``spec``'s function) that computes ``outputs``, under ``key``."""
-    nodes: list[GraphNode] = _upstream(block.nodes, outputs)
-    inside = {node.key for node in nodes}
-    used = {d for node in nodes for d in node.dependencies if d not in inside}
-    inputs = [k for k in block.inputs if k in used]
-    sources = {k: v for k, v in block.sources.items() if k in used}
-    part = StreamBlock(nodes, inputs, outputs, key, block.rescheduled, sources)
-    refs = [args[k] for k in inputs]
+    part = block.part(outputs, key)
+    refs = [args[k] for k in part.inputs]
     reads = frozenset().union(*map(_reads, refs))
     task = Task(key, part, *refs, _data_producer=spec.data_producer)
     return Part(task, reads, [getters[k] for k in outputs], blame)
