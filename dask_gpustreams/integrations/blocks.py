@@ -33,7 +33,7 @@ from functools import partial
 from types import TracebackType
 from typing import Any
 
-from dask._task_spec import GraphNode
+from dask._task_spec import GraphNode, Task, TaskRef
 from dask.utils import key_split
 from distributed import Reschedule
 
@@ -99,7 +99,8 @@ class StreamBlock:
     was rescheduled after :class:`BlockSkipped` (the scheduler's
     :class:`~.distributed.blocks.StreamBlocks` counts them). ``sources`` maps
     an input read straight from another block's tuple to ``(that block's key,
-    index)``: :meth:`launch` finds it there, with no getter task between.
+    index)`` (index None: that block's value, where it has one output, as a split
+    block's part may): :meth:`launch` finds it there, with no getter task between.
     """
 
     __slots__ = ("nodes", "inputs", "outputs", "key", "rescheduled", "sources")
@@ -116,7 +117,7 @@ class StreamBlock:
         outputs: Sequence[Hashable],
         key: Hashable | None = None,
         rescheduled: int = 0,
-        sources: Mapping[Hashable, tuple[Hashable, int]] | None = None,
+        sources: Mapping[Hashable, tuple[Hashable, int | None]] | None = None,
     ):
         self.nodes = tuple(nodes)
         self.inputs = tuple(inputs)
@@ -145,6 +146,13 @@ class StreamBlock:
         inputs = [k for k in self.inputs if k in used]
         sources = {k: v for k, v in self.sources.items() if k in used}
         return StreamBlock(nodes, inputs, outputs, key, self.rescheduled, sources)
+
+    def with_sources(self, sources: Mapping[Hashable, tuple[Hashable, int | None]]) -> StreamBlock:
+        """This block, its inputs read straight from other blocks as ``sources`` says
+        (a split block's reader, re-pointed to its parts: :mod:`.distributed.split`)."""
+        return StreamBlock(
+            self.nodes, self.inputs, self.outputs, self.key, self.rescheduled, sources
+        )
 
     def _result(self, values: Mapping[Hashable, Any]) -> Any:
         if len(self.outputs) == 1:
@@ -217,7 +225,8 @@ class StreamBlock:
         sources = self.sources
         if sources:  # (each launch below copies the inputs it reads from ``values``)
             values = {
-                k: values[s[0]][s[1]] if (s := sources.get(k)) else values[k] for k in self.inputs
+                k: _straight(values[s[0]], s[1]) if (s := sources.get(k)) else values[k]
+                for k in self.inputs
             }
         for k in self.inputs:
             slot = values[k]
@@ -343,6 +352,20 @@ class _Failed:
 
     def __repr__(self) -> str:
         return f"_Failed({self.error!r})"
+
+
+def read_straight(block: Hashable, index: int | None) -> GraphNode:
+    """The argument of a block's task that reads output ``index`` of block ``block``
+    straight from its value, with no getter task between (``index`` None: a block of
+    one output, whose value is that output's). :attr:`StreamBlock.sources` says the same
+    to :meth:`StreamBlock.launch`."""
+    ref = TaskRef(block)
+    return ref if index is None else Task(None, block_output, ref, index)
+
+
+def _straight(value: Any, index: int | None) -> Any:
+    """Output ``index`` of a block's ``value`` (None: the value of a block of one output)."""
+    return value if index is None else value[index]
 
 
 def block_output(values: Sequence[Any], i: int) -> Any:

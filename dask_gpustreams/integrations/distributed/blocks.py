@@ -66,7 +66,7 @@ from dask._task_spec import Alias, Task, TaskRef
 from distributed import SchedulerPlugin
 
 from dask_gpustreams.config import StreamsConfig
-from dask_gpustreams.integrations.blocks import StreamBlock, block_output, get_output, partition
+from dask_gpustreams.integrations.blocks import StreamBlock, get_output, partition, read_straight
 from dask_gpustreams.integrations.distributed.split import SplitPlan, apply_split, plan_split
 
 logger = logging.getLogger("dask_gpustreams")
@@ -187,9 +187,9 @@ class StreamBlocks(SchedulerPlugin):
             "gpustreams: block %r split as its inputs erred: %d outputs kept (as %r), "
             "%d err with the blames %r",
             key,
-            len(plan.kept.getters) if plan.kept else 0,
+            len(plan.kept.outputs) if plan.kept else 0,
             plan.kept.spec.key if plan.kept else None,
-            sum(len(part.getters) for part in plan.erred),
+            sum(len(part.outputs) for part in plan.erred),
             blames,
         )
         return recommendations, bool(plan.erred)
@@ -676,7 +676,7 @@ def _block_plan(
             refs.append(TaskRef(d.key))
         else:
             sources[d.key] = src
-            refs.append(Task(None, block_output, TaskRef(src[0]), src[1]))
+            refs.append(read_straight(*src))
     block = StreamBlock(
         [ts.run_spec for ts in members],
         [d.key for d in inputs],
