@@ -32,7 +32,8 @@ task through the runtime in Dask's threads; by name, ``"threads"`` would run the
 launcher), ``launcher``
 (``scheduler="gpustreams"``), ``distributed`` (an in-process ``LocalCluster`` of
 2 workers x 2 threads, the plugin by ``gpustreams.enabled``; a new cluster with
-new settings every 100 DAGs), ``distributed-spill`` (the same with a memory
+new settings every 100 DAGs: streams, policy and ``gpustreams.block-size``, of
+``BLOCK_SIZES``), ``distributed-spill`` (the same with a memory
 target so small that every result is spilled) and ``dask-cuda`` (the same on
 ``dask_cuda.LocalCUDACluster(n_workers=1)`` with dask-cuda's defaults: one
 worker process, one thread, its ``DeviceHostFile``; only with ``--backend cupy``
@@ -154,6 +155,11 @@ LIVELOCK = 10
 #: scheduler once the fuzzer dropped its futures (the releases travel in the client's
 #: batched stream, every 10 ms): still there after it, they are a leak.
 LEAK_WAIT = 2.0
+#: A cluster's ``gpustreams.block-size``, drawn for each: the default, and small ones that
+#: make many blocks, some read straight by others (stop 58: random graphs in blocks of 3
+#: found blocks that erred whole under an erred input, which the default seldom forms).
+BLOCK_SIZES = (64, 8, 3)
+
 CLUSTER_CONFIG = {  # only target-based spilling; the process-memory monitor stays out
     "distributed.worker.memory.spill": False,
     "distributed.worker.memory.pause": False,
@@ -615,6 +621,7 @@ class Dag:
     #: ``TaskRaised``), by index: their keys. Only in DAGs with ``failing``.
     extra: dict[int, str] = field(default_factory=dict)
     again: bool = False  # on a cluster: computed a second time while the first futures live
+    block_size: int | None = None  # on a cluster: its gpustreams.block-size
     retried: int | None = None  # on a cluster: a node whose first attempt raises (retries=1)
 
     def failures(self) -> dict[int, str]:
@@ -664,6 +671,7 @@ class Dag:
         )
         persist = f" persist {self.persist} before {self.split}" if self.persist else ""
         threads = f" threads={self.threads} chunksize={self.chunksize}"
+        blocks = "" if self.block_size is None else f" block_size={self.block_size}"
         again = " computed twice" if self.again and self.route in DISTRIBUTED else ""
         retried = "" if self.retried is None else f" node {self.retried} retried"
         if self.extra:
@@ -672,7 +680,8 @@ class Dag:
             f"{self.route} dag {self.index} ({self.kind}): {ops}; outputs {self.outputs}{persist}"
             f"{again}{retried};"
             f" streams={self.streams} policy={self.policy} kernel_delay={self.delay}"
-            f" optimize_graph={self.optimize}" + (threads if self.route == "threaded" else "")
+            f" optimize_graph={self.optimize}{blocks}"
+            + (threads if self.route == "threaded" else "")
         )
 
 
@@ -1243,6 +1252,7 @@ class DistributedRoute:
 
         rng = np.random.default_rng([self.seed, ROUTES.index(self.name), batch, 0])
         self.streams, self.policy = int(rng.integers(1, 9)), str(rng.choice(POLICIES))
+        self.block_size = int(rng.choice(BLOCK_SIZES))
         spill = self.name == "distributed-spill"
         config = {
             **CLUSTER_CONFIG,
@@ -1252,6 +1262,7 @@ class DistributedRoute:
             "gpustreams.backend": self.backend,
             "gpustreams.streams": self.streams,
             "gpustreams.policy": self.policy,
+            "gpustreams.block-size": self.block_size,
         }
         self._config = dask.config.set(config)
         self._config.__enter__()
@@ -1311,7 +1322,7 @@ class DistributedRoute:
         if batch != self.batch:
             self.close()
             self.start(batch)
-        dag.streams, dag.policy = self.streams, self.policy
+        dag.streams, dag.policy, dag.block_size = self.streams, self.policy, self.block_size
         before = frozenset(self.client.run_on_scheduler(scheduler_keys))
         for pending in list(self.pending):
             if pending.keys is None:  # the DAG just before: its tasks not released yet
