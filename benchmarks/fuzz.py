@@ -21,7 +21,10 @@ transposes, concatenation, sleeping kernels). Each has its own stream count
 cluster, a tenth of them are computed twice (the same collections again while the
 first futures live, as a notebook cell run again: same keys, their definitions again),
 and in 15% of the ``dask.delayed`` ones a node has ``retries=1`` and raises at its
-first attempt (:class:`FailsOnce`; such tasks stay out of stream blocks).
+first attempt (:class:`FailsOnce`; such tasks stay out of stream blocks); of the
+further failing nodes, each has ``retries=1`` with even odds (``Dag.apart``), so that
+it stays out of blocks and fails at each attempt: an erred input of the blocks that
+read it.
 Values are integers below ``P`` (every op ends ``% P``), so float64 results are
 exact in any order of evaluation; they are compared with ``==`` to the same
 functions run on NumPy values (NaN, the sim's poison, never compares equal).
@@ -623,6 +626,9 @@ class Dag:
     again: bool = False  # on a cluster: computed a second time while the first futures live
     block_size: int | None = None  # on a cluster: its gpustreams.block-size
     retried: int | None = None  # on a cluster: a node whose first attempt raises (retries=1)
+    #: On a cluster: failing nodes of ``extra`` with ``retries=1``, so outside stream blocks
+    #: (they fail at each attempt): the blocks that read them have an erred input.
+    apart: list[int] = field(default_factory=list)
 
     def failures(self) -> dict[int, str]:
         """Every failing node (the failing kernel and ``extra``): its key."""
@@ -676,6 +682,8 @@ class Dag:
         retried = "" if self.retried is None else f" node {self.retried} retried"
         if self.extra:
             retried += f" failing nodes {sorted(self.failures())}"
+        if self.apart:
+            retried += f" ({self.apart} with retries, outside blocks)"
         return (
             f"{self.route} dag {self.index} ({self.kind}): {ops}; outputs {self.outputs}{persist}"
             f"{again}{retried};"
@@ -901,6 +909,9 @@ def make_dag(
         more = np.random.default_rng([seed, ROUTES.index(route), index, 1])
         if more.random() < multi:
             add_failures(dag, more)
+            if route in DISTRIBUTED:  # drawn apart: the DAGs of earlier commits stay
+                aside = np.random.default_rng([seed, ROUTES.index(route), index, 2])
+                dag.apart = [i for i in sorted(dag.extra) if aside.random() < 0.5]
     return dag
 
 
@@ -951,7 +962,9 @@ def build(dag: Dag, kernels: Kernels, persist: Callable[[list], list]) -> list:
         else:
             key = dag.failures().get(i)
             name = {} if key is None else {"dask_key_name": key}
-            values.append(delayed(delayed_func(node.op, kernels))(*args, *node.consts, **name))
+            with dask.annotate(**({"retries": 1} if i in dag.apart else {})):
+                task = delayed(delayed_func(node.op, kernels))
+                values.append(task(*args, *node.consts, **name))
     return [values[i] for i in dag.outputs]
 
 

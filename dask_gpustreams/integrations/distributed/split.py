@@ -19,9 +19,10 @@ the scheduler's ``_transition``):
 
 The block's key goes to an erring part, never to the kept one: a worker that was
 sent the block before (it waits again after an input's replica was lost, or its
-worker died) may still finish that run, and the scheduler drops a result that
-comes for an erred or forgotten key; under a kept key it would take the old tuple
-for the new outputs.
+worker died) may still finish that run. The scheduler drops a result that comes
+for an erred or forgotten key, or under another run's id; but one that comes while
+the key waits, under the id of its last run, it takes as the key's value: the old
+tuple for the new outputs, had the kept part kept the key.
 
 :func:`plan_split` reads the scheduler's state and changes nothing; it gives the
 reason where a block is not split (it then errs whole, as before), and
