@@ -145,16 +145,12 @@ def b_add(x, y):
 started, gate, gate2, launched = (threading.Event() for _ in range(4))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the sim passes a reported failure on to no stream that waits for it: B-add, on "
-    "another stream, reads B-make's unwritten output and its own event is clean (CUDA is "
-    "sticky: every later call fails); docs/sim.md",
-)
 def test_a_consumer_on_another_stream_of_a_kernel_skipped_behind_a_reported_failure(by_key):
     """B-make is skipped behind A's failure on slot 0; A reports the failure before B-add,
-    on slot 1, reaches its wait for B-make's event (helper-93's review)."""
+    on slot 1, reaches its wait for B-make's event (helper-93's review). B-add fails, as on
+    CUDA, where the fault is sticky. Until stop 58 the sim passed a reported failure on
+    to no stream that waited for it: B-add read B-make's unwritten output, its own event
+    was clean, and B returned a wrong value (a strict xfail)."""
     for e in (started, gate, gate2, launched):
         e.clear()
     a_done = threading.Event()

@@ -11,7 +11,8 @@ error: later launches on that stream are skipped (as after a sticky CUDA error)
 and every marker it reaches carries the error, which waits pass on to other
 streams. The first host sync that sees the error raises it and clears it from
 every stream it reached; once reported, it is neither raised nor passed on
-again.
+again, but for the event of work it skipped: that carries a copy of it, not yet
+reported, so that what waits for unwritten output fails (:meth:`Stream.record`).
 
 ``Device.kernel_delay`` makes every kernel (and host-to-device copy) sleep a
 random time before it runs, to vary the interleaving of streams in tests. A
@@ -199,11 +200,12 @@ class Stream:
         """Record ``event`` (a new one if None) at the current end of the stream.
 
         It carries the stream's error, or, where a kernel this thread launched on the
-        stream since its last record here was skipped and another thread's sync has
-        reported (and cleared) that failure meanwhile, an unreported copy of it: the
-        kernel's output was never written, so the event's sync must raise (a task's
-        kernels and its event come from one thread). Other threads' work is not held
-        back by it.
+        stream since its last record here was skipped, an unreported copy of the error
+        that skipped it: the kernel's output was never written, so the event's sync must
+        raise, and a stream that waits for the event must fail what it runs after, even
+        where another thread's sync reported (and cleared) that failure meanwhile (a
+        task's kernels and its event come from one thread). Reporting the copy reports
+        the error too. Other threads' work is not held back by it.
         """
         event = event if event is not None else Event()
         marker = _Marker(self.device)
@@ -214,8 +216,8 @@ class Stream:
             error = stream._error
             if stream._skipped:
                 skipped = stream._skipped.pop(recorder, None)
-                if error is None and skipped is not None:
-                    error = KernelError(skipped.key, skipped.cause)
+                if skipped is not None:
+                    error = stream.device._copy(skipped)
             marker.error = error
             marker.time = time.perf_counter()
             marker.done.set()
@@ -351,6 +353,10 @@ class Device:
         self._local = threading.local()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self._reported_errors: weakref.WeakSet[KernelError] = weakref.WeakSet()
+        #: The copy of an error in an event of skipped work -> that error (see Stream.record).
+        self._origins: weakref.WeakKeyDictionary[KernelError, KernelError] = (
+            weakref.WeakKeyDictionary()
+        )
         self._report_lock = threading.Lock()
         self._kernel_delay = (0.0, 0.0)
         delay = os.environ.get(KERNEL_DELAY_VARIABLE)
@@ -412,8 +418,16 @@ class Device:
         self._streams.add(stream)
         return stream
 
+    def _copy(self, error: KernelError) -> KernelError:
+        """An unreported copy of ``error`` (same key and cause), for the event of work it
+        skipped; reporting the copy reports ``error`` too."""
+        copy = KernelError(error.key, error.cause)
+        self._origins[copy] = error
+        return copy
+
     def _consume(self, error: KernelError) -> bool:
-        """Clear ``error`` from every stream it reached, once a host sync reports it.
+        """Clear ``error`` (and the error it copies, if so) from every stream it reached,
+        once a host sync reports it.
 
         A reported error is not passed on again: waits still queued on events
         recorded before the report do not put another stream in error, and
@@ -423,11 +437,17 @@ class Device:
         with self._report_lock:
             if error in self._reported_errors:
                 return False
-            self._reported_errors.add(error)  # before the streams are read: see wait_event
+            chain = [error]  # the error, and the errors it copies not reported yet
+            while (origin := self._origins.get(chain[-1])) is not None:
+                if origin in self._reported_errors:
+                    break
+                chain.append(origin)
+            self._reported_errors.update(chain)  # before the streams are read: see wait_event
         for stream in list(self._streams):
-            if stream._error is error and not stream._closed:
+            failed = stream._error
+            if failed is not None and any(failed is e for e in chain) and not stream._closed:
                 # In stream order: work enqueued before the report still sees the error.
-                stream.enqueue(functools.partial(_clear_error, error))
+                stream.enqueue(functools.partial(_clear_error, failed))
         return True
 
     def _reported(self, error: KernelError) -> bool:
