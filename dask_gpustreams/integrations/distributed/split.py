@@ -230,12 +230,7 @@ def _relink(dts: Any, ts: Any, parts: list) -> None:
     readers with it. The kept part finds its waiters as it goes waiting.
     """
     if ts not in parts:
-        ts.dependents.discard(dts)
-        dts.dependencies.discard(ts)
-        if ts.waiters:
-            ts.waiters.discard(dts)
-        if dts.waiting_on:
-            dts.waiting_on.discard(ts)
+        _unlink(dts, ts)
     for other in parts:
         if other is not ts:
             dts.add_dependency(other)
@@ -267,15 +262,21 @@ def _drop_input(ts: Any, dts: Any, recs: dict) -> None:
     scheduler for good, as it would a task in memory, released with no dependent); else
     releasing it where no one else waits for it, as the scheduler does for the inputs of
     a task that errs."""
-    ts.dependencies.discard(dts)
-    dts.dependents.discard(ts)
-    if ts.waiting_on:
-        ts.waiting_on.discard(dts)
-    if dts.waiters:
-        dts.waiters.discard(ts)
+    _unlink(ts, dts)
     if dts.who_wants:
         return
     if not dts.dependents:
         recs[dts.key] = "forgotten"
     elif dts.state not in ("released", "erred") and not dts.waiters:
         recs[dts.key] = "released"
+
+
+def _unlink(dependent: Any, dependency: Any) -> None:
+    """Make ``dependent`` read ``dependency`` no more: neither a dependency of it, nor
+    waited on by it, nor waited for."""
+    dependent.dependencies.discard(dependency)
+    dependency.dependents.discard(dependent)
+    if dependent.waiting_on:
+        dependent.waiting_on.discard(dependency)
+    if dependency.waiters:
+        dependency.waiters.discard(dependent)
