@@ -980,14 +980,14 @@ def test_randomized_graphs_with_erred_inputs_fail_only_what_derives_from_them(
             nodes = random_failing_graph(rng, failing)
             wanted = rng.sample(nodes[5:], 6)
             futures = client.compute([t for t, _, _ in wanted])
-            for future, (task, ref, bad) in zip(futures, wanted, strict=True):
+            for future, (_task, ref, bad) in zip(futures, wanted, strict=True):
                 if bad:
                     assert str(future.exception(timeout=30)) in bad
                 else:
                     np.testing.assert_array_equal(sim.asnumpy(future.result(timeout=30)), ref)
             assert invalid_on_scheduler(client) == []
         assert splits(client) >= 1
-        del futures, future, task, sources, failing, nodes, wanted
+        del futures, future, _task, sources, failing, nodes, wanted
         assert keys_once_released(client) == []
 
 
