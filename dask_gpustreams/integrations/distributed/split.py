@@ -126,7 +126,7 @@ def apply_split(ts: Any, plan: SplitPlan, new: Mapping[Hashable, Any], tasks: Ma
     recs: dict = {}
     mine = plan.erred[0] if plan.erred else None
     parts = {part.spec.key: part for part in [plan.kept, *plan.erred] if part is not None}
-    tasks_of = {key: ts if mine is not None and key == ts.key else new[key] for key in parts}
+    tasks_of = {key: ts if key == ts.key else new[key] for key in parts}  # (ts: mine's)
     where = {}  # output key -> (its part's key, its index there; None: the part's one output)
     for key, part in parts.items():
         n = len(part.outputs)
