@@ -965,7 +965,8 @@ def test_randomized_graphs_with_erred_inputs_fail_only_what_derives_from_them(
     other one raises the exception of one it derives from, as task per key. Blocks of at
     most 3 held values are many, and some read others straight: until stop 58 such a block
     erred whole, its reader too (2 or 3 of these three failed in each of 3 runs; of 15 seeds
-    on 1 and 2 workers, 21 of 30 failed, and 12 once a block sent to a worker was split).
+    on 1 and 2 workers, 21 of 30 failed with the split of a block sent to a worker, and 12
+    with straight readers relinked but not erred dependents).
     After each graph the scheduler's own checks of its state find nothing wrong with the
     tasks a split relinked, and once the results are dropped no task is left."""
     rng = random.Random(seed)
