@@ -190,3 +190,89 @@ def test_a_consumer_on_another_stream_of_a_kernel_skipped_behind_a_reported_fail
     # B's result derives from B-make's skipped kernel: it must raise, not return a value.
     assert "result" not in b, f"B returned {sim.asnumpy(b['result'][0])} (expected an error)"
     assert isinstance(b["error"], KernelError)
+
+
+# --- work launched after another compute's sync reported the failure ---------------------------
+
+
+def add_host_value(a, h):
+    """Launched only once its host input is ready: after the other compute has ended."""
+    return a + h
+
+
+@host_task
+def wait_for(done):
+    assert done.wait(WAIT), "the other compute did not end"
+    return 0.0
+
+
+@pytest.mark.parametrize("route", ["launcher", "threaded"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "B's kernel skipped behind A's failure, read on its stream",
+        "A's failing kernel, read on its stream",
+        "A's failing kernel, read on another stream",
+    ],
+)
+def test_work_launched_after_another_compute_reported_the_failure_it_reads_fails(
+    route, case, by_key
+):
+    """The consumer is launched only after the other compute's sync has reported (and so
+    cleared) the failure: it runs on output never written, its own event clean, and its
+    compute returned NaN with no error (helper-99, stop 58). Now a compute during which
+    a failure was reported checks the events of all its work; on CUDA the fault is
+    sticky, and every later sync raises it."""
+    started, gate, launched = threading.Event(), threading.Event(), threading.Event()
+    a_done, b_done = threading.Event(), threading.Event()
+    config = {"gpustreams.backend": "sim", "gpustreams.streams": 1}
+    scheduler = "gpustreams"
+    if case.endswith("another stream"):
+        by_key.update({"A-f": 0, "A-y": 1})
+        config.update({"gpustreams.streams": 2, "gpustreams.policy": "test-placement"})
+    if route == "threaded":
+        config["gpustreams.enabled"] = True
+        scheduler = dask.threaded.get
+    x = np.arange(4.0)
+    af = delayed(gated_fail)(
+        delayed(sim.asarray)(x, dask_key_name="A-up"), started, gate, dask_key_name="A-f"
+    )
+    up = delayed(sim.asarray)(x, dask_key_name="B-up")
+    bx = delayed(inc_then_say)(up, launched, dask_key_name="B-x")
+    if case.startswith("B"):
+        # B's kernel is skipped behind A's failure; A's final sync reports it; then B
+        # launches B-y on the same stream, after B-x's event, reading B-x's output.
+        a_graph = [af]
+        h = delayed(wait_for)(a_done, dask_key_name="B-h")
+        b_graph = [delayed(add_host_value)(bx, h, dask_key_name="B-y")]
+        readers = {"B": "B-y"}
+    else:
+        # B's sync reports A's failure (B-x was skipped behind it); then A launches A-y.
+        h = delayed(wait_for)(b_done, dask_key_name="A-h")
+        a_graph = [delayed(add_host_value)(af, h, dask_key_name="A-y")]
+        b_graph = [bx]
+        readers = {"A": "A-y"}
+    a, b = {}, {}
+    ta = threading.Thread(target=_compute, args=(a_graph, a, scheduler, a_done))
+    tb = threading.Thread(target=_compute, args=(b_graph, b, scheduler, b_done))
+    with dask.config.set(config):
+        ta.start()
+        assert started.wait(WAIT)
+        tb.start()
+        assert launched.wait(WAIT)
+        gate.set()
+        ta.join(3 * WAIT)
+        tb.join(3 * WAIT)
+        assert not ta.is_alive() and not tb.is_alive()
+        # The runtime is clean afterwards: a good compute on it is exact.
+        good = dask.compute(delayed(inc)(delayed(sim.asarray)(x)), scheduler=scheduler)[0]
+    np.testing.assert_array_equal(sim.asnumpy(good), x + 1)
+    # Both computes ran A's failing kernel or work skipped behind it: both raise A-f's
+    # error, and neither returns a value.
+    for name, box in (("A", a), ("B", b)):
+        assert "result" not in box, (
+            f"{name} returned {[sim.asnumpy(r) for r in box['result']]} "
+            f"with no error ({readers.get(name, name)} read unwritten output)"
+        )
+        assert isinstance(box["error"], KernelError), box["error"]
+        assert box["error"].key == "A-f"

@@ -115,6 +115,13 @@ class Backend(Protocol):
     #: released what it caches (the stream launcher then waits for its work and retries).
     out_of_memory_errors: tuple[type[BaseException], ...]
 
+    def reported_failures(self) -> int:
+        """How many kernel failures host syncs have reported (and so cleared) so far.
+
+        Needed only where ``sticky_errors`` is False: a compute that sees it move
+        while it runs checks every event of its work, not only its results'.
+        """
+
     def create_stream(self, priority: int = 0) -> Any:
         """A new stream; lower ``priority`` values are scheduled first, as in CUDA."""
 

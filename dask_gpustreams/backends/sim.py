@@ -29,6 +29,9 @@ class SimBackend:
         # Pool stream (by id) -> the stream whose arena holds its small blocks.
         self._small_streams = StandingStreams()
 
+    def reported_failures(self) -> int:
+        return self.device.reported_failures
+
     def create_stream(self, priority: int = 0) -> sim.Stream:
         return self.device.create_stream(priority)
 

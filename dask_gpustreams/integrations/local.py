@@ -90,7 +90,9 @@ class LocalSchedulerHook:
     """
 
     def __init__(self) -> None:
-        self._runs: dict[int, tuple[StreamRuntime, ComputeRegistry]] = {}
+        # id(graph) -> its runtime, its tasks' events and the runtime's reported failures
+        # when it began (StreamRuntime.reported_failures).
+        self._runs: dict[int, tuple[StreamRuntime, ComputeRegistry, int]] = {}
         self._lock = threading.Lock()
         self._advised = False
 
@@ -104,6 +106,7 @@ class LocalSchedulerHook:
 
     def _start(self, dsk: dict) -> None:
         runtime = acquire_runtime()  # held until _finish, so it is not closed meanwhile
+        reports = runtime.reported_failures()  # before this graph's first launch
         try:
             caller = runtime.order_after_caller()  # inputs this thread is still writing
         except BaseException:
@@ -111,7 +114,7 @@ class LocalSchedulerHook:
             raise
         registry = ComputeRegistry(caller)
         with self._lock:
-            self._runs[id(dsk)] = (runtime, registry)
+            self._runs[id(dsk)] = (runtime, registry, reports)
         if not self._advised:
             self._advised = True
             logger.info(
@@ -133,7 +136,7 @@ class LocalSchedulerHook:
             run = self._runs.pop(id(dsk), None)
         if run is None:
             return
-        runtime, registry = run
+        runtime, registry, reports = run
         try:
             # A failed compute ends while other tasks of it still run in Dask's threads:
             # their work is this graph's, drained below.
@@ -150,6 +153,10 @@ class LocalSchedulerHook:
                 results = state.get("cache", {})
                 try:
                     runtime.synchronize(results, registry)
+                    if runtime.reported_failures() != reports:
+                        # A failure cleared while this graph ran may have let its work
+                        # run on unwritten output, the results' events clean.
+                        runtime.check_all(registry)
                 except BaseException:
                     # The first failure found wins; another kernel of the graph may have
                     # failed too (on another stream): reported here, not by the next compute.

@@ -288,8 +288,10 @@ class GraphLauncher:
         graph's, a task's) may report a failure first, after which the device
         neither raises it again nor passes it on to the work that waits for
         it: that work's results are garbage, and the wanted keys' syncs say
-        nothing. With ``check``, the first error that any event of the graph
-        carries is raised then too (``event_error`` returns it every time).
+        nothing. So with ``check``, or where a sync reported a failure while the
+        graph ran (:meth:`StreamRuntime.reported_failures`, never on CUDA), the
+        first error that any event of the graph carries is raised then too
+        (``event_error`` returns it every time).
 
         Meanwhile this thread allocates through ``Backend.launch_allocator``:
         allocations below ``config.small_blocks`` bytes come from arenas of their
@@ -327,6 +329,7 @@ class GraphLauncher:
         wanted, hooks = self.wanted, self.hooks
         host, offload = self.host, self.host_threads
         backend, pool = runtime.backend, runtime.pool
+        reports = runtime.reported_failures()  # before the first launch: see run
         self._caller = runtime.order_after_caller()  # creates the streams first, too
         runtime.isolate_thread()
         # Bound once: the loop below runs once per task.
@@ -520,7 +523,7 @@ class GraphLauncher:
             if any(missing.values()):
                 raise RuntimeError(_cycle_message(dependencies, missing))
             runtime.synchronize(wanted, registry)
-            if self.check:
+            if self.check or runtime.reported_failures() != reports:
                 self._check_events()
             outer_holds = previous[2]
             if outer_holds is not None:

@@ -410,6 +410,26 @@ class StreamRuntime:
         """
         return getattr(self.backend, "sticky_errors", True)
 
+    def reported_failures(self) -> int:
+        """How many kernel failures host syncs have reported so far; always 0 where
+        failures are sticky.
+
+        On the simulated device a report clears a failure from the streams it
+        reached, so work queued behind it may then run on output that was never
+        written, its own event clean; a compute whose results' events are all
+        clean could return such values. A compute that finds this count moved
+        while it ran checks every event of its work instead (one comparison in
+        the common case). On CUDA every later sync sees a sticky failure.
+        """
+        return 0 if self.sticky_errors else self.backend.reported_failures()
+
+    def check_all(self, registry: EventRegistry) -> None:
+        """Block until the work of every key of ``registry`` is done; raise the first
+        failure found, reported elsewhere or not (:meth:`check`)."""
+        check = self.check
+        for record in registry.records(registry):
+            check(record.event)
+
     @property
     def needs_critical_path(self) -> bool:
         """Whether the policy places tasks by the graph's longest path (give it the flags)."""

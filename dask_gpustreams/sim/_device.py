@@ -358,6 +358,7 @@ class Device:
             weakref.WeakKeyDictionary()
         )
         self._report_lock = threading.Lock()
+        self._reports = 0
         self._kernel_delay = (0.0, 0.0)
         delay = os.environ.get(KERNEL_DELAY_VARIABLE)
         if delay:
@@ -443,12 +444,24 @@ class Device:
                     break
                 chain.append(origin)
             self._reported_errors.update(chain)  # before the streams are read: see wait_event
+            self._reports += 1  # before the streams run again: see reported_failures
         for stream in list(self._streams):
             failed = stream._error
             if failed is not None and any(failed is e for e in chain) and not stream._closed:
                 # In stream order: work enqueued before the report still sees the error.
                 stream.enqueue(functools.partial(_clear_error, failed))
         return True
+
+    @property
+    def reported_failures(self) -> int:
+        """How many failures host syncs have reported so far.
+
+        Counted before the streams a report reaches run again, so work that ran on
+        output a skipped or failed kernel never wrote completes after the count
+        moved: a compute that finds it unchanged since it began saw no failure
+        cleared under it, and may trust its results' events alone.
+        """
+        return self._reports
 
     def _reported(self, error: KernelError) -> bool:
         return error in self._reported_errors
