@@ -118,8 +118,9 @@ class Backend(Protocol):
     def reported_failures(self) -> int:
         """How many kernel failures host syncs have reported (and so cleared) so far.
 
-        Needed only where ``sticky_errors`` is False: a compute that sees it move
-        while it runs checks every event of its work, not only its results'.
+        A backend whose failures are sticky (``sticky_errors``) need not define it:
+        the runtime never asks. Where they are not, a compute that sees it move while
+        it runs checks every event of its work, not only its results'.
         """
 
     def create_stream(self, priority: int = 0) -> Any:

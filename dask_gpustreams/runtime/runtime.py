@@ -424,8 +424,8 @@ class StreamRuntime:
         return 0 if self.sticky_errors else self.backend.reported_failures()
 
     def check_all(self, registry: EventRegistry) -> None:
-        """Block until the work of every key of ``registry`` is done; raise the first
-        failure found, reported elsewhere or not (:meth:`check`)."""
+        """Wait for the work of the keys of ``registry`` in turn, up to the first that
+        failed, and raise its failure, reported elsewhere or not (:meth:`check`)."""
         check = self.check
         for record in registry.records(registry):
             check(record.event)

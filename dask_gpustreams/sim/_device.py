@@ -444,24 +444,28 @@ class Device:
                     break
                 chain.append(origin)
             self._reported_errors.update(chain)  # before the streams are read: see wait_event
-            self._reports += 1  # before the streams run again: see reported_failures
-        for stream in list(self._streams):
-            failed = stream._error
-            if failed is not None and any(failed is e for e in chain) and not stream._closed:
-                # In stream order: work enqueued before the report still sees the error.
-                stream.enqueue(functools.partial(_clear_error, failed))
+            # Counted with the clears enqueued, under the lock that reported_failures takes:
+            # work launched after a read of the count runs after the clears it counts.
+            self._reports += 1
+            for stream in list(self._streams):
+                failed = stream._error
+                if failed is not None and any(failed is e for e in chain) and not stream._closed:
+                    # In stream order: work enqueued before the report still sees the error.
+                    stream.enqueue(functools.partial(_clear_error, failed))
         return True
 
     @property
     def reported_failures(self) -> int:
         """How many failures host syncs have reported so far.
 
-        Counted before the streams a report reaches run again, so work that ran on
-        output a skipped or failed kernel never wrote completes after the count
-        moved: a compute that finds it unchanged since it began saw no failure
-        cleared under it, and may trust its results' events alone.
+        A report counts and enqueues its clears at once (under one lock), before
+        the streams it reached run again. So work that a compute launched after
+        its first read ran on output a skipped or failed kernel never wrote only
+        if a report cleared that failure after the read, and the count moved: a
+        compute that finds it unchanged at its end may trust its results' events.
         """
-        return self._reports
+        with self._report_lock:
+            return self._reports
 
     def _reported(self, error: KernelError) -> bool:
         return error in self._reported_errors
