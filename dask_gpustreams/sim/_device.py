@@ -357,7 +357,9 @@ class Device:
         self._origins: weakref.WeakKeyDictionary[KernelError, KernelError] = (
             weakref.WeakKeyDictionary()
         )
-        self._report_lock = threading.Lock()
+        # Reentrant: a garbage collection while a report enqueues its clears may run code
+        # that syncs.
+        self._report_lock = threading.RLock()
         self._reports = 0
         self._kernel_delay = (0.0, 0.0)
         delay = os.environ.get(KERNEL_DELAY_VARIABLE)
