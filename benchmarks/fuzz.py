@@ -984,7 +984,7 @@ def compare(got: Any, want: np.ndarray) -> str | None:
     return f"{int((host != want).sum())} of {host.size} differ ({nan} NaN)"
 
 
-def _blame(error: BaseException, dag: Dag, output: int | None = None) -> tuple[str, str]:
+def blame(error: BaseException, dag: Dag, output: int | None = None) -> tuple[str, str]:
     """The outcome of ``error`` raised by a compute of ``dag`` (``output``: by that output's
     future on a cluster; None: by the compute as a whole, one error for every output).
 
@@ -1025,7 +1025,7 @@ def _queued(error: BaseException, dag: Dag, output: int) -> bool:
 def check_local(dag: Dag, result: Any, error: BaseException | None) -> tuple[str, str]:
     """A local compute of ``dag``: exact outputs, or the error of a failing node it runs."""
     if error is not None:
-        return _blame(error, dag)
+        return blame(error, dag)
     failing = dag.failures()
     ran = sorted(failing[i] for i in dag.computed() & failing.keys())
     if ran:
@@ -1367,7 +1367,7 @@ class DistributedRoute:
                     loss.start()
                 outcome = self.check(dag, futures)
             except Exception as e:  # noqa: BLE001 - every exception is an outcome
-                return _blame(e, dag)
+                return blame(e, dag)
             finally:
                 if loss is not None:
                     loss.join(self.timeout)
@@ -1386,7 +1386,7 @@ class DistributedRoute:
             try:
                 again = client.compute(outs, **options)
             except Exception as e:  # noqa: BLE001 - every exception is an outcome
-                return _blame(e, dag)
+                return blame(e, dag)
             outcome, detail = self.check(dag, again)
             return outcome, detail and f"computed again: {detail}"
 
@@ -1514,7 +1514,7 @@ class DistributedRoute:
                 # raising it appended these frames to its traceback: the futures would stay
                 # reachable from the client's ``futures`` and never be released.
                 e.__traceback__ = None
-                outcome = _blame(e, dag, i)
+                outcome = blame(e, dag, i)
                 if outcome != OK:
                     if self.last_loss:
                         outcome = (outcome[0], f"{outcome[1]} (output {i}; {self.last_loss})")

@@ -305,8 +305,8 @@ def test_a_retried_node_may_raise_its_first_error_only_where_a_kernel_fails():
     plain = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[1], **kw)
     failing = fuzz.Dag("distributed", 0, "delayed", nodes, outputs=[1, 2], failing=2, **kw)
     error = fuzz.RetriedError("the first attempt of a retried task fails")
-    assert fuzz._blame(error, failing) == fuzz.OK
-    assert fuzz._blame(error, plain) == (
+    assert fuzz.blame(error, failing) == fuzz.OK
+    assert fuzz.blame(error, plain) == (
         "error",
         "RetriedError: the first attempt of a retried task fails",
     )
@@ -332,14 +332,14 @@ def test_several_failing_nodes_are_blamed_only_where_the_oracle_allows():
     assert dag.tainted() == [False, True, False, True, True, True]
     assert dag.computed() == {0, 1, 2, 3, 4}
     ok, raised = fuzz.KernelError("fail-a", "boom"), fuzz.TaskRaised("raise-a")
-    assert [fuzz._blame(e, dag) for e in (ok, raised)] == [fuzz.OK] * 2
+    assert [fuzz.blame(e, dag) for e in (ok, raised)] == [fuzz.OK] * 2
     for error in (fuzz.KernelError("fail-c", "boom"), fuzz.KernelError("fail-x", "boom")):
-        assert fuzz._blame(error, dag)[0] == "error"
-    assert fuzz._blame(fuzz.KernelError("fail-b", "boom"), dag, 2) == fuzz.OK  # queued
+        assert fuzz.blame(error, dag)[0] == "error"
+    assert fuzz.blame(fuzz.KernelError("fail-b", "boom"), dag, 2) == fuzz.OK  # queued
     assert fuzz._queued(fuzz.KernelError("fail-b", "boom"), dag, 2)
     assert not fuzz._queued(fuzz.KernelError("fail-b", "boom"), dag, 3)
-    assert fuzz._blame(raised, dag, 4) == fuzz.OK
-    assert fuzz._blame(raised, dag, 3) == ("error", "TaskRaised: raise-a")
+    assert fuzz.blame(raised, dag, 4) == fuzz.OK
+    assert fuzz.blame(raised, dag, 3) == ("error", "TaskRaised: raise-a")
     assert fuzz.check_local(dag, None, None)[0] == "wrong"
     assert "failing nodes [1, 3, 4, 5]" in dag.describe()
 

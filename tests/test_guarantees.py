@@ -1041,6 +1041,37 @@ def test_a_task_whose_kernel_a_failure_skipped_raises_after_another_threads_repo
         GATE.set()
 
 
+def _wait_for_the_gate_then_double(a):
+    """Holds its worker thread, its input checked, until :data:`GATE` opens; then launches."""
+    ENTERED.set()
+    assert GATE.wait(30)
+    return add(a, a)
+
+
+def test_a_consumer_launched_after_a_gather_reported_the_failure_it_reads_raises(fail_gate, gate):
+    """B's kernel is skipped behind k's failing kernel on the one stream. C, which reads B,
+    passes its input check while B's event is pending, then launches on B's unwritten output
+    after the client's gather of k reported (and so cleared) the failure: C's own event is
+    clean, its value NaN on the worker. The client gets k's error for C, not the NaN: C's
+    taint holds B's event, which its egress checks (helper-101, stop 59; local computes
+    check every event of their work instead)."""
+    with sim_cluster(1, 2, {"gpustreams.streams": 1, "gpustreams.blocks": "off"}) as (_, client):
+        x = client.submit(produce, 4, 1.0, pure=False)
+        k = client.submit(failing_later, x, pure=False)
+        wait([x, k])  # k's kernel is queued: B's comes after it on the one stream
+        b = client.submit(add, x, x, pure=False)
+        c = client.submit(_wait_for_the_gate_then_double, b, pure=False)
+        until(ENTERED.is_set)
+        fail_gate.set()
+        with pytest.raises(KernelError) as info:
+            k.result(timeout=30)  # its egress reports the failure
+        assert info.value.key == k.key
+        gate.set()
+        with pytest.raises(KernelError) as info:
+            c.result(timeout=30)
+        assert info.value.key == k.key
+
+
 class _ClearedBeforeItsFirstPop(deque):
     """A deque of watched records that a teardown's clear (on the event loop) empties after
     a report (in a worker thread) has found it not empty, just before it pops."""
