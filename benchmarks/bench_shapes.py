@@ -22,10 +22,16 @@ two); rows of N > 1 workers are labelled ``distributed-xN`` and a scaling table
 compares each with one worker. ``--protocol ucx`` passes a protocol to the cluster.
 
 Every sample's outputs are checked against a reference; a wrong result marks
-the row FAILED. Results go to ``--out`` (default
-``benchmarks/results/<backend>-<timestamp>/``, never overwritten): ``results.json``,
-``results.csv``, ``table.txt``, ``saturation_<scheduler>.png``,
-``wall_<scheduler>.png``, ``timeline_<policy>.png`` and Chrome traces.
+the row FAILED. Each timed run of the threaded scheduler's rows starts after a full
+garbage collection, outside its time, as in ``bench_workloads``: on an H100 one sample
+of a row ran 21-27 ms longer than its others, the same one in three processes (the
+launcher's last on wide diamond at 0.5 ms kernels, ``h100-shapes-2e992b7``), which
+halved that row's paired ratio over two rounds; on the sim, the full collections that
+the earlier runs' garbage starts (18-30 ms here) fell inside timed runs of every mode. Results
+go to ``--out`` (default ``benchmarks/results/<backend>-<timestamp>/``, never
+overwritten): ``results.json``, ``results.csv``, ``table.txt``,
+``saturation_<scheduler>.png``, ``wall_<scheduler>.png``, ``timeline_<policy>.png`` and
+Chrome traces.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 import argparse
 import contextlib
 import datetime
+import gc
 import itertools
 import json
 import statistics
@@ -375,6 +382,7 @@ class Runner:
             for i in range(warmup + samples):
                 go = prepare(next(_tokens))
                 kernels.device_synchronize(self.backend)
+                gc.collect()  # garbage of earlier runs is not this run's (the docstring)
                 t0 = time.perf_counter()
                 results = go()
                 kernels.device_synchronize(self.backend)
