@@ -22,12 +22,13 @@ two); rows of N > 1 workers are labelled ``distributed-xN`` and a scaling table
 compares each with one worker. ``--protocol ucx`` passes a protocol to the cluster.
 
 Every sample's outputs are checked against a reference; a wrong result marks
-the row FAILED. Each timed run of the threaded scheduler's rows starts after a full
-garbage collection, outside its time, as in ``bench_workloads``: on an H100 one sample
-of a row ran 21-27 ms longer than its others, the same one in three processes (the
-launcher's last on wide diamond at 0.5 ms kernels, ``h100-shapes-2e992b7``), which
-halved that row's paired ratio over two rounds; on the sim, the full collections that
-the earlier runs' garbage starts (18-30 ms here) fell inside timed runs of every mode. Results
+the row FAILED. Each timed run starts after a full garbage collection, outside its time,
+as in ``bench_workloads`` (since bbee4ef): on an H100 one launcher sample of wide
+diamond at 0.5 ms kernels ran 21-27 ms longer than its others, in the last round of
+each of four processes (``h100-pending-d-2e992b7``, ``h100-shapes-2e992b7``), which took
+that row's paired ratio over two rounds from 4.2 to 3.3; on the sim, the full
+collections that the earlier runs' garbage starts (18-30 ms here) fell inside timed
+runs of every mode. Results
 go to ``--out`` (default ``benchmarks/results/<backend>-<timestamp>/``, never
 overwritten): ``results.json``, ``results.csv``, ``table.txt``,
 ``saturation_<scheduler>.png``, ``wall_<scheduler>.png``, ``timeline_<policy>.png`` and

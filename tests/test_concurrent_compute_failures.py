@@ -231,7 +231,8 @@ def test_work_launched_after_another_compute_reported_the_failure_it_reads_fails
         by_key.update({"A-f": 0, "A-y": 1})
         config.update({"gpustreams.streams": 2, "gpustreams.policy": "test-placement"})
     if route == "threaded":
-        config["gpustreams.enabled"] = True
+        # Two threads at least: a compute's host task waits for the other's end.
+        config.update({"gpustreams.enabled": True, "num_workers": 4})
         scheduler = dask.threaded.get
     x = np.arange(4.0)
     af = delayed(gated_fail)(

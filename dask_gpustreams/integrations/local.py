@@ -106,8 +106,8 @@ class LocalSchedulerHook:
 
     def _start(self, dsk: dict) -> None:
         runtime = acquire_runtime()  # held until _finish, so it is not closed meanwhile
-        reports = runtime.reported_failures()  # before this graph's first launch
         try:
+            reports = runtime.reported_failures()  # before this graph's first launch
             caller = runtime.order_after_caller()  # inputs this thread is still writing
         except BaseException:
             runtime.release()  # _finish finds no run of this graph to release
@@ -155,8 +155,9 @@ class LocalSchedulerHook:
                     runtime.synchronize(results, registry)
                     if runtime.reported_failures() != reports:
                         # A failure cleared while this graph ran may have let its work
-                        # run on unwritten output, the results' events clean.
-                        runtime.check_all(registry)
+                        # run on unwritten output, the results' events clean: every
+                        # event of its work is checked.
+                        runtime.synchronize(registry, registry)
                 except BaseException:
                     # The first failure found wins; another kernel of the graph may have
                     # failed too (on another stream): reported here, not by the next compute.

@@ -423,13 +423,6 @@ class StreamRuntime:
         """
         return 0 if self.sticky_errors else self.backend.reported_failures()
 
-    def check_all(self, registry: EventRegistry) -> None:
-        """Wait for the work of the keys of ``registry`` in turn, up to the first that
-        failed, and raise its failure, reported elsewhere or not (:meth:`check`)."""
-        check = self.check
-        for record in registry.records(registry):
-            check(record.event)
-
     @property
     def needs_critical_path(self) -> bool:
         """Whether the policy places tasks by the graph's longest path (give it the flags)."""

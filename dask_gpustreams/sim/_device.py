@@ -24,6 +24,7 @@ processes inherit it, where a delay set in one process would not reach them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -453,7 +454,9 @@ class Device:
                 failed = stream._error
                 if failed is not None and any(failed is e for e in chain) and not stream._closed:
                     # In stream order: work enqueued before the report still sees the error.
-                    stream.enqueue(functools.partial(_clear_error, failed))
+                    # A stream closed meanwhile runs nothing new; the others still get theirs.
+                    with contextlib.suppress(RuntimeError):
+                        stream.enqueue(functools.partial(_clear_error, failed))
         return True
 
     @property
