@@ -763,6 +763,30 @@ def test_a_wait_that_passes_an_error_on_as_it_is_reported_does_not_keep_it(strea
         np.testing.assert_array_equal(y.get(), np.full(3, 2.0))
 
 
+def test_a_report_clears_every_stream_it_reached_though_one_closed_meanwhile(streams, monkeypatch):
+    """A stream closed between the report's check and its enqueue refuses the clear; the
+    streams after it still get theirs and run again (helper-102, stop 59: the loop ended
+    there, and a later stream stayed in error, skipping all its work)."""
+    a, b = streams
+    with a, device.task("k"):
+        sim.launch(boom)
+    failed = a.record()
+    b.wait_event(failed)
+    assert b.record().wait() is not None  # b is in error too
+
+    def closed(op):
+        raise RuntimeError(f"{a!r} is closed")
+
+    monkeypatch.setattr(a, "enqueue", closed)
+    monkeypatch.setattr(device, "_streams", [a, b])  # a's clear first
+    with pytest.raises(KernelError, match="task 'k'"):
+        failed.synchronize()
+    with b:
+        y = sim.asarray(np.zeros(3))
+        sim.launch(fill(2.0), y)
+        np.testing.assert_array_equal(y.get(), np.full(3, 2.0))
+
+
 def test_two_syncs_at_once_raise_an_error_once(streams, monkeypatch):
     """Both syncs find the error unreported (a barrier holds each after its check); one raises."""
     a, _ = streams
