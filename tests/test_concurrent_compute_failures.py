@@ -60,6 +60,24 @@ def _compute(graph, box, scheduler, done):
         done.set()
 
 
+def _run_gated(a_graph, b_graph, scheduler, gates, dones):
+    """Compute A, then B once A's kernel has started, open the gate once B has launched its
+    work behind it; return both outcomes once both computes have ended."""
+    started, launched, gate = gates
+    a, b = {}, {}
+    ta = threading.Thread(target=_compute, args=(a_graph, a, scheduler, dones[0]))
+    tb = threading.Thread(target=_compute, args=(b_graph, b, scheduler, dones[1]))
+    ta.start()
+    assert started.wait(WAIT)
+    tb.start()
+    assert launched.wait(WAIT)
+    gate.set()
+    ta.join(3 * WAIT)
+    tb.join(3 * WAIT)
+    assert not ta.is_alive() and not tb.is_alive()
+    return a, b
+
+
 @pytest.mark.parametrize("route", ["launcher", "threaded"])
 @pytest.mark.parametrize("reports_first", ["B, whose kernels queued behind it", "A, its own"])
 def test_a_failure_that_another_compute_reports_first_still_fails_this_one(route, reports_first):
@@ -80,18 +98,9 @@ def test_a_failure_that_another_compute_reports_first_still_fails_this_one(route
         a_graph.append(delayed(after)(x, b_done))
     else:
         b_graph.append(delayed(after)(x, a_done))
-    a, b = {}, {}
-    ta = threading.Thread(target=_compute, args=(a_graph, a, scheduler, a_done))
-    tb = threading.Thread(target=_compute, args=(b_graph, b, scheduler, b_done))
     # Set here, once: two threads' dask.config.set, ended out of order, would leave it set.
     with dask.config.set(config):
-        ta.start()
-        assert started.wait(WAIT)
-        tb.start()
-        assert launched.wait(WAIT)
-        gate.set()
-        ta.join(2 * WAIT)
-        tb.join(2 * WAIT)
+        a, b = _run_gated(a_graph, b_graph, scheduler, (started, launched, gate), (a_done, b_done))
     # A's result derives from its failing kernel, and B's kernels were skipped behind it:
     # both raise A's KernelError, whoever reported it first, and neither returns a value.
     for name, box in (("A", a), ("B", b)):
@@ -200,12 +209,6 @@ def add_host_value(a, h):
     return a + h
 
 
-@host_task
-def wait_for(done):
-    assert done.wait(WAIT), "the other compute did not end"
-    return 0.0
-
-
 @pytest.mark.parametrize("route", ["launcher", "threaded"])
 @pytest.mark.parametrize(
     "case",
@@ -244,27 +247,17 @@ def test_work_launched_after_another_compute_reported_the_failure_it_reads_fails
         # B's kernel is skipped behind A's failure; A's final sync reports it; then B
         # launches B-y on the same stream, after B-x's event, reading B-x's output.
         a_graph = [af]
-        h = delayed(wait_for)(a_done, dask_key_name="B-h")
+        h = delayed(after)(0.0, a_done, dask_key_name="B-h")
         b_graph = [delayed(add_host_value)(bx, h, dask_key_name="B-y")]
         readers = {"B": "B-y"}
     else:
         # B's sync reports A's failure (B-x was skipped behind it); then A launches A-y.
-        h = delayed(wait_for)(b_done, dask_key_name="A-h")
+        h = delayed(after)(0.0, b_done, dask_key_name="A-h")
         a_graph = [delayed(add_host_value)(af, h, dask_key_name="A-y")]
         b_graph = [bx]
         readers = {"A": "A-y"}
-    a, b = {}, {}
-    ta = threading.Thread(target=_compute, args=(a_graph, a, scheduler, a_done))
-    tb = threading.Thread(target=_compute, args=(b_graph, b, scheduler, b_done))
     with dask.config.set(config):
-        ta.start()
-        assert started.wait(WAIT)
-        tb.start()
-        assert launched.wait(WAIT)
-        gate.set()
-        ta.join(3 * WAIT)
-        tb.join(3 * WAIT)
-        assert not ta.is_alive() and not tb.is_alive()
+        a, b = _run_gated(a_graph, b_graph, scheduler, (started, launched, gate), (a_done, b_done))
         # The runtime is clean afterwards: a good compute on it is exact.
         good = dask.compute(delayed(inc)(delayed(sim.asarray)(x)), scheduler=scheduler)[0]
     np.testing.assert_array_equal(sim.asnumpy(good), x + 1)
