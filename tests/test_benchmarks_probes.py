@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import threading
 import time
@@ -255,3 +256,27 @@ def test_probe_slow_samples_checks_each_compute_and_splits_slow_from_the_others(
     assert out.count(" ok\n") == 6 and "WRONG" not in out, out
     for mode in ("sync", "launcher"):
         assert re.search(rf"^{mode} +other +\d+ computes", out, re.M), out
+
+
+@pytest.mark.parametrize(
+    "route, extra",
+    [("launcher", []), ("threaded", []), ("distributed", ["--threads", "3", "--blocks", "off"])],
+)
+def test_probe_concurrent_failures_runs_failing_computes_at_once_and_finds_them_right(
+    route, extra, capsys, monkeypatch
+):
+    """The probe's rounds each start 2-3 computes at once, most with a failing node, and
+    check every outcome; on a fixed seed it sees failures (its own and another compute's)
+    and no wrong value, hang or stuck runtime."""
+    from benchmarks.probes import probe_concurrent_failures as probe
+    from dask_gpustreams import sim
+
+    monkeypatch.setattr(sim.get_device(), "kernel_delay", (0.0, 0.0))  # restored: the probe sets it
+    argv = ["--route", route, "--streams", "2", "--seed", "3", "--rounds", "12", *extra]
+    code = probe.main(argv)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    counts = ast.literal_eval(out.rsplit("failed; ", 1)[1])
+    assert counts["rounds"] == 12 and counts["ok"] > 0, out
+    assert counts["own"] > 0, out  # failures ran, and reached their computes
+    assert not {"wrong", "unexpected", "hang", "stuck"} & counts.keys(), out

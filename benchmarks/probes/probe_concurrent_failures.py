@@ -180,19 +180,20 @@ def local_config(route: str, rng: np.random.Generator) -> dict:
     return config
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--route", choices=["launcher", "threaded", "distributed"], required=True)
     parser.add_argument("--streams", type=int, required=True)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--minutes", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=None, help="stop after this many too")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a round")
     parser.add_argument("--delay", type=float, default=0.002, help="kernel delay, 0 to this")
     parser.add_argument("--workers", type=int, default=1, help="distributed")
     parser.add_argument("--threads", type=int, default=2, help="distributed: a worker's")
     parser.add_argument("--blocks", choices=["auto", "off"], default="auto", help="distributed")
     parser.add_argument("--block-size", type=int, default=None, help="distributed")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     warnings.simplefilter("ignore", PerformanceWarning)  # the random rechunks' chunk counts
     sim.get_device().kernel_delay = (0.0, args.delay)
     config = {"gpustreams.backend": "sim", "gpustreams.streams": args.streams}
@@ -228,7 +229,8 @@ def main() -> int:
 
 
 def stress(args: argparse.Namespace, config: dict, client: Client | None) -> Counter:
-    """The rounds of :func:`main` until ``args.minutes`` have passed; the outcomes' counts."""
+    """The rounds of :func:`main` until ``args.minutes`` have passed (or ``args.rounds`` ran); the
+    outcomes' counts."""
     kernels = fuzz.make_kernels("sim")
 
     def computes(dags: list[fuzz.Dag]) -> list[Callable[[], list]]:
@@ -240,7 +242,7 @@ def stress(args: argparse.Namespace, config: dict, client: Client | None) -> Cou
     end = time.monotonic() + 60 * args.minutes
     counts: Counter = Counter()
     rnd = 0
-    while time.monotonic() < end:
+    while time.monotonic() < end and rnd != args.rounds:
         rng = np.random.default_rng([args.seed, rnd, 1000])
         n = int(rng.choice([2, 2, 3]))
         round_config = config if client is not None else {**config, **local_config(args.route, rng)}
