@@ -14,6 +14,7 @@ import difflib
 import functools
 import numbers
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
@@ -183,12 +184,39 @@ def _check_keys() -> None:
     section = _section()
     unknown = sorted(k for k in section if k.replace("_", "-") not in _KNOWN)
     if unknown:
-        key = unknown[0]
-        match = difflib.get_close_matches(key.replace("_", "-"), KEYS, n=1)
-        hint = f" did you mean gpustreams.{match[0]}?" if match else ""
-        known = ", ".join(f"gpustreams.{k}" for k in KEYS)
-        written = f"gpustreams.{key}={section[key]!r}"
-        raise ValueError(f"unknown configuration key {written};{hint} known keys: {known}")
+        raise ValueError(_unknown_key(section, unknown[0]))
+
+
+def _unknown_key(section: Mapping, key: str) -> str:
+    """What :func:`_check_keys` says of ``key``: its value, the closest known key, and all."""
+    match = difflib.get_close_matches(key.replace("_", "-"), KEYS, n=1)
+    hint = f" did you mean gpustreams.{match[0]}?" if match else ""
+    known = ", ".join(f"gpustreams.{k}" for k in KEYS)
+    written = f"gpustreams.{key}={section[key]!r}"
+    return f"unknown configuration key {written};{hint} known keys: {known}"
+
+
+#: Every spelling of a known key that dask reads as that key (``copy_streams`` too).
+_SPELLINGS = _KNOWN | {k.replace("-", "_") for k in KEYS}
+
+
+def _warn_unknown_keys() -> None:
+    """Warn of the ``gpustreams.*`` keys that ``gpustreams.yaml`` does not have, while off.
+
+    While ``gpustreams.enabled`` is true they fail the compute (:func:`_check_keys`); while
+    it is false nothing reads them, so a misspelt ``gpustreams.enable`` would leave the
+    plugin off in silence. One set difference a compute; each message is shown once a process.
+    """
+    section = dask.config.config.get("gpustreams")
+    if isinstance(section, Mapping) and not section.keys() <= _SPELLINGS:
+        for key in sorted(section.keys() - _SPELLINGS):
+            warn_once(f"{_unknown_key(section, key)}; gpustreams.enabled is off")
+
+
+@functools.lru_cache(maxsize=64)
+def warn_once(message: str) -> None:
+    """``UserWarning(message)``, once a process."""
+    warnings.warn(message, UserWarning, stacklevel=2)
 
 
 @dataclass(frozen=True)
@@ -340,8 +368,12 @@ def auto_pinned_pool_size(devices: int) -> int:
 
 
 def enabled() -> bool:
-    """Whether ``gpustreams.enabled`` is true, read by :func:`parse_bool` (once per compute)."""
+    """Whether ``gpustreams.enabled`` is true, read by :func:`parse_bool` (once per compute).
+
+    While it is false, an unknown ``gpustreams.*`` key is warned of (:func:`_warn_unknown_keys`).
+    """
     value = dask.config.get("gpustreams.enabled", False)
-    if value is True or value is False:  # the usual case, without a call
-        return value
-    return parse_bool("enabled", value)
+    if value is not True and (value is False or not parse_bool("enabled", value)):
+        _warn_unknown_keys()
+        return False
+    return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+import warnings
 from dataclasses import fields
 
 import dask
@@ -18,7 +19,7 @@ import pytest
 from dask import delayed
 from distributed import Client, LocalCluster
 
-from dask_gpustreams import StreamsConfig, StreamsPlugin, dask_setup, sim, status
+from dask_gpustreams import StreamsConfig, StreamsPlugin, config, dask_setup, sim, status
 from dask_gpustreams.config import KEYS, MAX_COPY_STREAMS, MAX_STREAMS, enabled, parse_bool
 from dask_gpustreams.runtime import live_runtimes
 from dask_gpustreams.runtime.policies import policy_names
@@ -284,6 +285,25 @@ def test_an_unknown_key_fails_compute_before_any_task_runs(gpustreams):
         with pytest.raises(ValueError, match=r"^unknown configuration key gpustreams\.stream=4"):
             delayed(ran.append)(1).compute()
     assert ran == []
+    assert live_runtimes() == []
+
+
+def test_an_unknown_key_is_warned_of_while_off_once_a_process():
+    """While off nothing reads the section, so ``gpustreams.enable`` would leave the plugin
+    off in silence: the compute runs as plain Dask and warns, once, with the closest key."""
+    config.warn_once.cache_clear()
+    message = (
+        "unknown configuration key gpustreams.enable=True; did you mean gpustreams.enabled? "
+        f"known keys: {KNOWN}; gpustreams.enabled is off"
+    )
+    with (
+        dask.config.set({"gpustreams.enable": True}),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        assert delayed(sum)([1, 2]).compute() == 3
+        assert delayed(sum)([3, 4]).compute(scheduler="sync") == 7
+    assert [str(w.message) for w in caught] == [message]
     assert live_runtimes() == []
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import dask
@@ -23,7 +24,9 @@ from dask import delayed
 
 import dask_gpustreams
 from dask_gpustreams import sim
+from dask_gpustreams.diagnostics.status import runtime_counts
 from dask_gpustreams.integrations import local
+from dask_gpustreams.runtime.runtime import live_runtimes
 
 
 def _thread_of(_: object) -> int:
@@ -140,13 +143,31 @@ def test_dask_s_synchronous_scheduler_by_name_runs_every_task_in_the_calling_thr
     assert threading.get_ident() not in elsewhere  # marked: host threads, unless asked
 
 
-@pytest.mark.parametrize(
-    "scheduler", [dask.local.get_sync, "processes"], ids=["get_sync function", "processes"]
-)
-def test_other_schedulers_are_kept(gpustreams, scheduler):
+def test_other_schedulers_are_kept(gpustreams):
     with gpustreams():
-        kept = dask.base.get_scheduler(scheduler=scheduler)
-    assert kept is dask.base.named_schedulers.get(scheduler, scheduler)
+        kept = dask.base.get_scheduler(scheduler=dask.local.get_sync)
+    assert kept is dask.local.get_sync
+
+
+def _enabled_in_task(_: object) -> bool:
+    return dask.config.get("gpustreams.enabled")
+
+
+def test_processes_run_as_plain_dask_and_say_so_once(gpustreams):
+    """Its tasks run in other processes, which the runtime does not reach: the compute
+    runs as plain Dask (no runtime of this process runs it), with one warning a process."""
+    parts = [delayed(_enabled_in_task)(i) for i in range(4)]
+    local.warn_once.cache_clear()
+    with gpustreams():
+        assert dask.base.get_scheduler(scheduler="processes") is local.processes_get
+        before = {id(rt): runtime_counts(rt)["tasks_run"] for rt in live_runtimes()}
+        with pytest.warns(UserWarning, match="^gpustreams: scheduler='processes' runs tasks in"):
+            got = dask.compute(*parts, scheduler="processes", num_workers=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dask.compute(*parts, scheduler="processes", num_workers=2) == got
+    assert got == (False,) * 4  # the config the tasks ran under: the plugin off
+    assert {id(rt): runtime_counts(rt)["tasks_run"] for rt in live_runtimes()} == before
 
 
 def test_disabled_keeps_dask_s_default(gpustreams):
@@ -158,13 +179,46 @@ def test_a_distributed_client_wins():
     from distributed import Client, LocalCluster
 
     with (
+        dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}),
         LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
         Client(cluster) as client,
-        dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}),
     ):
         schedule = dask.base.get_scheduler(collections=[delayed(1)])
         assert schedule is not dask_gpustreams.get
         assert getattr(schedule, "__self__", None) is client
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_enabled_after_the_client_was_created_warns_where_no_plugin_is_registered(registered):
+    """The client registers the plugin when it is created; enabled only later, its workers
+    run without streams, and the first compute through it says so (once a client)."""
+    from distributed import Client, LocalCluster
+
+    local.warn_once.cache_clear()
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        if registered:
+            client.register_plugin(dask_gpustreams.StreamsPlugin(backend="sim"))
+        with (
+            dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}),
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("always")
+            assert delayed(sum)([1, 2]).compute() == 3
+            assert delayed(sum)([3, 4]).compute() == 7
+    said = [str(w.message) for w in caught if "created while it was off" in str(w.message)]
+    if registered:
+        assert said == []
+    else:
+        assert said == [
+            "gpustreams.enabled is on, but this Client was created while it was off, so it "
+            "registered no StreamsPlugin, and its scheduler has none: its workers run this "
+            "compute without streams (unless they preloaded dask_gpustreams). Register it "
+            "with client.register_plugin(dask_gpustreams.StreamsPlugin()), or set "
+            "gpustreams.enabled before creating the Client."
+        ]
 
 
 def test_uninstall_puts_dask_s_get_scheduler_back(gpustreams):

@@ -70,10 +70,12 @@ import dask.callbacks
 import dask.config
 import dask.local
 import dask.threaded
+from distributed import Client
 
-from dask_gpustreams.config import enabled
+from dask_gpustreams.config import enabled, warn_once
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.integrations.patching import Patch
+from dask_gpustreams.integrations.preload import warn_if_not_registered
 from dask_gpustreams.integrations.tasks import ComputeRegistry, transfer_rewrites, wrap_task
 from dask_gpustreams.runtime import StreamRuntime, acquire_runtime
 from dask_gpustreams.runtime.context import active_task
@@ -223,7 +225,24 @@ def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
             return sync_get if name in SYNC_NAMES else schedule
         if (not named or name in THREADED_NAMES) and dask.config.get("pool", None) is None:
             return threaded_get
+    elif schedule is dask.base.named_schedulers.get("processes"):
+        if enabled():
+            return processes_get
+    elif isinstance(getattr(schedule, "__self__", None), Client) and enabled():
+        warn_if_not_registered(schedule.__self__)
     return schedule
+
+
+def processes_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """Dask's multiprocessing scheduler while enabled: its tasks run in other processes,
+    which the runtime does not reach, so it runs them as plain Dask, and says so once."""
+    warn_once(
+        "gpustreams: scheduler='processes' runs tasks in other processes, where the stream "
+        "runtime does not run: this compute runs as plain Dask (use the default scheduler, "
+        "or scheduler='gpustreams', to run it on streams)"
+    )
+    with dask.config.set({"gpustreams.enabled": False}):
+        return dask.base.named_schedulers["processes"](dsk, keys, **kwargs)
 
 
 #: Dask's ``local_callbacks`` (all local schedulers read it) and ``get_scheduler``, wrapped.

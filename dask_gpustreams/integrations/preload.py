@@ -107,6 +107,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import Field, fields
 from typing import Any
@@ -115,7 +116,7 @@ import click
 import dask.config
 import distributed  # noqa: F401  (its defaults must be registered before ours)
 
-from dask_gpustreams.config import StreamsConfig, enabled
+from dask_gpustreams.config import StreamsConfig, enabled, warn_once
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -155,6 +156,7 @@ def _setup(server: Any, problem: str | None = None, **options: Any) -> Any:
     if isinstance(server, Client):
         try:
             if not enabled():
+                _created_off.add(server)
                 return None
             if problem is not None:
                 raise ValueError(f"preload argument: {problem}")
@@ -166,6 +168,45 @@ def _setup(server: Any, problem: str | None = None, **options: Any) -> Any:
         return _register(server.scheduler.register_worker_plugin(**_plugin_message(plugin)), _warn)
     logger.info("gpustreams: preload ignored by %s; preload the worker instead", type(server))
     return None
+
+
+#: The clients created while ``gpustreams.enabled`` was false, not yet checked by
+#: :func:`warn_if_not_registered`.
+_created_off: weakref.WeakSet = weakref.WeakSet()
+
+
+def warn_if_not_registered(client: Any) -> None:
+    """Warn where ``gpustreams.enabled`` is on at a compute through ``client``, which was
+    created while it was off (so it registered no plugin), and its scheduler has none.
+
+    Checked once a client, with one call to its scheduler; not for an asynchronous
+    client, which cannot make that call here. Registering the plugin here instead would
+    outlive a ``dask.config.set`` block, on a cluster that other clients may share.
+    """
+    if client not in _created_off:
+        return
+    _created_off.discard(client)
+    if client.asynchronous:
+        return
+    from dask_gpustreams.integrations.distributed import StreamsPlugin
+
+    try:
+        registered = client.run_on_scheduler(_registered, StreamsPlugin.name)
+    except Exception:  # the compute that follows reports what is wrong with the client
+        logger.debug("gpustreams: could not ask the scheduler for its plugins", exc_info=True)
+        return
+    if not registered:
+        warn_once(
+            "gpustreams.enabled is on, but this Client was created while it was off, so it "
+            "registered no StreamsPlugin, and its scheduler has none: its workers run this "
+            "compute without streams (unless they preloaded dask_gpustreams). Register it "
+            "with client.register_plugin(dask_gpustreams.StreamsPlugin()), or set "
+            "gpustreams.enabled before creating the Client."
+        )
+
+
+def _registered(name: str, dask_scheduler: Any) -> bool:
+    return name in dask_scheduler.worker_plugins
 
 
 def _plugin(problem: str | None, overrides: dict, source: str) -> Any:
