@@ -10,7 +10,7 @@ from dask import delayed
 from distributed import Client, LocalCluster
 
 import dask_gpustreams
-from dask_gpustreams import StreamsPlugin, sim
+from dask_gpustreams import KernelError, StreamsPlugin, sim
 from dask_gpustreams.diagnostics.status import STATUS_FIELDS, StreamsStatus
 from dask_gpustreams.runtime import EventRegistry, get_runtime
 from dask_gpustreams.runtime.runtime import live_runtimes
@@ -70,14 +70,31 @@ def test_in_flight_and_held_bytes_of_a_running_task():
     x = runtime.run("x", lambda _: ones(1000), {}, registry)
     runtime.synchronize(["x"], registry)
     runtime.run("y", lambda v: slow_inc(v["x"], 0.5), {"x": x}, registry)
-    (row,) = dask_gpustreams.status().rows
-    assert row["tasks_run"] == 2
+    row, configured = dask_gpustreams.status().rows  # and the settings of the config's
+    assert row["tasks_run"] == 2 and not configured["started"]
     assert row["tasks_in_flight"] == 1
     assert row["held_bytes"] == x.nbytes == 8000
     runtime.synchronize(["y"], registry)
     runtime.collect()
-    (row,) = dask_gpustreams.status().rows
+    row, _ = dask_gpustreams.status().rows
     assert (row["tasks_in_flight"], row["held_bytes"]) == (0, 0)
+
+
+def test_after_a_compute_a_bad_setting_and_new_settings_are_shown_beside_the_runtime(gpustreams):
+    """Rows of runtimes that ran do not hide what the config gives now: an invalid value
+    (the next compute raises it), or the settings of the runtime the next compute makes."""
+    with gpustreams(streams=2):
+        assert sim.asnumpy(delayed(ones)(4).sum().compute()).tolist() == 4.0
+        (ran,) = dask_gpustreams.status().rows
+        with dask.config.set({"gpustreams.streams": 1000}):
+            report = dask_gpustreams.status()
+        assert report.rows[0] == ran
+        assert "gpustreams.streams=1000 is invalid" in report.rows[1]["error"]
+        assert "error (pid" in str(report)
+        with dask.config.set({"gpustreams.streams": 3}):
+            ran_before, next_one = dask_gpustreams.status().rows
+            assert ran_before == ran and ran["streams"] == 2
+            assert (next_one["started"], next_one["streams"]) == (False, 3)
 
 
 def test_an_invalid_setting_is_reported_not_raised():
@@ -129,6 +146,34 @@ def test_status_of_every_worker(cluster_client):
     assert rows[a]["backend"] == "sim" and rows[a]["streams"] == 2
     text = str(dask_gpustreams.status(client))
     assert a in text and b in text
+
+
+def _raises(out, a):
+    raise ValueError("boom")
+
+
+def fails_on_the_device(a):
+    """Returns at once; its kernel fails on the device."""
+    out = sim.empty(a.shape)
+    sim.launch(_raises, out, a)
+    return out
+
+
+def test_failures_count_a_kernel_failure_that_a_dependent_found(cluster_client):
+    """The dependent, on the same worker, finds it before it runs and raises it: the
+    failed result is never asked for, yet the worker's row counts it, once."""
+    client = cluster_client
+    client.register_plugin(StreamsPlugin())
+    a = sorted(client.scheduler_info()["workers"])[0]
+    x = client.submit(ones, 10, workers=[a], pure=False)
+    bad = client.submit(fails_on_the_device, x, workers=[a], pure=False)
+    readers = [client.submit(slow_inc, bad, i / 1000, workers=[a], pure=False) for i in range(2)]
+    for reader in readers:
+        with pytest.raises(KernelError) as caught:
+            reader.result(timeout=30)
+        assert caught.value.key == bad.key
+    rows = {r["worker"]: r for r in dask_gpustreams.status(client)}
+    assert rows[a]["failures"] == 1
 
 
 def test_workers_without_the_plugin_say_so(cluster_client):

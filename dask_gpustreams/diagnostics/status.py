@@ -71,8 +71,9 @@ class StreamsStatus:
       results still alive), ``pinned_limit_bytes`` (``pinned-pool-size``);
     - ``stream_waits``: event waits enqueued for other streams' work;
     - ``egress_waits``, ``egress_wait_seconds``: get_data and spill requests of
-      a worker that waited for events, and how long; ``failures``: kernel
-      failures found there (corrupt results released for recomputation);
+      a worker that waited for events, and how long; ``failures``: the keys
+      whose kernels the worker found failed (by a task that read them, or a
+      request for them: their results are then recomputed), each once;
       None outside a worker;
     - ``error``: why settings could not be read (an invalid ``gpustreams.*``),
       a worker plugin's bad settings (its tasks fail with them), or a worker's
@@ -147,9 +148,14 @@ def process_rows(worker: Any = None) -> list[dict]:
         base.update(egress_counts(plugin))
         runtime = getattr(plugin, "runtime", None) if base["enabled"] else None
         runtimes = [runtime] if runtime is not None else []
-    if runtimes:
-        return [_row(**base, **runtime_counts(rt)) for rt in runtimes]
-    return [_row(**base, **_configured(plugin))]
+    rows = [_row(**base, **runtime_counts(rt)) for rt in runtimes]
+    if worker is None and "error" not in base:
+        # What this process's config gives now, where no runtime has it: a bad value, or
+        # the settings of the next compute's runtime.
+        configured = _configured(None)
+        if "error" in configured or all(r["settings"] != configured["settings"] for r in rows):
+            rows.append(_row(**base, **configured))
+    return rows or [_row(**base, **_configured(plugin))]
 
 
 def _worker_rows(dask_worker: Any) -> list[dict]:
@@ -163,7 +169,7 @@ def egress_counts(plugin: Any) -> dict:
     return {
         "egress_waits": getattr(egress, "waits", 0),
         "egress_wait_seconds": getattr(egress, "wait_seconds", 0.0),
-        "failures": getattr(provenance, "corrupt_found", 0),
+        "failures": getattr(provenance, "kernel_failures", 0),
     }
 
 

@@ -34,9 +34,6 @@ class FailureRecords(OrderedDict):
         super().__init__()
         self.max_failures = max_failures
         self.ttl = ttl
-        #: Corrupt results recorded (a key recorded again while kept counts once), for
-        #: diagnostics.
-        self.found = 0
 
     def record(self, failed: Mapping[Hashable, KernelError]) -> None:
         """Record the errors of the corrupt results ``failed`` (key -> error), logged once.
@@ -46,7 +43,6 @@ class FailureRecords(OrderedDict):
         """
         for key, error in failed.items():
             if key not in self:
-                self.found += 1
                 logger.error("gpustreams: result of %r is corrupt (%s); recomputing it", key, error)
             self[key] = (error, time.monotonic())
             self.move_to_end(key)

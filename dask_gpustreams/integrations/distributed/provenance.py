@@ -62,6 +62,26 @@ class Taints(dict):
         self.pop(key, None)
 
 
+class CountedKeys:
+    """How many distinct keys were added, each counted once while among the last
+    :attr:`window` added (any thread; a failure path, so a lock)."""
+
+    window = 1000
+
+    def __init__(self):
+        self.count = 0
+        self._recent: dict[Hashable, None] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: Hashable) -> None:
+        with self._lock:
+            if key not in self._recent:
+                self.count += 1
+                self._recent[key] = None
+                if len(self._recent) > self.window:
+                    del self._recent[next(iter(self._recent))]
+
+
 class Provenance:
     """The device work behind one worker's keys: its runtime, events, taints and failures.
 
@@ -121,6 +141,8 @@ class Provenance:
         self._reporting = False  # a report_unread holds the records it took (under the lock)
         self._report_queued = False  # collect queued a report_unread, not run yet
         self._report_lock = threading.Lock()
+        #: The keys found failed (:meth:`_failed`), for :attr:`kernel_failures`.
+        self._failed_keys = CountedKeys()
 
     # Read-only views, for the other parts' bindings and for diagnostics.
 
@@ -153,9 +175,10 @@ class Provenance:
         return self._held
 
     @property
-    def corrupt_found(self) -> int:
-        """Corrupt results found so far (kernel failures), for diagnostics."""
-        return self._failures.found
+    def kernel_failures(self) -> int:
+        """Keys whose task's kernels this worker found failed (in a task's inputs, in a
+        result asked for), each counted once; for diagnostics."""
+        return self._failed_keys.count
 
     def task_runtime(self) -> StreamRuntime:
         """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
@@ -224,8 +247,9 @@ class Provenance:
         self._runtime.wait_all(records)
 
     def _failed(self, record: TaskRecord, error: BaseException) -> KernelError:
-        """The failure of ``record``'s completed task, reported (:meth:`_report`)."""
+        """The failure of ``record``'s completed task, reported (:meth:`_report`) and counted."""
         self._report(record)
+        self._failed_keys.add(record.key)
         return as_kernel_error(record.key, error)
 
     def _report(self, record: TaskRecord) -> None:
