@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         client = None
         if cluster:
             for name in ("distributed", "dask_gpustreams"):  # each failed task, each recompute
-                logging.getLogger(name).setLevel(logging.CRITICAL)
+                logger = logging.getLogger(name)
+                stack.callback(logger.setLevel, logger.level)  # put back: main() is called
+                logger.setLevel(logging.CRITICAL)
             config.update({**fuzz.CLUSTER_CONFIG, "gpustreams.enabled": True})
             config["gpustreams.blocks"] = args.blocks
             if args.block_size:
