@@ -39,6 +39,14 @@ def start_cluster(backend: str):
     return LocalCUDACluster(preload=["dask_gpustreams"], dashboard_address=":0")
 
 
+def digits(size: int, chunk: int) -> da.Array:
+    """The ``size`` x ``size`` matrix of ``i * size + j`` mod 10, made chunk by chunk where
+    it is computed: the graph carries no data (a NumPy array in it would be sent whole)."""
+    return da.fromfunction(
+        lambda i, j: (i * size + j) % 10, shape=(size, size), dtype=np.int64, chunks=chunk
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("auto", "cupy", "sim"), default="auto")
@@ -61,11 +69,11 @@ def main() -> None:
     else:
         from dask_gpustreams import sim as xp
 
-    host = np.arange(args.size**2, dtype=np.int64).reshape(args.size, args.size) % 10
     config = {"gpustreams.backend": backend, "gpustreams.streams": args.streams}
     with dask.config.set(config), start_cluster(backend) as cluster, Client(cluster) as client:
-        x = da.from_array(host, chunks=args.chunk).map_blocks(xp.asarray)
+        x = digits(args.size, args.chunk).map_blocks(xp.asarray)
         got = xp.asnumpy((x @ x.T).sum(axis=1).compute())
+        host = np.arange(args.size**2, dtype=np.int64).reshape(args.size, args.size) % 10
         assert np.array_equal(got, (host @ host.T).sum(axis=1)), "result differs from NumPy's"
         print(f"{type(cluster).__name__}: sum {int(got.sum())}, equal to NumPy's")
         print(dask_gpustreams.status(client))
