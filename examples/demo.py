@@ -25,6 +25,7 @@ import dask.threaded
 import numpy as np
 
 import dask_gpustreams
+from dask_gpustreams import StreamsConfig
 from dask_gpustreams.backends import gpu_visible
 
 
@@ -107,6 +108,10 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--scheduler", choices=("gpustreams", "threads"), default="gpustreams")
     args = parser.parse_args()
+    try:
+        StreamsConfig(streams=args.streams)  # the library's range and message
+    except ValueError as e:
+        parser.error(str(e))
     for flag, value in (("--width", args.width), ("--depth", args.depth)):
         if value < 1:
             parser.error(f"{flag} {value}: a shape needs at least 1")

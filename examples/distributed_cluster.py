@@ -27,6 +27,14 @@ def expression(x):
     return ((x % 7) * (x.T % 5) + x).sum(axis=0)
 
 
+def arange(size: int, chunk: int) -> da.Array:
+    """The ``size`` x ``size`` matrix of ``i * size + j``, made chunk by chunk where it is
+    computed: the graph carries no data (a NumPy array in it would be sent whole)."""
+    return da.fromfunction(
+        lambda i, j: i * size + j, shape=(size, size), dtype=np.int64, chunks=chunk
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
@@ -40,15 +48,14 @@ def main() -> None:
     else:
         from dask_gpustreams import sim as xp  # the simulated device: no GPU needed
 
-    host = np.arange(args.size**2, dtype=np.int64).reshape(args.size, args.size)
     with (
         LocalCluster(n_workers=args.workers, threads_per_worker=2, dashboard_address=":0") as lc,
         Client(lc) as client,
     ):
         client.register_plugin(dask_gpustreams.StreamsPlugin(streams=args.streams))
-        x = da.from_array(host, chunks=args.chunk).map_blocks(xp.asarray)
+        x = arange(args.size, args.chunk).map_blocks(xp.asarray)
         got = xp.asnumpy(expression(x).compute())
-        want = expression(host)
+        want = expression(np.arange(args.size**2, dtype=np.int64).reshape(args.size, args.size))
         assert np.array_equal(got, want), "the cluster's result differs from NumPy's"
         print(f"sum {int(got.sum())}: equal to NumPy's, {len(got)} columns")
         print(dask_gpustreams.status(client))

@@ -433,7 +433,7 @@ def test_a_worker_refusing_a_registered_plugin_fails_every_task_until_replaced()
         assert list(client.run(plugin_streams).values()) == [(2, 2)]
 
 
-def test_worker_preload_arguments_set_the_plugin_and_bad_ones_fail_the_tasks():
+def test_worker_preload_arguments_set_the_plugin():
     argv = ["--streams", "2", "--no-timeline", "--create-cuda-context"]  # dask-cuda's: ignored
     with (
         dask.config.set(SIM),
@@ -442,18 +442,21 @@ def test_worker_preload_arguments_set_the_plugin_and_bad_ones_fail_the_tasks():
     ):
         assert client.submit(on_pool_stream, pure=False).result()
         assert list(client.run(plugin_streams).values()) == [(2, 2)]
+
+
+@pytest.mark.parametrize("value, written", [("0", "0"), ("abc", "'abc'")], ids=["0", "abc"])
+def test_a_bad_worker_preload_argument_fails_the_tasks_naming_the_allowed_values(value, written):
+    argv = ["--streams", value]
     with (
         dask.config.set(SIM),
-        local_cluster(
-            processes=False, preload=["dask_gpustreams"], preload_argv=["--streams", "0"]
-        ) as c,
+        local_cluster(processes=False, preload=["dask_gpustreams"], preload_argv=argv) as c,
         Client(c) as client,
     ):
         [worker] = c.scheduler_info["workers"]
         message = (
             f"gpustreams cannot start on worker {worker}: preload argument: Invalid value for "
-            "'--streams': gpustreams.streams=0 is invalid: allowed values are an int >= 1 and "
-            "<= 128"
+            f"'--streams': gpustreams.streams={written} is invalid: allowed values are an int "
+            ">= 1 and <= 128"
         )
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             client.submit(on_pool_stream, pure=False).result()

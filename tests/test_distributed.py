@@ -36,7 +36,15 @@ from dask._task_spec import GraphNode, Task, TaskRef, _execute_subgraph
 from dask.sizeof import sizeof
 from distributed import Client, LocalCluster, wait
 
-from dask_gpustreams import KernelError, StreamsPlugin, dask_setup, host_task, sim, to_host
+from dask_gpustreams import (
+    KernelError,
+    StreamsConfig,
+    StreamsPlugin,
+    dask_setup,
+    host_task,
+    sim,
+    to_host,
+)
 from dask_gpustreams.backends import gpu_visible
 from dask_gpustreams.backends.sim import SimBackend
 from dask_gpustreams.integrations.distributed.execution import Execution
@@ -848,8 +856,18 @@ def test_settings_are_validated_on_the_client():
         StreamsPlugin(streams=0)
     with pytest.raises(ValueError, match=r"gpustreams.policy='nope' is invalid"):
         StreamsPlugin(policy="nope")
-    with pytest.raises(TypeError, match=r"unexpected keyword argument 'stream'"):
-        StreamsPlugin(stream=4)
+
+
+@pytest.mark.parametrize(
+    "name, hint", [("stream", " did you mean 'streams'?"), ("nope", "")], ids=["close", "far"]
+)
+def test_an_unknown_keyword_argument_names_the_closest_setting(name, hint):
+    allowed = ", ".join(StreamsConfig.__dataclass_fields__)
+    with pytest.raises(TypeError) as raised:
+        StreamsPlugin(**{name: 4})
+    assert str(raised.value) == (
+        f"StreamsPlugin() got an unexpected keyword argument {name!r};{hint} allowed: {allowed}"
+    )
 
 
 def test_plugin_pickles_its_settings_only():

@@ -97,6 +97,18 @@ def test_demo_refuses_an_empty_shape_or_kernel(args, message):
     assert done.returncode == 2 and message in done.stderr, done
 
 
+@pytest.mark.parametrize("streams", ["0", "200"])
+def test_demo_refuses_a_stream_count_out_of_range(streams):
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "demo.py"), "--streams", streams],
+        capture_output=True,
+        text=True,
+    )
+    message = f"gpustreams.streams={streams} is invalid: allowed values are an int >= 1 and <= 128"
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.endswith(f"demo.py: error: {message}\n"), done
+
+
 def test_distributed_cluster():
     out = run_example("distributed_cluster", "--workers", "2", "--size", "128", "--chunk", "64")
     x = arange(128)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+import warnings
 
 import dask
 import dask.threaded
@@ -100,11 +101,27 @@ def test_one_record_per_task(source):
     assert timeline() == []
 
 
-def test_nothing_recorded_when_off(source):
+def test_nothing_recorded_when_off_and_a_warning_says_how_to_turn_it_on(source):
     k = sleep_kernel(0)
     with dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}):
         dask.threaded.get({"src": source, "x": (k, "src")}, ["x"])
-    assert timeline() == []
+    with pytest.warns(UserWarning) as warned:
+        assert timeline() == []
+    assert [str(w.message) for w in warned] == [
+        "timeline() is empty: gpustreams.timeline is off (the default), so no stream runtime "
+        "of this process records one; turn it on before computing: "
+        "dask.config.set({'gpustreams.timeline': True})"
+    ]
+
+
+def test_an_empty_timeline_that_is_on_does_not_warn(source):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with dask.config.set({"gpustreams.timeline": True}):
+            assert timeline() == []  # no runtime yet: the next compute records
+        run({"src": source, "x": (sleep_kernel(0), "src")}, ["x"])
+        clear_timeline()
+        assert timeline() == []  # the runtime records; nothing since the clear
 
 
 def test_chrome_trace_has_one_track_per_stream(source, tmp_path):
@@ -170,6 +187,11 @@ def test_saturation_needs_records():
         saturation([], 1.0)
 
 
+def test_gantt_needs_records():
+    with pytest.raises(ValueError, match="^plot_gantt needs at least one record; got none$"):
+        plot_gantt([])
+
+
 def test_gathered_through_a_client(source):
     distributed = pytest.importorskip("distributed")
     k = sleep_kernel(0.001)
@@ -187,6 +209,39 @@ def test_gathered_through_a_client(source):
         assert all(r["worker"].startswith("inproc://") for r in records)
         clear_timeline(client)
         assert timeline(client) == []
+
+
+def test_an_empty_cluster_timeline_warns_until_the_workers_plugin_records_one():
+    """The workers' plugin read its config at setup: a client's dask.config.set comes too late
+    (here, in-process, the workers' config is this process's), a plugin with the setting not."""
+    distributed = pytest.importorskip("distributed")
+    from tests.sim_tasks import SIM_CLUSTER, ones
+
+    off = (
+        "timeline(client) is empty: gpustreams.timeline is off on every worker (the default), "
+        "so none records one; a worker reads its own config when its plugin starts, so a "
+        "dask.config.set here does not reach it: turn it on with "
+        "client.register_plugin(StreamsPlugin(timeline=True))"
+    )
+    with (
+        dask.config.set(SIM_CLUSTER),
+        distributed.LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        client.register_plugin(dask_gpustreams.StreamsPlugin())
+        client.submit(ones, 4, key="off").result()
+        with dask.config.set({"gpustreams.timeline": True}), pytest.warns(UserWarning) as warned:
+            assert timeline(client) == []
+        assert [str(w.message) for w in warned] == [off]
+
+        client.register_plugin(dask_gpustreams.StreamsPlugin(timeline=True))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert timeline(client) == []  # no runtime yet: the plugin's first task records
+            client.submit(ones, 4, key="on").result()
+            assert [r["key"] for r in timeline(client)] == ["on"]
 
 
 def _same_host_and_pid() -> None:

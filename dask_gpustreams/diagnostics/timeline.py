@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import dask.config
 from dask.utils import key_split
 
 #: This process, among a client's workers: host and pid alone may repeat (containers
@@ -64,14 +65,20 @@ def timeline(client: Any = None, *, timeout: float = 10.0) -> list[dict]:
         aligned through the host clock (exact within a process).
 
     Nothing is recorded unless ``gpustreams.timeline`` was true when the runtime
-    was created; tasks still running are left out.
+    was created; tasks still running are left out. An empty result warns
+    (``UserWarning``) when that is why: no runtime records a timeline, and none
+    would be created with one (locally: ``gpustreams.timeline`` is off here; on a
+    cluster: on every worker's plugin, as each worker reads its own config).
     """
     if client is None:
         parts = [_collect_process(timeout)]
+        recording = parts[0]["recording"] or _timeline_setting()
     else:
         parts = []
         processes: dict[str, dict] = {}
-        for address, part in sorted(client.run(_collect_worker, timeout).items()):
+        responses = client.run(_collect_worker, timeout)
+        recording = any(part["recording"] for part in responses.values())
+        for address, part in sorted(responses.items()):
             # Workers of one process (processes=False) see all its runtimes: take its
             # records once, each under the worker whose plugin owns its runtime (the
             # process's first worker for the others: local computes, say).
@@ -88,6 +95,8 @@ def timeline(client: Any = None, *, timeout: float = 10.0) -> list[dict]:
                 r["worker"] = part["owners"].get(r["runtime"], part["worker"])
     rows = [(r.get("worker", part["worker"]), r) for part in parts for r in part["records"]]
     if not rows:
+        if not recording:
+            warnings.warn(_OFF_LOCAL if client is None else _OFF_CLUSTER, UserWarning, stacklevel=2)
         return []
     t0 = min(r["start"] for _, r in rows)
     records = [
@@ -105,6 +114,29 @@ def timeline(client: Any = None, *, timeout: float = 10.0) -> list[dict]:
     ]
     records.sort(key=lambda r: (r["start_ms"], r["end_ms"]))
     return records
+
+
+_OFF_LOCAL = (
+    "timeline() is empty: gpustreams.timeline is off (the default), so no stream runtime of "
+    "this process records one; turn it on before computing: "
+    "dask.config.set({'gpustreams.timeline': True})"
+)
+_OFF_CLUSTER = (
+    "timeline(client) is empty: gpustreams.timeline is off on every worker (the default), so "
+    "none records one; a worker reads its own config when its plugin starts, so a "
+    "dask.config.set here does not reach it: turn it on with "
+    "client.register_plugin(StreamsPlugin(timeline=True))"
+)
+
+
+def _timeline_setting() -> bool:
+    """Whether this process's ``gpustreams.timeline`` is on (a bad value counts as on)."""
+    from dask_gpustreams.config import parse_bool
+
+    try:
+        return parse_bool("timeline", dask.config.get("gpustreams.timeline", False))
+    except ValueError:  # the compute reports it; the timeline is not known to be off
+        return True
 
 
 def clear_timeline(client: Any = None) -> None:
@@ -130,7 +162,9 @@ def _collect_process(timeout: float = 10.0) -> dict:
     from dask_gpustreams.runtime import live_runtimes
 
     records: list[dict] = []
+    recording = False
     for runtime in live_runtimes():
+        recording = recording or runtime.timeline_enabled
         for record in _runtime_records(runtime, runtime.timeline_snapshot(), timeout):
             record["runtime"] = id(runtime)
             records.append(record)
@@ -140,16 +174,21 @@ def _collect_process(timeout: float = 10.0) -> dict:
         "process": _PROCESS,
         "worker": None,
         "records": records,
+        "recording": recording,
     }
 
 
 def _collect_worker(timeout: float = 10.0, dask_worker: Any = None) -> dict:
-    """:func:`_collect_process` on a worker, with the ``id`` of its plugin's runtime (or None)."""
+    """:func:`_collect_process` on a worker, with the ``id`` of its plugin's runtime (or None).
+
+    ``recording`` also holds where the plugin's runtime, not created yet, would record.
+    """
     part = _collect_process(timeout)
     plugin = dask_worker.plugins.get("gpustreams") if dask_worker is not None else None
     runtime = None
     if getattr(plugin, "_active", False):
         runtime = getattr(plugin, "runtime", None)
+        part["recording"] = part["recording"] or plugin.config.timeline
     part["runtime"] = None if runtime is None else id(runtime)
     return part
 
@@ -310,7 +349,10 @@ def plot_gantt(records: Sequence[dict], ax: Any = None, *, title: str | None = N
 
     Draws on ``ax`` if given, else on a new figure (not registered with pyplot);
     returns the axes. Save with ``plot_gantt(records).figure.savefig(path)``.
+    Raises ``ValueError`` without records (an empty timeline: see :func:`timeline`).
     """
+    if not records:
+        raise ValueError("plot_gantt needs at least one record; got none")
     rects = to_rectangles(records)
     tracks = rects["tracks"]
     if ax is None:

@@ -105,6 +105,7 @@ the first task runs, after dask-cuda's CUDA context and RMM setup.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 import weakref
@@ -257,9 +258,20 @@ async def _register(request: Any, report: Callable[[str], Any]) -> None:
                 report(f"gpustreams cannot start on worker {address}: {exc!r}")
 
 
+#: The :class:`StreamsConfig` fields whose preload options take an int (``--streams``).
+_INT_FIELDS = frozenset(f.name for f in fields(StreamsConfig) if f.type == "int")
+
+
 def _check_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
-    """A preload option's value, checked as :class:`StreamsConfig` checks its key."""
+    """A preload option's value, checked as :class:`StreamsConfig` checks its key.
+
+    An int option's string is read by ``int`` (as ``click.INT`` would); one that is no
+    int goes to the check as written, whose error names it and the allowed range.
+    """
     if value is not None:
+        if param.name in _INT_FIELDS:
+            with contextlib.suppress(ValueError):
+                value = int(value)
         try:
             StreamsConfig(**{param.name: value})
         except ValueError as e:
@@ -268,12 +280,16 @@ def _check_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any
 
 
 def _option(field: Field) -> click.Option:
-    """The preload option of one :class:`StreamsConfig` field: ``--copy-streams``, ``--nvtx``."""
+    """The preload option of one :class:`StreamsConfig` field: ``--copy-streams``, ``--nvtx``.
+
+    The others take a string, int options too (shown as ``INTEGER``): :func:`_check_option`
+    reads it, so a value that is no int gets the library's message, with the allowed range.
+    """
     flag = "--" + field.name.replace("_", "-")
     if field.type == "bool":
         return click.Option([f"{flag}/--no-{flag[2:]}"], default=None, callback=_check_option)
-    kind = click.INT if field.type == "int" else click.STRING
-    return click.Option([flag], type=kind, default=None, callback=_check_option)
+    metavar = "INTEGER" if field.name in _INT_FIELDS else None
+    return click.Option([flag], metavar=metavar, default=None, callback=_check_option)
 
 
 class SetupCommand(click.Command):

@@ -148,6 +148,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import logging
 import weakref
 from collections.abc import Collection, Hashable
@@ -250,8 +251,10 @@ class StreamsPlugin(WorkerPlugin):
         fields = StreamsConfig.__dataclass_fields__
         for name in overrides:
             if name not in fields:
+                match = difflib.get_close_matches(name, fields, n=1)
+                hint = f" did you mean {match[0]!r}?" if match else ""
                 raise TypeError(
-                    f"StreamsPlugin() got an unexpected keyword argument {name!r}; "
+                    f"StreamsPlugin() got an unexpected keyword argument {name!r};{hint} "
                     f"allowed: {', '.join(fields)}"
                 )
         StreamsConfig.from_dask_config(**overrides)  # fail here, before pickling
