@@ -574,20 +574,6 @@ def test_kernel_error_of_a_task_rerun_locally_does_not_reach_the_next_compute(gp
     assert hook._runs == {}
 
 
-def leaf_on_host(value):
-    return np.asarray(leaf(value, 4, 0.0).get())
-
-
-def test_processes_scheduler_runs_tasks_without_streams(gpustreams):
-    """Tasks pickled to other processes run there as without the plugin, and stay correct."""
-    with gpustreams(streams=2):
-        got = dask.compute(
-            *[delayed(leaf_on_host)(float(i)) for i in range(3)], scheduler="processes"
-        )
-    assert [g.tolist() for g in got] == [[float(i)] * 4 for i in range(3)]
-    assert hook._runs == {}
-
-
 # --- switching on and off --------------------------------------------------------------------
 
 
