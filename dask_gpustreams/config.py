@@ -42,6 +42,10 @@ dask.config.update_defaults(defaults)
 #: The keys of ``gpustreams.yaml``, the only ``gpustreams.*`` keys there are.
 KEYS = tuple(defaults["gpustreams"])
 _KNOWN = frozenset(KEYS)
+#: Every spelling of a known key that dask reads as that key (``copy_streams`` too).
+_SPELLINGS = _KNOWN | {k.replace("-", "_") for k in KEYS}
+#: The unknown keys :func:`_warn_unknown_keys` warned of in this process.
+_warned_keys: set[str] = set()
 
 #: Largest ``gpustreams.streams``: the H200's (compute capability 9.0) 128 resident grids,
 #: beyond which streams cannot run kernels at once (and the sim's one thread per stream).
@@ -178,11 +182,11 @@ def _section() -> Mapping:
 def _check_keys() -> None:
     """Raise ``ValueError`` for a ``gpustreams.*`` key that ``gpustreams.yaml`` does not have.
 
-    Keys are compared as dask does (``copy_streams`` is ``copy-streams``); the
-    message suggests the closest known key.
+    Keys are compared as dask reads them (``copy_streams`` is ``copy-streams``; a key with
+    both, which dask reads as neither, is unknown); the message suggests the closest known key.
     """
     section = _section()
-    unknown = sorted(k for k in section if k.replace("_", "-") not in _KNOWN)
+    unknown = sorted(k for k in section if k not in _SPELLINGS)
     if unknown:
         raise ValueError(_unknown_key(section, unknown[0]))
 
@@ -196,21 +200,20 @@ def _unknown_key(section: Mapping, key: str) -> str:
     return f"unknown configuration key {written};{hint} known keys: {known}"
 
 
-#: Every spelling of a known key that dask reads as that key (``copy_streams`` too).
-_SPELLINGS = _KNOWN | {k.replace("-", "_") for k in KEYS}
-
-
 def _warn_unknown_keys() -> None:
     """Warn of the ``gpustreams.*`` keys that ``gpustreams.yaml`` does not have, while off.
 
     While ``gpustreams.enabled`` is true they fail the compute (:func:`_check_keys`); while
     it is false nothing reads them, so a misspelt ``gpustreams.enable`` would leave the
-    plugin off in silence. One set difference a compute; each message is shown once a process.
+    plugin off in silence. One set comparison a compute; each key is warned of once a
+    process (:data:`_warned_keys`), whatever its value.
     """
     section = dask.config.config.get("gpustreams")
-    if isinstance(section, Mapping) and not section.keys() <= _SPELLINGS:
-        for key in sorted(section.keys() - _SPELLINGS):
-            warn_once(f"{_unknown_key(section, key)}; gpustreams.enabled is off")
+    if isinstance(section, Mapping) and not section.keys() <= _SPELLINGS | _warned_keys:
+        for key in sorted(section.keys() - _SPELLINGS - _warned_keys):
+            _warned_keys.add(key)
+            message = f"{_unknown_key(section, key)}; gpustreams.enabled is off"
+            warnings.warn(message, UserWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,10 +8,13 @@ schedulers asked for as such (their functions, a pool) and the others are kept.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any
 
 import dask
 import dask.array as da
@@ -149,25 +152,54 @@ def test_other_schedulers_are_kept(gpustreams):
     assert kept is dask.local.get_sync
 
 
-def _enabled_in_task(_: object) -> bool:
-    return dask.config.get("gpustreams.enabled")
+def _tasks_run() -> dict[int, int]:
+    return {id(rt): runtime_counts(rt)["tasks_run"] for rt in live_runtimes()}
 
 
-def test_processes_run_as_plain_dask_and_say_so_once(gpustreams):
-    """Its tasks run in other processes, which the runtime does not reach: the compute
+@pytest.mark.parametrize("scheduler", ["processes", "process pool"])
+def test_other_processes_run_as_plain_dask_and_say_so_once(gpustreams, scheduler):
+    """Their tasks run in other processes, which the runtime does not reach: the compute
     runs as plain Dask (no runtime of this process runs it), with one warning a process."""
-    parts = [delayed(_enabled_in_task)(i) for i in range(4)]
+    parts = [delayed(sum)([i, 1]) for i in range(4)]
     local.warn_once.cache_clear()
-    with gpustreams():
-        assert dask.base.get_scheduler(scheduler="processes") is local.processes_get
-        before = {id(rt): runtime_counts(rt)["tasks_run"] for rt in live_runtimes()}
-        with pytest.warns(UserWarning, match="^gpustreams: scheduler='processes' runs tasks in"):
-            got = dask.compute(*parts, scheduler="processes", num_workers=2)
+    with contextlib.ExitStack() as stack:
+        if scheduler == "process pool":
+            scheduler = stack.enter_context(ProcessPoolExecutor(2))
+        stack.enter_context(gpustreams())
+        schedule = dask.base.get_scheduler(scheduler=scheduler)
+        assert schedule.func is local.processes_get
+        before = _tasks_run()
+        with pytest.warns(UserWarning, match="^gpustreams: this compute's scheduler runs its"):
+            assert dask.compute(*parts, scheduler=scheduler) == (1, 2, 3, 4)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert dask.compute(*parts, scheduler="processes", num_workers=2) == got
-    assert got == (False,) * 4  # the config the tasks ran under: the plugin off
-    assert {id(rt): runtime_counts(rt)["tasks_run"] for rt in live_runtimes()} == before
+            assert dask.compute(*parts, scheduler=scheduler) == (1, 2, 3, 4)
+        assert _tasks_run() == before
+
+
+def _held_sum(values: list, entered: Any, release: Any) -> int:
+    entered.set()
+    release.wait(30)
+    return sum(values)
+
+
+def test_a_processes_compute_leaves_the_config_of_other_threads_as_it_is(gpustreams):
+    """It runs as plain Dask without changing the config, which other threads read: a
+    compute of theirs while its task runs goes on streams, and the config is as it was."""
+    local.warn_once.cache_clear()
+    with multiprocessing.Manager() as manager, ThreadPoolExecutor(1) as pool:
+        entered, release = manager.Event(), manager.Event()
+        part = delayed(_held_sum)([1, 2], entered, release)
+        with gpustreams(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            future = pool.submit(dask.compute, part, scheduler="processes")
+            assert entered.wait(30)  # its task runs, in another process
+            try:
+                assert _threads() == {threading.get_ident()}  # on the launcher, meanwhile
+            finally:
+                release.set()
+            assert future.result() == (3,)
+            assert dask.config.get("gpustreams.enabled") is True
 
 
 def test_disabled_keeps_dask_s_default(gpustreams):
@@ -188,37 +220,42 @@ def test_a_distributed_client_wins():
         assert getattr(schedule, "__self__", None) is client
 
 
-@pytest.mark.parametrize("registered", [False, True])
-def test_enabled_after_the_client_was_created_warns_where_no_plugin_is_registered(registered):
+WARNING_AFTER = (
+    "gpustreams.enabled is on, but this Client was created while it was off, so it "
+    "registered no StreamsPlugin, and none runs on its cluster: its workers run this "
+    "compute without streams. Register it with "
+    "client.register_plugin(dask_gpustreams.StreamsPlugin()), or set "
+    "gpustreams.enabled before creating the Client."
+)
+
+
+@pytest.mark.parametrize("plugin", ["none", "registered", "preloaded by the workers"])
+def test_enabled_after_the_client_was_created_warns_where_no_plugin_runs(plugin):
     """The client registers the plugin when it is created; enabled only later, its workers
-    run without streams, and the first compute through it says so (once a client)."""
+    run without streams, and the first compute through each such client says so."""
     from distributed import Client, LocalCluster
 
-    local.warn_once.cache_clear()
+    preload = ["dask_gpustreams"] if plugin == "preloaded by the workers" else []
     with (
-        LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
-        Client(cluster) as client,
+        dask.config.set({"gpustreams.backend": "sim"}),
+        LocalCluster(
+            n_workers=1, processes=False, dashboard_address=None, preload=preload
+        ) as cluster,
     ):
-        if registered:
-            client.register_plugin(dask_gpustreams.StreamsPlugin(backend="sim"))
-        with (
-            dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}),
-            warnings.catch_warnings(record=True) as caught,
-        ):
-            warnings.simplefilter("always")
-            assert delayed(sum)([1, 2]).compute() == 3
-            assert delayed(sum)([3, 4]).compute() == 7
-    said = [str(w.message) for w in caught if "created while it was off" in str(w.message)]
-    if registered:
-        assert said == []
-    else:
-        assert said == [
-            "gpustreams.enabled is on, but this Client was created while it was off, so it "
-            "registered no StreamsPlugin, and its scheduler has none: its workers run this "
-            "compute without streams (unless they preloaded dask_gpustreams). Register it "
-            "with client.register_plugin(dask_gpustreams.StreamsPlugin()), or set "
-            "gpustreams.enabled before creating the Client."
-        ]
+        said = []
+        for _ in range(2):  # two clients, each created while off
+            with Client(cluster) as client:
+                if plugin == "registered":
+                    client.register_plugin(dask_gpustreams.StreamsPlugin())
+                with (
+                    dask.config.set({"gpustreams.enabled": True}),
+                    warnings.catch_warnings(record=True) as caught,
+                ):
+                    warnings.simplefilter("always")
+                    assert delayed(sum)([1, 2]).compute() == 3
+                    assert delayed(sum)([3, 4]).compute() == 7
+                said += [str(w.message) for w in caught if "created while" in str(w.message)]
+    assert said == ([WARNING_AFTER] * 2 if plugin == "none" else [])
 
 
 def test_uninstall_puts_dask_s_get_scheduler_back(gpustreams):

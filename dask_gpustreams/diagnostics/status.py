@@ -150,10 +150,12 @@ def process_rows(worker: Any = None) -> list[dict]:
         runtimes = [runtime] if runtime is not None else []
     rows = [_row(**base, **runtime_counts(rt)) for rt in runtimes]
     if worker is None and "error" not in base:
-        # What this process's config gives now, where no runtime has it: a bad value, or
-        # the settings of the next compute's runtime.
+        # What this process's config gives now, where no runtime has it: a bad value, or,
+        # while enabled, the settings of the next compute's runtime.
         configured = _configured(None)
-        if "error" in configured or all(r["settings"] != configured["settings"] for r in rows):
+        if "error" in configured or (
+            base["enabled"] and all(r["settings"] != configured["settings"] for r in rows)
+        ):
             rows.append(_row(**base, **configured))
     return rows or [_row(**base, **_configured(plugin))]
 

@@ -24,7 +24,7 @@ from dask.local import nested_get
 from dask.order import order
 from dask.utils import key_split
 
-from dask_gpustreams.config import enabled
+from dask_gpustreams.config import parse_bool
 from dask_gpustreams.integrations.subgraphs import lean_subgraphs
 from dask_gpustreams.integrations.tasks import blocks_host, rewrite_transfers, transfer_rewrites
 from dask_gpustreams.markers import host_task
@@ -145,8 +145,9 @@ def get(
     launching thread too (Dask's synchronous scheduler by name while enabled:
     :func:`~dask_gpustreams.integrations.local.sync_get`).
     """
-    # Not needed here, but a bad value is an error on every route, as the other keys are.
-    enabled()
+    # Not needed here, but a bad value is an error on every route, as the other keys are
+    # (an unknown key too: the runtime's settings raise it, so no warning of it here).
+    parse_bool("enabled", dask.config.get("gpustreams.enabled", False))
     if not isinstance(dsk, Mapping):
         dsk = dsk.__dask_graph__()
     dsk = convert_legacy_graph(dsk)

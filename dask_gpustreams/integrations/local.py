@@ -16,8 +16,9 @@ passed to the compute (:func:`threaded_get`). Dask's synchronous scheduler by na
 every task on the calling thread, host tasks included (:func:`sync_get`): its cost per
 task is under plain sync's, where each task through the runtime on Dask's sync scheduler
 added 12-33 us on the H200. The function ``dask.local.get_sync`` is kept, as is every
-other scheduler. The launcher launches from one thread (host tasks run on the runtime's
-host threads).
+other scheduler, but those that run tasks in other processes (``"processes"``, a process
+pool), which run as plain Dask with a warning (:func:`processes_get`). The launcher
+launches from one thread (host tasks run on the runtime's host threads).
 
 :func:`install` also puts
 :func:`local_callbacks` in place of ``dask.local.local_callbacks``, the context
@@ -59,8 +60,12 @@ may still replace nodes), and their ``_finish`` see complete results.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import contextvars
+import functools
 import logging
+import multiprocessing.pool
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -185,7 +190,7 @@ hook = LocalSchedulerHook()
 def local_callbacks(callbacks: Sequence[tuple] | None = None) -> Iterator[Sequence[tuple]]:
     """Dask's ``local_callbacks(callbacks)``, plus :data:`hook`'s while ``gpustreams.enabled``."""
     with _local_callbacks.original(callbacks) as resolved:
-        yield hook.callbacks(resolved) if enabled() else resolved
+        yield hook.callbacks(resolved) if enabled() and not _plain.get() else resolved
 
 
 #: Names under which Dask's ``named_schedulers`` give its threaded scheduler.
@@ -225,24 +230,45 @@ def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
             return sync_get if name in SYNC_NAMES else schedule
         if (not named or name in THREADED_NAMES) and dask.config.get("pool", None) is None:
             return threaded_get
-    elif schedule is dask.base.named_schedulers.get("processes"):
+    elif isinstance(getattr(schedule, "__self__", None), Client):
         if enabled():
-            return processes_get
-    elif isinstance(getattr(schedule, "__self__", None), Client) and enabled():
-        warn_if_not_registered(schedule.__self__)
+            warn_if_not_registered(schedule.__self__)
+    elif _in_other_processes(schedule, scheduler) and enabled():
+        return functools.partial(processes_get, schedule)
     return schedule
 
 
-def processes_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
-    """Dask's multiprocessing scheduler while enabled: its tasks run in other processes,
-    which the runtime does not reach, so it runs them as plain Dask, and says so once."""
-    warn_once(
-        "gpustreams: scheduler='processes' runs tasks in other processes, where the stream "
-        "runtime does not run: this compute runs as plain Dask (use the default scheduler, "
-        "or scheduler='gpustreams', to run it on streams)"
+def _in_other_processes(schedule: Any, scheduler: Any) -> bool:
+    """Whether ``schedule`` runs tasks in other processes: Dask's multiprocessing scheduler,
+    or a process pool passed as the scheduler."""
+    processes = dask.base.named_schedulers.get("processes")
+    if processes is not None and schedule is processes:
+        return True
+    pool = multiprocessing.pool
+    return isinstance(scheduler, concurrent.futures.ProcessPoolExecutor) or (
+        isinstance(scheduler, pool.Pool) and not isinstance(scheduler, pool.ThreadPool)
     )
-    with dask.config.set({"gpustreams.enabled": False}):
-        return dask.base.named_schedulers["processes"](dsk, keys, **kwargs)
+
+
+#: True while :func:`processes_get` runs a compute: :func:`local_callbacks` adds no hook.
+_plain: contextvars.ContextVar[bool] = contextvars.ContextVar("gpustreams_plain", default=False)
+
+
+def processes_get(schedule: Any, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """``schedule``, which runs tasks in other processes (:func:`_in_other_processes`), while
+    enabled: the runtime does not reach them, so it runs them as plain Dask, and says so
+    once. Only this compute: the config, which other threads read, stays as it is."""
+    warn_once(
+        "gpustreams: this compute's scheduler runs its tasks in other processes "
+        "(scheduler='processes' or a process pool), where the stream runtime does not run: "
+        "it runs as plain Dask (use the default scheduler, or scheduler='gpustreams', to run "
+        "it on streams)"
+    )
+    token = _plain.set(True)
+    try:
+        return schedule(dsk, keys, **kwargs)
+    finally:
+        _plain.reset(token)
 
 
 #: Dask's ``local_callbacks`` (all local schedulers read it) and ``get_scheduler``, wrapped.

@@ -117,7 +117,7 @@ import click
 import dask.config
 import distributed  # noqa: F401  (its defaults must be registered before ours)
 
-from dask_gpustreams.config import StreamsConfig, enabled, warn_once
+from dask_gpustreams.config import StreamsConfig, enabled
 
 logger = logging.getLogger("dask_gpustreams")
 
@@ -178,11 +178,13 @@ _created_off: weakref.WeakSet = weakref.WeakSet()
 
 def warn_if_not_registered(client: Any) -> None:
     """Warn where ``gpustreams.enabled`` is on at a compute through ``client``, which was
-    created while it was off (so it registered no plugin), and its scheduler has none.
+    created while it was off (so it registered no plugin), and no plugin runs there: its
+    scheduler has none registered and no worker preloaded one.
 
-    Checked once a client, with one call to its scheduler; not for an asynchronous
-    client, which cannot make that call here. Registering the plugin here instead would
-    outlive a ``dask.config.set`` block, on a cluster that other clients may share.
+    Once a client, with a call to its scheduler (and, where it has none, to its workers);
+    not for an asynchronous client, which cannot make those calls here. Registering the
+    plugin here instead would outlive a ``dask.config.set`` block, on a cluster that other
+    clients may share.
     """
     if client not in _created_off:
         return
@@ -191,23 +193,32 @@ def warn_if_not_registered(client: Any) -> None:
         return
     from dask_gpustreams.integrations.distributed import StreamsPlugin
 
+    name = StreamsPlugin.name
     try:
-        registered = client.run_on_scheduler(_registered, StreamsPlugin.name)
+        running = client.run_on_scheduler(_registered, name) or any(
+            client.run(_has_plugin, name).values()
+        )
     except Exception:  # the compute that follows reports what is wrong with the client
-        logger.debug("gpustreams: could not ask the scheduler for its plugins", exc_info=True)
+        logger.debug("gpustreams: could not ask the cluster for its plugins", exc_info=True)
         return
-    if not registered:
-        warn_once(
+    if not running:
+        warnings.warn(
             "gpustreams.enabled is on, but this Client was created while it was off, so it "
-            "registered no StreamsPlugin, and its scheduler has none: its workers run this "
-            "compute without streams (unless they preloaded dask_gpustreams). Register it "
-            "with client.register_plugin(dask_gpustreams.StreamsPlugin()), or set "
-            "gpustreams.enabled before creating the Client."
+            "registered no StreamsPlugin, and none runs on its cluster: its workers run this "
+            "compute without streams. Register it with "
+            "client.register_plugin(dask_gpustreams.StreamsPlugin()), or set "
+            "gpustreams.enabled before creating the Client.",
+            UserWarning,
+            stacklevel=4,
         )
 
 
 def _registered(name: str, dask_scheduler: Any) -> bool:
     return name in dask_scheduler.worker_plugins
+
+
+def _has_plugin(name: str, dask_worker: Any) -> bool:
+    return name in dask_worker.plugins
 
 
 def _plugin(problem: str | None, overrides: dict, source: str) -> Any:

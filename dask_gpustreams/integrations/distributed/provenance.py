@@ -141,8 +141,8 @@ class Provenance:
         self._reporting = False  # a report_unread holds the records it took (under the lock)
         self._report_queued = False  # collect queued a report_unread, not run yet
         self._report_lock = threading.Lock()
-        #: The keys found failed (:meth:`_failed`), for :attr:`kernel_failures`.
-        self._failed_keys = CountedKeys()
+        #: The task runs found failed (:meth:`_failed`), for :attr:`kernel_failures`.
+        self._failed_runs = CountedKeys()
 
     # Read-only views, for the other parts' bindings and for diagnostics.
 
@@ -176,9 +176,9 @@ class Provenance:
 
     @property
     def kernel_failures(self) -> int:
-        """Keys whose task's kernels this worker found failed (in a task's inputs, in a
-        result asked for), each counted once; for diagnostics."""
-        return self._failed_keys.count
+        """Task runs whose kernels this worker found failed (in a task's inputs, in a result
+        asked for), each counted once however often it is found; for diagnostics."""
+        return self._failed_runs.count
 
     def task_runtime(self) -> StreamRuntime:
         """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
@@ -249,7 +249,7 @@ class Provenance:
     def _failed(self, record: TaskRecord, error: BaseException) -> KernelError:
         """The failure of ``record``'s completed task, reported (:meth:`_report`) and counted."""
         self._report(record)
-        self._failed_keys.add(record.key)
+        self._failed_runs.add((record.key, id(record.slot), record.seq))  # this run of the key
         return as_kernel_error(record.key, error)
 
     def _report(self, record: TaskRecord) -> None:
