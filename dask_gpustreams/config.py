@@ -209,8 +209,10 @@ def _warn_unknown_keys() -> None:
     process (:data:`_warned_keys`), whatever its value.
     """
     section = dask.config.config.get("gpustreams")
-    if isinstance(section, Mapping) and not section.keys() <= _SPELLINGS | _warned_keys:
-        for key in sorted(section.keys() - _SPELLINGS - _warned_keys):
+    if not isinstance(section, Mapping) or section.keys() <= _SPELLINGS:
+        return
+    for key in sorted(section.keys() - _SPELLINGS):
+        if key not in _warned_keys:
             _warned_keys.add(key)
             message = f"{_unknown_key(section, key)}; gpustreams.enabled is off"
             warnings.warn(message, UserWarning, stacklevel=4)
