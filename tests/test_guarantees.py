@@ -856,7 +856,7 @@ from distributed import Client, LocalCluster
 from dask_gpustreams import sim
 from dask_gpustreams.integrations.distributed import StreamsPlugin
 
-cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None)
+cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0")
 client = Client(cluster)
 client.register_plugin(StreamsPlugin(backend="sim", streams=4))
 x = dask.delayed(sim.asarray)(np.arange(10.0)) * 2
