@@ -212,7 +212,7 @@ def test_a_distributed_client_wins():
 
     with (
         dask.config.set({"gpustreams.enabled": True, "gpustreams.backend": "sim"}),
-        LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
+        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
         schedule = dask.base.get_scheduler(collections=[delayed(1)])
@@ -239,7 +239,7 @@ def test_enabled_after_the_client_was_created_warns_where_no_plugin_runs(plugin)
     with (
         dask.config.set({"gpustreams.backend": "sim"}),
         LocalCluster(
-            n_workers=1, processes=False, dashboard_address=None, preload=preload
+            n_workers=1, processes=False, dashboard_address=":0", preload=preload
         ) as cluster,
     ):
         said = []
