@@ -305,6 +305,7 @@ def test_an_unknown_key_is_warned_of_while_off_once_a_process(monkeypatch):
         with dask.config.set({"gpustreams.enable": "yes", "gpustreams.stream": 4}):
             with pytest.raises(ValueError, match=r"^unknown configuration key gpustreams\.en"):
                 delayed(sum)([1, 2]).compute(scheduler="gpustreams")
+            assert len(caught) == 1  # raised, not warned of
             assert delayed(sum)([5, 6]).compute() == 11
     assert [str(w.message) for w in caught] == [
         message,

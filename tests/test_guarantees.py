@@ -225,6 +225,33 @@ def test_failure_records_keep_the_newest_max_failures_and_expire_after_failure_t
     assert records.failures == {}
 
 
+def _raises_on_the_device(out):
+    raise ValueError("boom")
+
+
+def _failing_kernel(_):
+    out = sim.empty(4)
+    sim.launch(_raises_on_the_device, out)
+    return out
+
+
+def test_kernel_failures_count_each_failed_run_once_however_often_it_is_found():
+    """Two runs of one key that both fail are two failures; finding one again is not."""
+    stopped = SimpleNamespace(status=Status.closed)
+    with ThreadPoolExecutor(1) as threads:
+        provenance = Provenance(stopped, StreamsConfig(backend="sim"), threads, None)
+        runtime = provenance.task_runtime()
+        runs = []
+        for _ in range(2):
+            runtime.run("bad", _failing_kernel, {}, provenance.registry)
+            runs.append(provenance.registry.get("bad"))
+        for record in [*runs, runs[1], runs[0]]:
+            error = provenance.wait(record)
+            assert isinstance(error, KernelError) and error.key == "bad"
+        assert provenance.kernel_failures == 2
+        runtime.close()
+
+
 def test_the_plugin_gives_its_failure_limits_to_each_workers_records(monkeypatch):
     # Not the defaults: records made with hard-coded limits would not pass.
     monkeypatch.setattr(StreamsPlugin, "max_failures", 7)

@@ -17,7 +17,8 @@ every task on the calling thread, host tasks included (:func:`sync_get`): its co
 task is under plain sync's, where each task through the runtime on Dask's sync scheduler
 added 12-33 us on the H200. The function ``dask.local.get_sync`` is kept, as is every
 other scheduler, but those that run tasks in other processes (``"processes"``, a process
-pool), which run as plain Dask with a warning (:func:`processes_get`). The launcher
+pool as the scheduler or Dask's ``pool``), which run as plain Dask with a warning
+(:func:`processes_get`). The launcher
 launches from one thread (host tasks run on the runtime's host threads).
 
 :func:`install` also puts
@@ -62,7 +63,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import contextvars
 import functools
 import logging
 import multiprocessing.pool
@@ -190,7 +190,8 @@ hook = LocalSchedulerHook()
 def local_callbacks(callbacks: Sequence[tuple] | None = None) -> Iterator[Sequence[tuple]]:
     """Dask's ``local_callbacks(callbacks)``, plus :data:`hook`'s while ``gpustreams.enabled``."""
     with _local_callbacks.original(callbacks) as resolved:
-        yield hook.callbacks(resolved) if enabled() and not _plain.get() else resolved
+        plain = getattr(_processes, "plain", False)
+        yield hook.callbacks(resolved) if enabled() and not plain else resolved
 
 
 #: Names under which Dask's ``named_schedulers`` give its threaded scheduler.
@@ -203,6 +204,8 @@ def threaded_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     """Dask's threaded scheduler while enabled: the stream launcher, or Dask's threads (each
     task through the runtime) where the compute asks for them with ``pool=`` or
     ``num_workers=`` (a thread count, such as 1 for a library that is not thread-safe)."""
+    if _is_process_pool(kwargs.get("pool")):
+        return processes_get(dask.threaded.get, dsk, keys, **kwargs)
     if kwargs.get("pool") is not None or kwargs.get("num_workers") is not None:
         return dask.threaded.get(dsk, keys, **kwargs)
     return launcher_get(dsk, keys, **kwargs)
@@ -228,7 +231,10 @@ def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
         name = named.lower() if isinstance(named, str) else None
         if schedule is dask.local.get_sync:
             return sync_get if name in SYNC_NAMES else schedule
-        if (not named or name in THREADED_NAMES) and dask.config.get("pool", None) is None:
+        pool = dask.config.get("pool", None)
+        if _is_process_pool(pool):
+            return functools.partial(processes_get, schedule)
+        if (not named or name in THREADED_NAMES) and pool is None:
             return threaded_get
     elif isinstance(getattr(schedule, "__self__", None), Client):
         if enabled():
@@ -239,36 +245,43 @@ def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
 
 
 def _in_other_processes(schedule: Any, scheduler: Any) -> bool:
-    """Whether ``schedule`` runs tasks in other processes: Dask's multiprocessing scheduler,
-    or a process pool passed as the scheduler."""
+    """Whether ``schedule`` runs tasks in other processes: Dask's multiprocessing scheduler
+    (a Bag's default), or a ``ProcessPoolExecutor`` passed as the scheduler."""
     processes = dask.base.named_schedulers.get("processes")
-    if processes is not None and schedule is processes:
-        return True
-    pool = multiprocessing.pool
-    return isinstance(scheduler, concurrent.futures.ProcessPoolExecutor) or (
-        isinstance(scheduler, pool.Pool) and not isinstance(scheduler, pool.ThreadPool)
+    return (processes is not None and schedule is processes) or isinstance(
+        scheduler, concurrent.futures.ProcessPoolExecutor
     )
 
 
-#: True while :func:`processes_get` runs a compute: :func:`local_callbacks` adds no hook.
-_plain: contextvars.ContextVar[bool] = contextvars.ContextVar("gpustreams_plain", default=False)
+def _is_process_pool(pool: Any) -> bool:
+    """Whether ``pool``, given to Dask's threaded scheduler, runs tasks in other processes."""
+    return isinstance(pool, concurrent.futures.ProcessPoolExecutor) or (
+        isinstance(pool, multiprocessing.pool.Pool)
+        and not isinstance(pool, multiprocessing.pool.ThreadPool)
+    )
+
+
+#: ``plain`` is set while :func:`processes_get` runs a compute on this thread: then
+#: :func:`local_callbacks` adds no hook. Per thread, not per context: a thread pool that
+#: copies contexts into its tasks would otherwise carry it into their nested computes.
+_processes = threading.local()
 
 
 def processes_get(schedule: Any, dsk: Any, keys: Any, **kwargs: Any) -> Any:
-    """``schedule``, which runs tasks in other processes (:func:`_in_other_processes`), while
-    enabled: the runtime does not reach them, so it runs them as plain Dask, and says so
-    once. Only this compute: the config, which other threads read, stays as it is."""
+    """``schedule``, which runs tasks in other processes (:func:`_in_other_processes`, or a
+    process pool), while enabled: the runtime does not reach them, so it runs them as plain
+    Dask, and says so once. Only this compute: the config, which other threads read, stays
+    as it is."""
     warn_once(
-        "gpustreams: this compute's scheduler runs its tasks in other processes "
-        "(scheduler='processes' or a process pool), where the stream runtime does not run: "
-        "it runs as plain Dask (use the default scheduler, or scheduler='gpustreams', to run "
-        "it on streams)"
+        "gpustreams: this compute runs its tasks in other processes (scheduler='processes', "
+        "a Bag's default, or a process pool), where the stream runtime does not run: it runs "
+        "as plain Dask (scheduler='threads' or 'gpustreams' runs it on streams)"
     )
-    token = _plain.set(True)
+    outer, _processes.plain = getattr(_processes, "plain", False), True
     try:
         return schedule(dsk, keys, **kwargs)
     finally:
-        _plain.reset(token)
+        _processes.plain = outer
 
 
 #: Dask's ``local_callbacks`` (all local schedulers read it) and ``get_scheduler``, wrapped.

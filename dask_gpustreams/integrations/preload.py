@@ -195,22 +195,27 @@ def warn_if_not_registered(client: Any) -> None:
 
     name = StreamsPlugin.name
     try:
-        running = client.run_on_scheduler(_registered, name) or any(
-            client.run(_has_plugin, name).values()
-        )
+        running = client.run_on_scheduler(_registered, name) or _workers_run(client, name)
     except Exception:  # the compute that follows reports what is wrong with the client
         logger.debug("gpustreams: could not ask the cluster for its plugins", exc_info=True)
         return
     if not running:
         warnings.warn(
-            "gpustreams.enabled is on, but this Client was created while it was off, so it "
+            f"gpustreams.enabled is on, but {client.id} was created while it was off, so it "
             "registered no StreamsPlugin, and none runs on its cluster: its workers run this "
             "compute without streams. Register it with "
             "client.register_plugin(dask_gpustreams.StreamsPlugin()), or set "
             "gpustreams.enabled before creating the Client.",
-            UserWarning,
+            UserWarning,  # the client's id in the text: Python shows each client's once
             stacklevel=4,
         )
+
+
+def _workers_run(client: Any, name: str) -> bool:
+    """Whether a worker of ``client`` runs the plugin ``name`` (its own preload's); True
+    without workers, as those that join may."""
+    answers = client.run(_has_plugin, name)
+    return not answers or any(answers.values())
 
 
 def _registered(name: str, dask_scheduler: Any) -> bool:

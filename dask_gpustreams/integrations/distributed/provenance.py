@@ -249,7 +249,7 @@ class Provenance:
     def _failed(self, record: TaskRecord, error: BaseException) -> KernelError:
         """The failure of ``record``'s completed task, reported (:meth:`_report`) and counted."""
         self._report(record)
-        self._failed_runs.add((record.key, record.seq))  # this run: its place on its stream
+        self._failed_runs.add((record.key, record.stream_index, record.seq))  # this run
         return as_kernel_error(record.key, error)
 
     def _report(self, record: TaskRecord) -> None:
