@@ -18,8 +18,8 @@ task is under plain sync's, where each task through the runtime on Dask's sync s
 added 12-33 us on the H200. The function ``dask.local.get_sync`` is kept, as is every
 other scheduler, but those that run tasks in other processes (``"processes"``, a process
 pool as the scheduler or Dask's ``pool``), which run as plain Dask with a warning
-(:func:`processes_get`). The launcher
-launches from one thread (host tasks run on the runtime's host threads).
+(:func:`processes_get`). The launcher launches from one thread (host tasks run on the
+runtime's host threads).
 
 :func:`install` also puts
 :func:`local_callbacks` in place of ``dask.local.local_callbacks``, the context
@@ -190,8 +190,8 @@ hook = LocalSchedulerHook()
 def local_callbacks(callbacks: Sequence[tuple] | None = None) -> Iterator[Sequence[tuple]]:
     """Dask's ``local_callbacks(callbacks)``, plus :data:`hook`'s while ``gpustreams.enabled``."""
     with _local_callbacks.original(callbacks) as resolved:
-        plain = getattr(_processes, "plain", False)
-        yield hook.callbacks(resolved) if enabled() and not plain else resolved
+        on = enabled() and not getattr(_processes, "plain", False)
+        yield hook.callbacks(resolved) if on else resolved
 
 
 #: Names under which Dask's ``named_schedulers`` give its threaded scheduler.
