@@ -32,3 +32,14 @@ def slow_inc(a, seconds=0.0):
 
 def ones(n):
     return sim.asarray(np.ones(n))
+
+
+def _raises(out, a):
+    raise ValueError("boom")
+
+
+def fails_on_the_device(a):
+    """Returns at once; its kernel fails on the device."""
+    out = sim.empty(a.shape)
+    sim.launch(_raises, out, a)
+    return out

@@ -49,6 +49,7 @@ from dask_gpustreams.integrations.distributed.withheld import WithheldKeys
 from dask_gpustreams.runtime import StreamPool, TaskRecord, runtimes
 from dask_gpustreams.runtime.pinned import PinnedPool
 from tests.conftest import forget_closed_servers
+from tests.sim_tasks import fails_on_the_device, ones
 
 #: Opened by the test that closes it, and by the ``gate`` fixture at the end (a failed
 #: test leaves no kernel or task waiting). Tasks find it by reference: in-process workers.
@@ -225,16 +226,6 @@ def test_failure_records_keep_the_newest_max_failures_and_expire_after_failure_t
     assert records.failures == {}
 
 
-def _raises_on_the_device(out):
-    raise ValueError("boom")
-
-
-def _failing_kernel(_):
-    out = sim.empty(4)
-    sim.launch(_raises_on_the_device, out)
-    return out
-
-
 def test_kernel_failures_count_each_failed_run_once_however_often_it_is_found():
     """Two runs of one key that both fail are two failures; finding one again is not."""
     stopped = SimpleNamespace(status=Status.closed)
@@ -243,7 +234,7 @@ def test_kernel_failures_count_each_failed_run_once_however_often_it_is_found():
         runtime = provenance.task_runtime()
         runs = []
         for _ in range(2):
-            runtime.run("bad", _failing_kernel, {}, provenance.registry)
+            runtime.run("bad", lambda _: fails_on_the_device(ones(4)), {}, provenance.registry)
             runs.append(provenance.registry.get("bad"))
         for record in [*runs, runs[1], runs[0]]:
             error = provenance.wait(record)

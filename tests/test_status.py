@@ -14,7 +14,7 @@ from dask_gpustreams import KernelError, StreamsPlugin, sim
 from dask_gpustreams.diagnostics.status import STATUS_FIELDS, StreamsStatus
 from dask_gpustreams.runtime import EventRegistry, get_runtime
 from dask_gpustreams.runtime.runtime import live_runtimes
-from tests.sim_tasks import SIM_CLUSTER, ones, slow_inc
+from tests.sim_tasks import SIM_CLUSTER, fails_on_the_device, ones, slow_inc
 
 CLUSTER_CONFIG = SIM_CLUSTER
 
@@ -146,17 +146,6 @@ def test_status_of_every_worker(cluster_client):
     assert rows[a]["backend"] == "sim" and rows[a]["streams"] == 2
     text = str(dask_gpustreams.status(client))
     assert a in text and b in text
-
-
-def _raises(out, a):
-    raise ValueError("boom")
-
-
-def fails_on_the_device(a):
-    """Returns at once; its kernel fails on the device."""
-    out = sim.empty(a.shape)
-    sim.launch(_raises, out, a)
-    return out
 
 
 def test_failures_count_each_failed_task_that_a_dependent_found(cluster_client):
