@@ -71,10 +71,10 @@ class StreamsStatus:
       results still alive), ``pinned_limit_bytes`` (``pinned-pool-size``);
     - ``stream_waits``: event waits enqueued for other streams' work;
     - ``egress_waits``, ``egress_wait_seconds``: get_data and spill requests of
-      a worker that waited for events, and how long; ``failures``: the keys
-      whose kernels the worker found failed (by a task that read them, or a
-      request for them: their results are then recomputed), each once;
-      None outside a worker;
+      a worker that waited for events, and how long; ``failures``: the task
+      runs whose kernels the worker found failed (by a task that read their
+      result, or a request for it: it is then recomputed), each once however
+      often found; None outside a worker;
     - ``error``: why settings could not be read (an invalid ``gpustreams.*``),
       a worker plugin's bad settings (its tasks fail with them), or a worker's
       exception; else None.
@@ -151,10 +151,12 @@ def process_rows(worker: Any = None) -> list[dict]:
     rows = [_row(**base, **runtime_counts(rt)) for rt in runtimes]
     if worker is None and "error" not in base:
         # What this process's config gives now, where no runtime has it: a bad value, or,
-        # while enabled, the settings of the next compute's runtime.
+        # while enabled (or with no runtime at all), the settings a compute's runtime gets.
         configured = _configured(None)
-        if "error" in configured or (
-            base["enabled"] and all(r["settings"] != configured["settings"] for r in rows)
+        if (
+            not rows
+            or "error" in configured
+            or (base["enabled"] and all(r["settings"] != configured["settings"] for r in rows))
         ):
             rows.append(_row(**base, **configured))
     return rows or [_row(**base, **_configured(plugin))]

@@ -62,8 +62,8 @@ class Taints(dict):
         self.pop(key, None)
 
 
-class CountedKeys:
-    """How many distinct keys were added, each counted once while among the last
+class DistinctCount:
+    """How many distinct items were added, an item counted once while among the last
     :attr:`window` added (any thread; a failure path, so a lock)."""
 
     window = 1000
@@ -73,11 +73,11 @@ class CountedKeys:
         self._recent: dict[Hashable, None] = {}
         self._lock = threading.Lock()
 
-    def add(self, key: Hashable) -> None:
+    def add(self, item: Hashable) -> None:
         with self._lock:
-            if key not in self._recent:
+            if item not in self._recent:
                 self.count += 1
-                self._recent[key] = None
+                self._recent[item] = None
                 if len(self._recent) > self.window:
                     del self._recent[next(iter(self._recent))]
 
@@ -142,7 +142,7 @@ class Provenance:
         self._report_queued = False  # collect queued a report_unread, not run yet
         self._report_lock = threading.Lock()
         #: The task runs found failed (:meth:`_failed`), for :attr:`kernel_failures`.
-        self._failed_runs = CountedKeys()
+        self._failed_runs = DistinctCount()
 
     # Read-only views, for the other parts' bindings and for diagnostics.
 
