@@ -76,15 +76,15 @@ def test_dask_s_threaded_scheduler_by_name_runs_on_the_launcher(gpustreams, name
 def test_dask_s_threads_are_kept_where_asked_for_as_such(gpustreams, asked):
     with gpustreams(), ThreadPoolExecutor(4) as pool:
         if asked == "function":
-            assert dask.base.get_scheduler(scheduler=dask.threaded.get) is dask.threaded.get
+            assert dask.base.get_scheduler(scheduler=dask.threaded.get) is local.threads_get
             threads = _threads(scheduler=dask.threaded.get, num_workers=4)
         elif asked == "config function":
             with dask.config.set(scheduler=dask.threaded.get, num_workers=4):
-                assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
+                assert dask.base.get_scheduler(collections=[delayed(1)]) is local.threads_get
                 threads = _threads()
         elif asked == "pool":
             with dask.config.set(pool=pool, scheduler="threads"):
-                assert dask.base.get_scheduler(collections=[delayed(1)]) is dask.threaded.get
+                assert dask.base.get_scheduler(collections=[delayed(1)]) is local.threads_get
                 threads = _threads()
         elif asked == "pool argument":
             threads = _threads(scheduler="threads", pool=pool)
@@ -157,7 +157,14 @@ def _tasks_run() -> dict[int, int]:
 
 
 @pytest.mark.parametrize(
-    "how", ["scheduler='processes'", "scheduler=pool", "pool config", "pool argument"]
+    "how",
+    [
+        "scheduler='processes'",
+        "scheduler=pool",
+        "pool config",
+        "pool argument",
+        "threaded.get with a pool argument",
+    ],
 )
 def test_other_processes_run_as_plain_dask_and_say_so_once(gpustreams, how):
     """Their tasks run in other processes, which the runtime does not reach: the compute
@@ -172,6 +179,7 @@ def test_other_processes_run_as_plain_dask_and_say_so_once(gpustreams, how):
             "scheduler=pool": {"scheduler": pool},
             "pool config": {},
             "pool argument": {"pool": pool},
+            "threaded.get with a pool argument": {"scheduler": dask.threaded.get, "pool": pool},
         }[how]
         if how == "pool config":
             stack.enter_context(dask.config.set(pool=pool))

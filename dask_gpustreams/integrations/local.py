@@ -204,11 +204,18 @@ def threaded_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     """Dask's threaded scheduler while enabled: the stream launcher, or Dask's threads (each
     task through the runtime) where the compute asks for them with ``pool=`` or
     ``num_workers=`` (a thread count, such as 1 for a library that is not thread-safe)."""
+    if kwargs.get("pool") is not None or kwargs.get("num_workers") is not None:
+        return threads_get(dsk, keys, **kwargs)
+    return launcher_get(dsk, keys, **kwargs)
+
+
+def threads_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    """Dask's threaded scheduler, asked for by function or with a pool in Dask's config,
+    while enabled: each task through the runtime on Dask's threads, or plain Dask where
+    the compute's ``pool=`` runs tasks in other processes."""
     if _is_process_pool(kwargs.get("pool")):
         return processes_get(dask.threaded.get, dsk, keys, **kwargs)
-    if kwargs.get("pool") is not None or kwargs.get("num_workers") is not None:
-        return dask.threaded.get(dsk, keys, **kwargs)
-    return launcher_get(dsk, keys, **kwargs)
+    return dask.threaded.get(dsk, keys, **kwargs)
 
 
 def sync_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
@@ -236,6 +243,8 @@ def get_scheduler(get=None, scheduler=None, collections=None, cls=None) -> Any:
             return functools.partial(processes_get, schedule)
         if (not named or name in THREADED_NAMES) and pool is None:
             return threaded_get
+        if schedule is dask.threaded.get:
+            return threads_get
     elif isinstance(getattr(schedule, "__self__", None), Client):
         if enabled():
             warn_if_not_registered(schedule.__self__)
