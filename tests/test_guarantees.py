@@ -392,6 +392,61 @@ def test_teardown_waits_for_the_wrapped_tasks_still_running(cluster, gate):
     np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 2.0))
 
 
+def _add_later(out, a, b):
+    total = a + b
+    time.sleep(0.2)
+    out[...] = total
+
+
+def add_later(a, b):
+    """``a + b`` by a kernel on the thread's current stream that reads its inputs at once
+    and writes its output 0.2 s later."""
+    out = sim.empty(a.shape)
+    sim.launch(_add_later, out, a, b)
+    return out
+
+
+@pytest.mark.parametrize("then", ["replace", "unregister"])
+def test_a_task_that_starts_during_the_teardown_waits_for_its_inputs_and_its_own_work(
+    cluster, gate, then
+):
+    """Removed (or replaced by a plugin with new settings) while a graph runs, the plugin's
+    teardown waits for the wrapped tasks; a task that starts meanwhile runs unwrapped. It
+    waits on the host for its inputs' work (x's kernel, held back by the gate) and, before
+    it returns, for the work it queued on its own stream (no event of its result tells a
+    later reader to wait). Before, it read x unwritten (NaN), and its reader read its
+    result before its kernel had run."""
+    client, worker = cluster
+    x = client.submit(gated_kernel, 100, 2.0, pure=False)
+    wait(x)  # in memory; its kernel waits for the gate
+    busy = client.submit(gated_task, 100, 1.0, pure=False)  # the teardown waits for it
+    assert ENTERED.wait(30)
+    with ThreadPoolExecutor(1) as threads:
+        try:
+            removing = (
+                threads.submit(client.register_plugin, StreamsPlugin(streams=2))
+                if then == "replace"
+                else threads.submit(client.unregister_worker_plugin, "gpustreams")
+            )
+            until(lambda: any(n.startswith("gpustreams-withheld") for n in worker.plugins))
+            y = client.submit(add_later, x, x, pure=False)  # starts unwrapped, reads x
+            until(
+                lambda: (
+                    worker.state.tasks.get(y.key) is not None
+                    and worker.state.tasks[y.key].state in ("executing", "memory")
+                )
+            )
+        finally:
+            gate.set()
+        removing.result(timeout=30)
+    z = client.submit(add, y, y, pure=False)  # on the new plugin's streams, or plain
+    np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
+    np.testing.assert_array_equal(values(z.result(timeout=30)), np.full(100, 8.0))
+    np.testing.assert_array_equal(values(busy.result(timeout=30)), np.full(100, 1.0))
+    if then == "unregister":
+        client.register_plugin(StreamsPlugin())
+
+
 # --- (f) backend auto is logged once ---------------------------------------------------------
 
 

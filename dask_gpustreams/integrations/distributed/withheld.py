@@ -12,17 +12,68 @@ plugin made when tasks started), hands the other transitions to the
 :class:`.Provenance` (which releases a key once its last reader has left), and
 the plugin's :class:`.Egress` leaves the keys out of ``get_data``. Then it
 restores the worker's ``get_data`` and removes itself.
+
+While the teardown runs, the tasks that start executing are no longer wrapped,
+yet their inputs may be results whose kernels the removed plugin's streams are
+still running (the teardown waits for those, but a task may start before then).
+So each such task waits on the host, in its worker thread, for its inputs' pending
+work before it runs, as a host-side task does, and for the work it queued on its
+thread's stream before it returns (:class:`_Unwrapped`): its result has no event
+for the next plugin's tasks to wait for. One whose inputs' work failed raises that
+error; its own kernels' failures stay unchecked, as before. Until this, a plugin
+registered again (``client.register_plugin(StreamsPlugin(...))`` with new settings)
+or unregistered while a graph ran gave that graph's tasks inputs not yet written,
+and their readers results not yet written (NaN on the sim; on CUDA, wherever the
+task's stream does not follow the pool's, as with ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable
 from typing import Any
 
 from distributed import WorkerPlugin
 
 from dask_gpustreams.integrations.distributed.egress import Egress
+from dask_gpustreams.integrations.distributed.execution import _Raise, _replace
 from dask_gpustreams.integrations.distributed.provenance import Provenance
+
+
+class _Unwrapped:
+    """Task function of a task that starts while the plugin's teardown runs: no stream of
+    the pool runs it, so it waits on the host for its inputs' work (``wait_inputs``, None
+    where none is pending), runs the node, and waits for the work it queued on its
+    thread's stream: its result has no event that a task of the next plugin could wait
+    for, and its inputs may be freed once it returns."""
+
+    __slots__ = ("wait_inputs", "node", "dep_keys", "backend")
+
+    def __init__(
+        self,
+        wait_inputs: Callable[[tuple[Hashable, ...]], None] | None,
+        node: Any,
+        dep_keys: tuple[Hashable, ...],
+        backend: Any,
+    ):
+        self.wait_inputs = wait_inputs
+        self.node = node
+        self.dep_keys = dep_keys
+        self.backend = backend
+
+    def __call__(self, *values: Any) -> Any:
+        if self.wait_inputs is not None:
+            self.wait_inputs(self.dep_keys)
+        result = self.node(dict(zip(self.dep_keys, values, strict=True)))
+        backend = self.backend
+        # Its kernels' failures stay unchecked, as they were (the plugin is gone: the
+        # guide's "Not there yet"); this orders its result, and reports such a failure.
+        with contextlib.suppress(Exception):
+            backend.synchronize_stream(backend.current_stream())
+        return result
+
+    def __repr__(self) -> str:
+        return f"_Unwrapped({self.node!r})"
 
 
 class WithheldKeys(WorkerPlugin):
@@ -52,11 +103,35 @@ class WithheldKeys(WorkerPlugin):
         provenance = self.provenance
         if finish == "executing":
             provenance.fail_if_reads_held(key, self.fail)
+            if self.tearing_down:
+                self._after_inputs(key)
             return
         if provenance.held:  # a mapping: no call
             provenance.transitioned(key, finish)
         elif not self.tearing_down:
             self.remove()
+
+    def _after_inputs(self, key: Hashable) -> None:
+        """``key``'s task, which starts unwrapped, waits on the host for its inputs' pending
+        work first, and for its own work on its thread's stream at its end
+        (:class:`_Unwrapped`)."""
+        ts = self.worker.state.tasks.get(key)
+        node = getattr(ts, "run_spec", None)
+        runtime = self.provenance.runtime
+        if node is None or runtime is None or getattr(node, "is_coro", False):
+            return  # (no runtime: nothing ran on the streams)
+        if key in self.worker.state.actors or isinstance(getattr(node, "func", None), _Raise):
+            return  # an actor; or failed already (a held corrupt input)
+        dep_keys = tuple(node.dependencies)
+        try:
+            error, pending = self.provenance.input_states(dep_keys)
+        except Exception:  # the runtime closed meanwhile: its work is done
+            error, pending = None, ()
+        if error is not None:
+            self.fail(key, error)
+            return
+        wait = self.provenance.wait_inputs if pending else None
+        ts.run_spec = _replace(node, _Unwrapped(wait, node, dep_keys, runtime.backend), dep_keys)
 
     def torn_down(self) -> None:
         """The plugin's teardown has ended: the guard goes once nothing is held (now, if so)."""
