@@ -117,6 +117,29 @@ def test_table_and_data_agree():
     assert repr(report) == str(report)
 
 
+def test_workers_with_different_settings_are_named_on_each_settings_line():
+    """The table shows backend, streams and policy; the other settings are lines below it.
+    Where the workers differ (one's own preload or environment says ``blocks=off``), each
+    line names the workers it is of. Before, the lines came unnamed and sorted."""
+
+    def row(worker, **settings):
+        base = dict.fromkeys(STATUS_FIELDS) | {"worker": worker, "pid": 1, "started": False}
+        config = dask_gpustreams.StreamsConfig(backend="sim", **settings)
+        return base | {"settings": {k.replace("_", "-"): v for k, v in vars(config).items()}}
+
+    same = str(StreamsStatus((row("tcp://a:1"), row("tcp://b:2"))))
+    assert [line for line in same.splitlines() if line.startswith("settings")] == [
+        next(line for line in same.splitlines() if line.startswith("settings: "))
+    ]
+    text = str(StreamsStatus((row("tcp://a:1"), row("tcp://b:2", blocks="off"), row("tcp://c:3"))))
+    lines = [line for line in text.splitlines() if line.startswith("settings")]
+    assert len(lines) == 2
+    (off,) = [line for line in lines if "blocks=off" in line]
+    (auto,) = [line for line in lines if "blocks=auto" in line]
+    assert off.startswith("settings (tcp://b:2): ")
+    assert auto.startswith("settings (tcp://a:1, tcp://c:3): ")
+
+
 @pytest.fixture(scope="module")
 def cluster_client():
     with (

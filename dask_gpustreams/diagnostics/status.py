@@ -322,6 +322,10 @@ def _setting_text(settings: dict) -> str:
     return " ".join(parts)
 
 
+def _label(row: dict) -> str:
+    return row["worker"] or f"pid {row['pid']}"
+
+
 def format_table(rows: tuple[dict, ...] | list[dict]) -> str:
     """The rows of :class:`StreamsStatus` as a text table, then their settings and errors."""
     if not rows:
@@ -332,9 +336,15 @@ def format_table(rows: tuple[dict, ...] | list[dict]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    settings = {_setting_text(r["settings"]) for r in rows if r["settings"]}
-    lines += [f"settings: {text}" for text in sorted(settings)]
+    settings: dict[str, list[str]] = {}
+    for r in rows:
+        if r["settings"]:
+            settings.setdefault(_setting_text(r["settings"]), []).append(_label(r))
+    if len(settings) == 1:
+        lines += [f"settings: {text}" for text in settings]
+    else:  # which rows have which: the table shows only backend, streams and policy
+        lines += [f"settings ({', '.join(who)}): {text}" for text, who in sorted(settings.items())]
     for r in rows:
         if r["error"]:
-            lines.append(f"error ({r['worker'] or 'pid ' + str(r['pid'])}): {r['error']}")
+            lines.append(f"error ({_label(r)}): {r['error']}")
     return "\n".join(lines)
