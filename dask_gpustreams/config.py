@@ -320,16 +320,34 @@ class StreamsConfig:
     def _read(cls, overrides: dict[str, Any]) -> StreamsConfig:
         """:meth:`from_dask_config` without its cache."""
         _check_keys()
+        values = {**cls._given(), **overrides}
+        if values["pinned_pool_size"] is None:  # YAML null: 'auto' is spelt out there
+            raise invalid_value("pinned-pool-size", None, _PINNED)
+        return cls(**values)
+
+    @classmethod
+    def _given(cls) -> dict[str, Any]:
+        """Each field's ``gpustreams.*`` value in dask's config, as given (unparsed)."""
         section = defaults["gpustreams"]  # for keys a replaced section left out
-        values = {
+        return {
             field: dask.config.get(f"gpustreams.{key}", section[key])
             for field in cls.__dataclass_fields__
             for key in [field.replace("_", "-")]
         }
-        values.update(overrides)
-        if values["pinned_pool_size"] is None:  # YAML null: 'auto' is spelt out there
-            raise invalid_value("pinned-pool-size", None, _PINNED)
-        return cls(**values)
+
+    @classmethod
+    def changed_settings(cls) -> dict[str, Any]:
+        """The settings of dask's config that differ from ``gpustreams.yaml``'s defaults,
+        as given (``'auto'`` stays ``'auto'``), by field name: the keyword arguments of
+        ``StreamsPlugin`` that carry a client's settings to workers that read another
+        config."""
+        section = defaults["gpustreams"]
+        return {
+            field: value
+            for field, value in cls._given().items()
+            for default in [section[field.replace("_", "-")]]
+            if value != default or type(value) is not type(default)
+        }
 
 
 @functools.lru_cache(maxsize=32)

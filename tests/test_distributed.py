@@ -815,6 +815,22 @@ def test_enabled_config_before_the_client(processes):
         assert client.submit(total, client.submit(inc, x, workers=[b])).result() == 300.0
 
 
+def worker_settings(dask_worker):
+    config = dask_worker.plugins["gpustreams"].config
+    return config.streams, config.blocks, config.timeline
+
+
+def test_enabled_config_carries_the_clients_settings_to_workers_made_before():
+    """Worker processes made before the settings read their own config, where the
+    settings are not: the client's registration carries them as the plugin's arguments."""
+    with cluster(processes=True, n_workers=1, plugin=False) as client:
+        client.close()
+        settings = {"gpustreams.streams": 3, "gpustreams.blocks": "off", "gpustreams.timeline": 1}
+        with dask.config.set({"gpustreams.enabled": True, **settings}), Client(client.cluster) as c:
+            assert list(c.run(worker_settings).values()) == [(3, "off", True)]
+            assert c.submit(on_pool_stream, pure=False).result()
+
+
 def test_without_enabled_config_nothing_is_installed():
     with cluster(n_workers=1, plugin=False) as client:
         assert states(client) == {workers(client)[0]: None}

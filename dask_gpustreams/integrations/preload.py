@@ -130,7 +130,8 @@ def _setup(server: Any, problem: str | None = None, **options: Any) -> Any:
 
     ``server`` is the preloading object: a ``Worker`` installs the plugin on
     itself, a ``Scheduler`` registers it for all its workers, a ``Client``
-    registers it with its scheduler when ``gpustreams.enabled`` is true. A
+    registers it with its scheduler when ``gpustreams.enabled`` is true, with the
+    client's settings that differ from the defaults as its arguments. A
     ``Nanny`` does nothing (use ``--preload``, which reaches its worker).
     ``options`` are the preload arguments (None where not given); ``problem`` is
     why they could not be read. Never raises (see *Bad settings*). Returns the
@@ -161,7 +162,9 @@ def _setup(server: Any, problem: str | None = None, **options: Any) -> Any:
                 return None
             if problem is not None:
                 raise ValueError(f"preload argument: {problem}")
-            plugin = StreamsPlugin(**overrides)
+            # The client's settings reach workers that read another config (a cluster
+            # made before they were set, remote workers), as StreamsPlugin's arguments.
+            plugin = StreamsPlugin(**{**StreamsConfig.changed_settings(), **overrides})
         except ValueError as e:
             _warn(f"gpustreams is not installed by this client: {e}")
             return None
