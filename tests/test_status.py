@@ -198,6 +198,10 @@ def test_workers_without_the_plugin_say_so(cluster_client):
         rows = dask_gpustreams.status(client).rows
         assert len(rows) == 2
         assert not any(r["enabled"] for r in rows)
+        # No counts where nothing counts: "-", not a 0 that reads as "nothing happened".
+        assert all(r["egress_waits"] is None and r["failures"] is None for r in rows)
+        table = str(dask_gpustreams.status(client)).splitlines()
+        assert all(line.split()[-3:] == ["-", "-", "-"] for line in table[2:4])
     finally:
         client.register_plugin(StreamsPlugin())
 

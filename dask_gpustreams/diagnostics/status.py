@@ -145,7 +145,8 @@ def process_rows(worker: Any = None) -> list[dict]:
         runtimes = live_runtimes()
     else:
         base["enabled"] = bool(getattr(plugin, "_active", False))
-        base.update(egress_counts(plugin))
+        if base["enabled"]:  # else none are counted: "-", not 0
+            base.update(egress_counts(plugin))
         runtime = getattr(plugin, "runtime", None) if base["enabled"] else None
         runtimes = [runtime] if runtime is not None else []
     rows = [_row(**base, **runtime_counts(rt)) for rt in runtimes]

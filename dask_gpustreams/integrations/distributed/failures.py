@@ -43,7 +43,12 @@ class FailureRecords(OrderedDict):
         """
         for key, error in failed.items():
             if key not in self:
-                logger.error("gpustreams: result of %r is corrupt (%s); recomputing it", key, error)
+                logger.error(
+                    "gpustreams: result of %r is corrupt (%s): dropped; its recomputation "
+                    "raises this error to its readers",
+                    key,
+                    error,
+                )
             self[key] = (error, time.monotonic())
             self.move_to_end(key)
         while len(self) > self.max_failures:
