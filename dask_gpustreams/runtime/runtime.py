@@ -313,6 +313,10 @@ class StreamRuntime:
         events.release((event,), done=True)
         return error
 
+    def wait_current_stream(self) -> BaseException | None:
+        """:meth:`wait_stream` for this thread's current stream (a task run off the pool)."""
+        return self.wait_stream(self.backend.current_stream())
+
     def wait_all(self, records: Iterable[TaskRecord]) -> None:
         """Block until the task of each of ``records`` completes; errors: see :meth:`state`."""
         event_error = self.backend.event_error

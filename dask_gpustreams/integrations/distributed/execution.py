@@ -34,7 +34,7 @@ from dask_gpustreams.markers import HOST_TASK_ATTR, is_host_task
 from dask_gpustreams.runtime import StreamRuntime
 
 
-class _Raise:
+class Raises:
     """Task function that raises ``exc``: a task failed before it ran."""
 
     __slots__ = ("exc",)
@@ -46,7 +46,7 @@ class _Raise:
         raise self.exc.with_traceback(None)  # not the frames of the sync that found it
 
     def __repr__(self) -> str:
-        return f"_Raise({self.exc!r})"
+        return f"Raises({self.exc!r})"
 
 
 class _AfterInputs:
@@ -160,7 +160,7 @@ class WorkerStreamTask(StreamTask):
         return node
 
 
-def _replace(node: GraphNode, func: Any, dep_keys: tuple[Hashable, ...]) -> Task:
+def with_func(node: GraphNode, func: Any, dep_keys: tuple[Hashable, ...]) -> Task:
     """A task of ``node``'s key and dependencies calling ``func(*values of dep_keys)``."""
     return Task(node.key, func, *(TaskRef(d) for d in dep_keys), _data_producer=node.data_producer)
 
@@ -170,7 +170,7 @@ def fail_task(tasks: Mapping[Hashable, Any], key: Hashable, exc: BaseException) 
     ts = tasks.get(key)
     if ts is not None and ts.run_spec is not None:
         node = ts.run_spec
-        ts.run_spec = _replace(node, _Raise(exc), tuple(node.dependencies))
+        ts.run_spec = with_func(node, Raises(exc), tuple(node.dependencies))
 
 
 #: How the tasks of one function run (:attr:`Execution._kinds`): as they are (coroutines), on
@@ -293,7 +293,7 @@ class Execution:
         if self._failures:  # a mapping: no call
             error = self._failures.take(key)
             if error is not None:
-                ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
+                ts.run_spec = with_func(node, Raises(error), tuple(node.dependencies))
                 return
         kind = _AS_IS
         if not (self._actors and key in self._actors) and (
@@ -349,7 +349,7 @@ class Execution:
                     try:
                         runtime = self._start_runtime()
                     except Exception as e:  # a bad backend: fail the task, not the worker
-                        ts.run_spec = _replace(node, _Raise(e), tuple(node.dependencies))
+                        ts.run_spec = with_func(node, Raises(e), tuple(node.dependencies))
                         return
                     # again, with the backend's transfer functions
                     kind = self._remember(node) if type(node) is Task else self._kind(node)
@@ -370,14 +370,14 @@ class Execution:
         error, pending = provenance.input_states(node.dependencies)
         if error is not None:
             provenance.clear_stream_errors_soon()
-            ts.run_spec = _replace(node, _Raise(error), tuple(node.dependencies))
+            ts.run_spec = with_func(node, Raises(error), tuple(node.dependencies))
             return
         if pending:
             provenance.note_pending(key, pending)
             if kind == _HOST:  # it waits for its inputs' work first, in its thread
                 dep_keys = tuple(node.dependencies)
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)
-                ts.run_spec = _replace(node, host, dep_keys)
+                ts.run_spec = with_func(node, host, dep_keys)
 
     def _kind(self, node: GraphNode) -> int:
         """How ``node`` runs: on the host side (``host_modules``), on the streams, or as it is.

@@ -29,15 +29,17 @@ task's stream does not follow the pool's, as with ``CUPY_CUDA_PER_THREAD_DEFAULT
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import WorkerPlugin
 
 from dask_gpustreams.integrations.distributed.egress import Egress
-from dask_gpustreams.integrations.distributed.execution import _Raise, _replace
+from dask_gpustreams.integrations.distributed.execution import Raises, with_func
 from dask_gpustreams.integrations.distributed.provenance import Provenance
+
+if TYPE_CHECKING:
+    from dask_gpustreams.runtime.runtime import StreamRuntime
 
 
 class _Unwrapped:
@@ -47,29 +49,27 @@ class _Unwrapped:
     thread's stream: its result has no event that a task of the next plugin could wait
     for, and its inputs may be freed once it returns."""
 
-    __slots__ = ("wait_inputs", "node", "dep_keys", "backend")
+    __slots__ = ("wait_inputs", "node", "dep_keys", "runtime")
 
     def __init__(
         self,
         wait_inputs: Callable[[tuple[Hashable, ...]], None] | None,
         node: Any,
         dep_keys: tuple[Hashable, ...],
-        backend: Any,
+        runtime: StreamRuntime,
     ):
         self.wait_inputs = wait_inputs
         self.node = node
         self.dep_keys = dep_keys
-        self.backend = backend
+        self.runtime = runtime
 
     def __call__(self, *values: Any) -> Any:
         if self.wait_inputs is not None:
             self.wait_inputs(self.dep_keys)
         result = self.node(dict(zip(self.dep_keys, values, strict=True)))
-        backend = self.backend
         # Its kernels' failures stay unchecked, as they were (the plugin is gone: the
-        # guide's "Not there yet"); this orders its result, and reports such a failure.
-        with contextlib.suppress(Exception):
-            backend.synchronize_stream(backend.current_stream())
+        # guide's "Not there yet"): the wait orders its result and returns such an error.
+        self.runtime.wait_current_stream()
         return result
 
     def __repr__(self) -> str:
@@ -120,7 +120,7 @@ class WithheldKeys(WorkerPlugin):
         runtime = self.provenance.runtime
         if node is None or runtime is None or getattr(node, "is_coro", False):
             return  # (no runtime: nothing ran on the streams)
-        if key in self.worker.state.actors or isinstance(getattr(node, "func", None), _Raise):
+        if key in self.worker.state.actors or isinstance(getattr(node, "func", None), Raises):
             return  # an actor; or failed already (a held corrupt input)
         dep_keys = tuple(node.dependencies)
         try:
@@ -131,7 +131,7 @@ class WithheldKeys(WorkerPlugin):
             self.fail(key, error)
             return
         wait = self.provenance.wait_inputs if pending else None
-        ts.run_spec = _replace(node, _Unwrapped(wait, node, dep_keys, runtime.backend), dep_keys)
+        ts.run_spec = with_func(node, _Unwrapped(wait, node, dep_keys, runtime), dep_keys)
 
     def torn_down(self) -> None:
         """The plugin's teardown has ended: the guard goes once nothing is held (now, if so)."""
