@@ -19,12 +19,14 @@ import asyncio
 import contextlib
 import gc
 import logging
+import multiprocessing
+import os
 import sys
 import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from types import SimpleNamespace
 
 import dask
@@ -445,6 +447,35 @@ def test_a_task_that_starts_during_the_teardown_waits_for_its_inputs_and_its_own
     np.testing.assert_array_equal(values(busy.result(timeout=30)), np.full(100, 1.0))
     if then == "unregister":
         client.register_plugin(StreamsPlugin())
+
+
+def test_a_task_of_a_process_pool_executor_that_starts_during_the_teardown_runs_as_is(
+    cluster, gate
+):
+    """A task that the worker runs in another process (an ``executor`` annotation naming a
+    process pool) is left as it is by the teardown's guard, as the plugin leaves it: the
+    guard's wrapper holds the runtime, which the pool cannot pickle (the task failed)."""
+    client, worker = cluster
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context) as processes:
+        worker.executors["processes"] = processes
+        try:
+            busy = client.submit(gated_task, 100, 1.0, pure=False)  # the teardown waits for it
+            assert ENTERED.wait(30)
+            with ThreadPoolExecutor(1) as threads:
+                try:
+                    removing = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
+                    until(lambda: any(n.startswith("gpustreams-withheld") for n in worker.plugins))
+                    with dask.annotate(executor="processes"):
+                        pid = client.submit(os.getpid, pure=False)  # starts during the teardown
+                    wait(pid, timeout=60)
+                finally:
+                    gate.set()
+                removing.result(timeout=30)
+            assert pid.result(timeout=30) != os.getpid()
+            np.testing.assert_array_equal(values(busy.result(timeout=30)), np.full(100, 1.0))
+        finally:
+            del worker.executors["processes"]
 
 
 # --- (f) backend auto is logged once ---------------------------------------------------------

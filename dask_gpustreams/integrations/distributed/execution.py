@@ -474,6 +474,10 @@ class Execution:
             for k in self.worker.active_keys
         )
 
+    def on_threads(self, ts: Any) -> bool:
+        """Whether ``ts`` runs in one of the worker's threads (not in another process)."""
+        return self._thread_pool(ts) if ts.annotations else self._default_on_threads
+
     def _thread_pool(self, ts: Any) -> bool:
         """Whether ``ts`` (with annotations) runs in a worker thread, as ``Worker.execute`` says."""
         name = ts.annotations.get("executor", "default")

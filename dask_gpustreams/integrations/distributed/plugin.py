@@ -420,7 +420,13 @@ class StreamsPlugin(WorkerPlugin):
         if not closing:
             # First, before any await: this plugin is out of worker.plugins already, so
             # only the guard sees the tasks that read held corrupt keys start.
-            guard = WithheldKeys(worker, self.provenance, self.egress, self.execution.fail)
+            guard = WithheldKeys(
+                worker,
+                self.provenance,
+                self.egress,
+                self.execution.fail,
+                self.execution.on_threads,
+            )
             guard.install()
             with contextlib.suppress(Exception):  # no scheduler plugin: nothing to undo
                 await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)

@@ -85,12 +85,16 @@ class WithheldKeys(WorkerPlugin):
         provenance: Provenance,
         egress: Egress,
         fail: Callable[[Hashable, BaseException], None],
+        on_threads: Callable[[Any], bool] | None = None,
     ):
         self.name = f"gpustreams-withheld-{id(self):x}"
         self.worker = worker
         self.provenance = provenance
         self.egress = egress
         self.fail = fail
+        #: Whether a task state's task runs in a worker thread (:meth:`.Execution.on_threads`):
+        #: one that runs in another process (a process-pool executor) is left as it is.
+        self.on_threads = on_threads
         #: While the plugin's teardown runs: keys may still be found corrupt, so the
         #: guard stays even when none is held.
         self.tearing_down = True
@@ -122,6 +126,8 @@ class WithheldKeys(WorkerPlugin):
             return  # (no runtime: nothing ran on the streams)
         if key in self.worker.state.actors or isinstance(getattr(node, "func", None), Raises):
             return  # an actor; or failed already (a held corrupt input)
+        if self.on_threads is not None and not self.on_threads(ts):
+            return  # in another process: _Unwrapped (the runtime) cannot go there
         dep_keys = tuple(node.dependencies)
         try:
             error, pending = self.provenance.input_states(dep_keys)
