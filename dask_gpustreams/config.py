@@ -340,14 +340,23 @@ class StreamsConfig:
         """The settings of dask's config that differ from ``gpustreams.yaml``'s defaults,
         as given (``'auto'`` stays ``'auto'``), by field name: the keyword arguments of
         ``StreamsPlugin`` that carry a client's settings to workers that read another
-        config."""
+        config. Compared as read: a default spelt otherwise (``'false'``, ``0``, ``'AUTO'``,
+        ``'192MiB'``) is no change, and leaves the workers' own config as it is; a bad value
+        is one (``StreamsPlugin`` raises its error)."""
         section = defaults["gpustreams"]
-        return {
-            field: value
-            for field, value in cls._given().items()
-            for default in [section[field.replace("_", "-")]]
-            if value != default or type(value) is not type(default)
-        }
+        changed = {}
+        for field, value in cls._given().items():
+            default = section[field.replace("_", "-")]
+            if value == default and type(value) is type(default):
+                continue  # as gpustreams.yaml gives it: no parse
+            try:
+                parsed, read = cls(**{field: value}), cls(**{field: default})
+                same = getattr(parsed, field) == getattr(read, field)
+            except (ValueError, TypeError):
+                same = False
+            if not same:
+                changed[field] = value
+        return changed
 
 
 @functools.lru_cache(maxsize=32)

@@ -590,3 +590,30 @@ def test_a_setup_that_fails_otherwise_fails_the_tasks_and_leaves_the_worker_as_i
         assert row["error"] == message
         [w] = cluster.workers.values()
         assert w.handlers["get_data"] == w.get_data  # the worker's own handler, restored
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("timeline", "false"),  # DASK_GPUSTREAMS__TIMELINE=false: dask keeps the string
+        ("timeline", 0),
+        ("pinned-pool-size", "AUTO"),
+        ("launch-ahead", "192MiB"),
+        ("launch-ahead", 192 << 20),
+        ("blocks", "auto"),
+    ],
+)
+def test_a_default_spelt_otherwise_is_no_changed_setting(key, value):
+    """A client's changed settings override the workers' own config (the client preload
+    carries them): one that reads as the default must leave the workers' config alone."""
+    with dask.config.set({f"gpustreams.{key}": value}):
+        assert StreamsConfig.changed_settings() == {}
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("streams", 4), ("blocks", False), ("timeline", "on"), ("copy_streams", 2), ("streams", 8.0)],
+)
+def test_a_changed_setting_is_carried_as_given(key, value):
+    with dask.config.set({f"gpustreams.{key}": value}):
+        assert StreamsConfig.changed_settings() == {key.replace("-", "_"): value}
