@@ -408,6 +408,31 @@ def add_later(a, b):
     return out
 
 
+async def first_value(x):
+    """A coroutine task that reads its device input on the host."""
+    return float(values(x)[0])
+
+
+def test_a_coroutine_task_waits_for_its_inputs_work():
+    """A coroutine task runs on the worker's event loop, off the streams: it waits (in a
+    thread) for its input's kernel before it runs, as a host-side task does. Before, it read
+    x unwritten (NaN) while x's kernel still waited for the gate."""
+    GATE.clear()
+    with sim_cluster(1, 2) as (lc, client):
+        [worker] = lc.workers.values()
+        x = client.submit(gated_kernel, 100, 2.0, pure=False)
+        wait(x)  # in memory; its kernel waits for the gate
+        y = client.submit(first_value, x, pure=False)
+
+        def started():
+            ts = worker.state.tasks.get(y.key)
+            return ts is not None and ts.state in ("executing", "memory")
+
+        until(started)
+        GATE.set()
+        assert y.result(timeout=30) == 2.0
+
+
 @pytest.mark.parametrize("then", ["replace", "unregister"])
 def test_a_task_that_starts_during_the_teardown_waits_for_its_inputs_and_its_own_work(
     cluster, gate, then

@@ -9,6 +9,7 @@ keep their run_spec.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import weakref
 from collections.abc import Callable, Hashable, Mapping
@@ -70,6 +71,22 @@ class _AfterInputs:
 
     def __repr__(self) -> str:
         return f"_AfterInputs({self.node!r})"
+
+
+def coroutine_after_inputs(
+    wait_inputs: Callable[[tuple[Hashable, ...]], None],
+    node: GraphNode,
+    dep_keys: tuple[Hashable, ...],
+) -> Callable[..., Any]:
+    """Task function of a coroutine task (run on the event loop): wait for the inputs'
+    work in a thread, then await the node. Its result may be an input, or made from
+    one, and has no event of its own: its readers would not wait for the input's kernel."""
+
+    async def after_inputs(*values: Any) -> Any:
+        await asyncio.get_running_loop().run_in_executor(None, wait_inputs, dep_keys)
+        return await node(dict(zip(dep_keys, values, strict=True)))
+
+    return after_inputs
 
 
 class WorkerStreamTask(StreamTask):
@@ -374,10 +391,14 @@ class Execution:
             return
         if pending:
             provenance.note_pending(key, pending)
+            dep_keys = tuple(node.dependencies)
             if kind == _HOST:  # it waits for its inputs' work first, in its thread
-                dep_keys = tuple(node.dependencies)
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)
                 ts.run_spec = with_func(node, host, dep_keys)
+            elif node.is_coro and not (self._actors and key in self._actors):
+                # the same, in a thread, before it runs on the event loop
+                coro = coroutine_after_inputs(provenance.wait_inputs, node, dep_keys)
+                ts.run_spec = with_func(node, coro, dep_keys)
 
     def _kind(self, node: GraphNode) -> int:
         """How ``node`` runs: on the host side (``host_modules``), on the streams, or as it is.

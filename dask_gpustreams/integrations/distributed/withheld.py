@@ -35,7 +35,11 @@ from typing import TYPE_CHECKING, Any
 from distributed import WorkerPlugin
 
 from dask_gpustreams.integrations.distributed.egress import Egress
-from dask_gpustreams.integrations.distributed.execution import Raises, with_func
+from dask_gpustreams.integrations.distributed.execution import (
+    Raises,
+    coroutine_after_inputs,
+    with_func,
+)
 from dask_gpustreams.integrations.distributed.provenance import Provenance
 
 if TYPE_CHECKING:
@@ -122,11 +126,12 @@ class WithheldKeys(WorkerPlugin):
         ts = self.worker.state.tasks.get(key)
         node = getattr(ts, "run_spec", None)
         runtime = self.provenance.runtime
-        if node is None or runtime is None or getattr(node, "is_coro", False):
+        if node is None or runtime is None:
             return  # (no runtime: nothing ran on the streams)
         if key in self.worker.state.actors or isinstance(getattr(node, "func", None), Raises):
             return  # an actor; or failed already (a held corrupt input)
-        if self.on_threads is not None and not self.on_threads(ts):
+        coroutine = getattr(node, "is_coro", False)
+        if not coroutine and self.on_threads is not None and not self.on_threads(ts):
             return  # in another process: _Unwrapped (the runtime) cannot go there
         dep_keys = tuple(node.dependencies)
         try:
@@ -137,6 +142,11 @@ class WithheldKeys(WorkerPlugin):
             self.fail(key, error)
             return
         wait = self.provenance.wait_inputs if pending else None
+        if coroutine:  # on the event loop: it waits for its inputs in a thread first
+            if wait is not None:
+                after = coroutine_after_inputs(wait, node, dep_keys)
+                ts.run_spec = with_func(node, after, dep_keys)
+            return
         ts.run_spec = with_func(node, _Unwrapped(wait, node, dep_keys, runtime), dep_keys)
 
     def torn_down(self) -> None:
