@@ -344,7 +344,10 @@ def format_table(rows: tuple[dict, ...] | list[dict]) -> str:
     if len(settings) == 1:
         lines += [f"settings: {text}" for text in settings]
     else:  # which rows have which: the table shows only backend, streams and policy
-        lines += [f"settings ({', '.join(who)}): {text}" for text, who in sorted(settings.items())]
+        lines += [
+            f"settings ({', '.join(dict.fromkeys(who))}): {text}"
+            for text, who in sorted(settings.items())
+        ]
     for r in rows:
         if r["error"]:
             lines.append(f"error ({_label(r)}): {r['error']}")

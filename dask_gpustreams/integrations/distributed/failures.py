@@ -45,7 +45,7 @@ class FailureRecords(OrderedDict):
             if key not in self:
                 logger.error(
                     "gpustreams: result of %r is corrupt (%s): dropped; its recomputation "
-                    "raises this error to its readers",
+                    "on this worker raises this error",
                     key,
                     error,
                 )
