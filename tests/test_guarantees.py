@@ -503,6 +503,67 @@ def test_a_task_of_a_process_pool_executor_that_starts_during_the_teardown_runs_
             del worker.executors["processes"]
 
 
+def overlap_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "registrations overlapped" in r.getMessage()]
+
+
+def test_registrations_that_overlap_leave_one_plugin_set_up(cluster, gate, caplog):
+    """A registration that comes while an earlier one waits for the old plugin's teardown
+    finds the name free in distributed's ``plugin_add``: its plugin is installed and set
+    up, then replaced by the earlier one's without a teardown. Before, that plugin stayed
+    set up (its get_data wrapper stayed after the plugin was unregistered); now a setup
+    waits for the teardown that runs, one plugin is set up, and a warning says so."""
+    client, worker = cluster
+    x = client.submit(gated_task, 100, 2.0, pure=False)
+    assert ENTERED.wait(30)  # the old plugin's teardown waits for it
+    with (
+        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
+        ThreadPoolExecutor(2) as threads,
+    ):
+        try:
+            first = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
+            until(lambda: "gpustreams" not in worker.plugins)  # the old one's teardown runs
+            second = threads.submit(client.register_plugin, StreamsPlugin(streams=3))
+            until(lambda: "gpustreams" in worker.plugins)  # the second, installed meanwhile
+        finally:
+            gate.set()
+        first.result(timeout=30)
+        second.result(timeout=30)
+    installed = worker.plugins["gpustreams"]
+    y = client.submit(add, x, x, pure=False)
+    np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
+    assert installed.runtime.pool.n_streams == installed.config.streams
+    client.unregister_worker_plugin("gpustreams")
+    assert worker.handlers["get_data"] == worker.get_data  # no plugin left wrapping it
+    [warning] = overlap_warnings(caplog)
+    assert f"on worker {worker.address}" in warning
+    client.register_plugin(StreamsPlugin())
+
+
+def test_a_plugin_set_up_under_a_second_name_tears_the_first_down(cluster, caplog):
+    """Two StreamsPlugins never run a worker's tasks: the one set up last tears the other
+    down, with a warning that names both."""
+    client, worker = cluster
+    x = client.submit(produce, 100, 1.0, pure=False)
+    wait(x)
+    old = worker.plugins["gpustreams"]
+    new = StreamsPlugin(streams=2)
+    with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+        client.register_plugin(new, name="gpustreams-2")
+    assert old.runtime.closed
+    y = client.submit(add, x, x, pure=False)
+    np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 2.0))
+    assert worker.plugins["gpustreams-2"].runtime.pool.n_streams == 2
+    client.unregister_worker_plugin("gpustreams-2")
+    client.unregister_worker_plugin("gpustreams")
+    assert worker.handlers["get_data"] == worker.get_data
+    [warning] = overlap_warnings(caplog)
+    assert warning.startswith(
+        f"gpustreams: {new!r} is set up on worker {worker.address} while {old!r} still was"
+    )
+    client.register_plugin(StreamsPlugin())
+
+
 # --- (f) backend auto is logged once ---------------------------------------------------------
 
 
@@ -996,8 +1057,13 @@ print(float(sim.asnumpy(x.compute()).sum()))
 def test_an_in_process_cluster_left_open_at_exit_closes_without_an_error(run_python):
     """A script that never closes its in-process cluster: the worker's teardown runs while
     the interpreter exits, when no executor takes new work, and closes the runtime itself
-    (before, it logged "Worker plugin gpustreams failed to teardown" with a traceback)."""
-    assert run_python(LEFT_OPEN, timeout=60) == "90.0\n"
+    (before, it logged "Worker plugin gpustreams failed to teardown" with a traceback).
+    distributed's own warning that closing the worker lost the computed ``mul`` task (from
+    2026.8.0, at times; plain Dask too) is no error of the plugin's."""
+    first, *logged = run_python(LEFT_OPEN, timeout=60).splitlines()
+    assert first == "90.0"
+    lost = "distributed.scheduler - WARNING - Removing worker"
+    assert [line for line in logged if lost not in line] == []
 
 
 def test_a_closed_workers_results_go_back_to_the_pool():

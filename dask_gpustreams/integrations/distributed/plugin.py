@@ -180,6 +180,10 @@ logger = logging.getLogger("dask_gpustreams")
 #: registers (same name), and keeps these (:meth:`StreamsPlugin.setup`).
 PRELOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+#: The plugin whose setup started last on each worker, until its teardown ends: the
+#: next setup makes it give way first (:meth:`StreamsPlugin.setup`).
+LATEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class StreamsPlugin(WorkerPlugin):
     """Run the tasks of every worker on a pool of GPU streams, ordered by device events.
@@ -245,6 +249,8 @@ class StreamsPlugin(WorkerPlugin):
     #: on a worker whose own preload set it up, the worker's settings win (``PRELOADED``).
     from_preload = False
     _active = False  # True between setup and teardown
+    _teardown_ended: asyncio.Future | None = None  # done once the teardown has ended
+    _predecessor: StreamsPlugin | None = None  # while the setup waits for its teardown
     _held: Collection[Hashable] = ()  # corrupt keys held for their dependents (Provenance.held)
 
     def __init__(self, **overrides: Any):
@@ -325,6 +331,25 @@ class StreamsPlugin(WorkerPlugin):
         settings raise their ``ValueError``, and every task of the worker then
         fails with it (see *Bad settings* above).
         """
+        previous = LATEST.get(worker)
+        LATEST[worker] = self
+        if previous is not None:  # no two plugins run a worker's tasks (see _end)
+            self._predecessor = previous
+            try:
+                await previous._end(worker, self)
+            finally:
+                self._predecessor = None
+            if LATEST.get(worker) is not self or all(
+                p is not self for p in worker.plugins.values()
+            ):
+                logger.warning(
+                    "gpustreams: %r was replaced on worker %s while its setup waited for the "
+                    "old plugin's teardown (two registrations overlapped); it sets nothing up, "
+                    "and the plugin that replaced it runs the tasks",
+                    self,
+                    worker.address,
+                )
+                return
         own = PRELOADED.get(worker) if self.from_preload else None
         if own is not None:  # the worker's own preload options and their error come first
             overrides, error = own
@@ -397,6 +422,38 @@ class StreamsPlugin(WorkerPlugin):
                 e,
             )
 
+    async def _end(self, worker: Any, successor: StreamsPlugin) -> None:
+        """Return once this plugin's teardown has ended on ``worker``, where ``successor``'s
+        setup starts: tear it down if it is still set up (one warning says which plugin
+        runs the tasks), wait for a teardown that runs, and for what its own setup waits
+        for if it has not been set up yet.
+
+        distributed's ``Worker.plugin_add`` awaits the teardown of a plugin of the same
+        name before it installs the new one. A registration that comes meanwhile finds the
+        name free: its plugin is installed and set up, then replaced by the first one's
+        without a teardown (its ``get_data`` wrapper and its runtime would stay, and it
+        would run tasks beside the teardown's guard). Hence :meth:`setup` waits here.
+        """
+        if self._active:
+            logger.warning(
+                "gpustreams: %r is set up on worker %s while %r still was (two registrations "
+                "overlapped, or two names); the older one is torn down now, and %r runs the "
+                "tasks. Register the plugin again if these are not the settings you "
+                "registered last",
+                successor,
+                worker.address,
+                self,
+                successor,
+            )
+            try:
+                await self.teardown(worker)
+            except Exception:  # as distributed logs a failed teardown; the setup goes on
+                logger.exception("gpustreams: the teardown of %r failed", self)
+        elif self._teardown_ended is not None:
+            await asyncio.shield(self._teardown_ended)
+        elif self._predecessor is not None:
+            await self._predecessor._end(worker, successor)
+
     async def teardown(self, worker: Any) -> None:
         """Stop wrapping; wait for the work already wrapped; restore the worker; close the runtime.
 
@@ -410,11 +467,21 @@ class StreamsPlugin(WorkerPlugin):
         and why); its corrupt keys stay withheld until
         it has closed. (No task adds a result any more: the close cancelled the worker's async
         instructions before it removed the plugins.)
-        A plugin whose settings were bad set nothing up.
+        A plugin whose settings were bad, or whose setup gave way, set nothing up.
         """
-        if self.error is not None:
+        if not self._active:
             return
         self._active = False
+        self._teardown_ended = asyncio.get_running_loop().create_future()
+        try:
+            await self._tear_down(worker)
+        finally:
+            self._teardown_ended.set_result(None)
+            if LATEST.get(worker) is self:
+                del LATEST[worker]
+
+    async def _tear_down(self, worker: Any) -> None:
+        """:meth:`teardown`'s work, once."""
         closing = worker.status in (Status.closing, Status.closed, Status.failed)
         guard = None
         if not closing:
