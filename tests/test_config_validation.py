@@ -617,3 +617,32 @@ def test_a_default_spelt_otherwise_is_no_changed_setting(key, value):
 def test_a_changed_setting_is_carried_as_given(key, value):
     with dask.config.set({f"gpustreams.{key}": value}):
         assert StreamsConfig.changed_settings() == {key.replace("-", "_"): value}
+
+
+def test_a_closed_worker_whose_plugin_had_bad_settings_is_let_go():
+    """A plugin with bad settings raises its error from setup, so the error's traceback
+    holds setup's frame, and the worker. Nothing of the plugin's may keep that plugin
+    after the worker closed (``LATEST`` is keyed weakly by the worker: a value that holds
+    its key would keep the closed worker, and its memory, for as long as the process)."""
+    import gc
+    import logging
+    import weakref
+
+    from tests.conftest import forget_closed_servers
+
+    # distributed's log of the failed setup (its exc_info) would hold the worker too.
+    quiet = logging.getLogger("distributed.worker")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with dask.config.set(SIM), local_cluster(processes=False) as c, Client(c) as client:
+            (worker,) = c.workers.values()
+            closed = weakref.ref(worker)
+            del worker
+            with pytest.raises(ValueError, match="gpustreams cannot start on worker"):
+                client.register_plugin(StreamsPlugin.failing(ValueError("bad")))
+    finally:
+        quiet.setLevel(level)
+    forget_closed_servers()
+    gc.collect()
+    assert closed() is None
