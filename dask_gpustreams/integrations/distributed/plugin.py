@@ -364,10 +364,12 @@ class StreamsPlugin(WorkerPlugin):
             except ValueError as e:
                 error = e
         elif not isinstance(error, ValueError):
+            self._give_way(worker)
             raise error
         if error is not None:
             self.error = ValueError(f"gpustreams cannot start on worker {worker.address}: {error}")
             self._tasks = worker.state.tasks
+            self._give_way(worker)
             raise self.error
         # Threads of the egress waits and of the clears of stream errors after failures.
         self._egress_threads = ThreadPoolExecutor(4, thread_name_prefix="gpustreams-egress")
@@ -390,6 +392,7 @@ class StreamsPlugin(WorkerPlugin):
             self._egress_threads.shutdown(wait=False)
             self.error = RuntimeError(f"gpustreams cannot start on worker {worker.address}: {e!r}")
             self._tasks = worker.state.tasks
+            self._give_way(worker)
             raise self.error from e
         self._active = True
         if self.config.blocks == "auto":  # blocks give the keys they make new dependencies
@@ -421,6 +424,13 @@ class StreamsPlugin(WorkerPlugin):
                 StreamBlocks.name,
                 e,
             )
+
+    def _give_way(self, worker: Any) -> None:
+        """A setup that fails sets nothing up, so the next one has nothing to wait for here:
+        ``LATEST`` forgets it (the error it raises holds the worker in its traceback, and a
+        value that holds its key would keep the closed worker for good)."""
+        if LATEST.get(worker) is self:
+            del LATEST[worker]
 
     async def _end(self, worker: Any, successor: StreamsPlugin) -> None:
         """Return once this plugin's teardown has ended on ``worker``, where ``successor``'s
