@@ -564,6 +564,31 @@ def test_a_plugin_set_up_under_a_second_name_tears_the_first_down(cluster, caplo
     client.register_plugin(StreamsPlugin())
 
 
+def on_a_pool_stream():
+    device = sim.get_device()
+    return device.current_stream() is not device.default_stream
+
+
+def test_unregistering_the_second_name_leaves_the_first_registration_running(cluster, caplog):
+    """The plugin under a second name tore the first down (one plugin runs the tasks); once
+    it is unregistered, the plugin still registered as "gpustreams" must run them again,
+    rather than sit in worker.plugins set up for nothing while tasks run off the streams
+    with no word."""
+    client, worker = cluster
+    assert client.submit(on_a_pool_stream, pure=False).result()
+    with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+        client.register_plugin(StreamsPlugin(streams=2), name="gpustreams-2")
+    client.unregister_worker_plugin("gpustreams-2")
+    assert "gpustreams" in worker.plugins  # still registered, for this worker and new ones
+    assert client.submit(on_a_pool_stream, pure=False).result()
+    assert not worker.plugins["gpustreams"].runtime.closed  # a new one, of the set-up again
+    again = [r.getMessage() for r in caplog.records if "is set up again" in r.getMessage()]
+    assert again == [
+        f"gpustreams: StreamsPlugin(streams=2) is removed from worker {worker.address}; "
+        "StreamsPlugin(), still registered there, is set up again"
+    ]
+
+
 # --- (f) backend auto is logged once ---------------------------------------------------------
 
 

@@ -251,6 +251,7 @@ class StreamsPlugin(WorkerPlugin):
     _active = False  # True between setup and teardown
     _teardown_ended: asyncio.Future | None = None  # done once the teardown has ended
     _predecessor: StreamsPlugin | None = None  # while the setup waits for its teardown
+    _displaced = False  # torn down by a later plugin's setup, still registered (see _end)
     _held: Collection[Hashable] = ()  # corrupt keys held for their dependents (Provenance.held)
 
     def __init__(self, **overrides: Any):
@@ -343,9 +344,9 @@ class StreamsPlugin(WorkerPlugin):
                 p is not self for p in worker.plugins.values()
             ):
                 logger.warning(
-                    "gpustreams: %r was replaced on worker %s while its setup waited for the "
-                    "old plugin's teardown (two registrations overlapped); it sets nothing up, "
-                    "and the plugin that replaced it runs the tasks",
+                    "gpustreams: %r was replaced or removed on worker %s while its setup "
+                    "waited for the old plugin's teardown (two registrations overlapped); it "
+                    "sets nothing up",
                     self,
                     worker.address,
                 )
@@ -447,18 +448,19 @@ class StreamsPlugin(WorkerPlugin):
         if self._active:
             logger.warning(
                 "gpustreams: %r is set up on worker %s while %r still was (two registrations "
-                "overlapped, or two names); the older one is torn down now, and %r runs the "
-                "tasks. Register the plugin again if these are not the settings you "
-                "registered last",
+                "overlapped, or two names); the older one is torn down now, so that one "
+                "plugin runs the tasks. Register the plugin again if these are not the "
+                "settings you registered last",
                 successor,
                 worker.address,
                 self,
-                successor,
             )
             try:
                 await self.teardown(worker)
             except Exception:  # as distributed logs a failed teardown; the setup goes on
                 logger.exception("gpustreams: the teardown of %r failed", self)
+            # Still registered under another name: set up again once the successor goes.
+            self._displaced = any(p is self for p in worker.plugins.values())
         elif self._teardown_ended is not None:
             await asyncio.shield(self._teardown_ended)
         elif self._predecessor is not None:
@@ -483,12 +485,34 @@ class StreamsPlugin(WorkerPlugin):
             return
         self._active = False
         self._teardown_ended = asyncio.get_running_loop().create_future()
+        last = LATEST.get(worker) is self  # not torn down by a successor's setup
         try:
             await self._tear_down(worker)
         finally:
             self._teardown_ended.set_result(None)
-            if LATEST.get(worker) is self:
+            if last:
                 del LATEST[worker]
+        if last and worker.status not in (Status.closing, Status.closed, Status.failed):
+            await self._set_up_displaced(worker)
+
+    async def _set_up_displaced(self, worker: Any) -> None:
+        """Removed from ``worker``, where this plugin's setup tore down another still
+        registered under another name (:meth:`_end`): set that one up again, so that no
+        registered plugin sits torn down while tasks run without streams."""
+        displaced = [
+            p for p in worker.plugins.values() if isinstance(p, StreamsPlugin) and p._displaced
+        ]
+        if not displaced:
+            return
+        plugin = displaced[-1]
+        plugin._displaced = False
+        logger.warning(
+            "gpustreams: %r is removed from worker %s; %r, still registered there, is set up again",
+            self,
+            worker.address,
+            plugin,
+        )
+        await plugin.setup(worker)
 
     async def _tear_down(self, worker: Any) -> None:
         """:meth:`teardown`'s work, once."""
