@@ -583,6 +583,61 @@ def test_without_the_retry_running_ahead_fails_where_plain_dask_fits(launcher, m
         chain_peak(60, 0.002)
 
 
+class EachKey(Callback):
+    """Dask callbacks that count each key's ``pretask`` and ``posttask``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre: dict = {}
+        self.post: dict = {}
+
+    def _pretask(self, key, dsk, state):
+        self.pre[key] = self.pre.get(key, 0) + 1
+
+    def _posttask(self, key, result, dsk, state, id):
+        self.post[key] = self.post.get(key, 0) + 1
+
+
+def three_leaves_summed() -> tuple:
+    """``(a + b) + c`` of three leaf chunks, downloaded: three chunks at most in plain sync's
+    order (``a``, ``b``, their sum, then ``c``), four once a round launched all three leaves."""
+    a, b, c = (delayed(leaf)(v, CHUNK, 0.002) for v in (1.0, 2.0, 4.0))
+    return delayed(download)(delayed(combine)(delayed(combine)(a, b, 0.002), c, 0.002))
+
+
+def test_a_graph_whose_retry_runs_out_of_memory_runs_again_one_task_at_a_time(launcher, caplog):
+    """A round of 3 streams launches all three leaves; their sums' retry finds the device
+    (3 chunks) full of values and runs out of memory too. The graph then runs again from its
+    start one task at a time, as plain sync, and fits; the callbacks hear each key once."""
+    graph = three_leaves_summed()
+    with device_limit(3):
+        expected = graph.compute(scheduler="sync")
+        counts = EachKey()
+        with (
+            launcher(streams=3, policy="round-robin"),
+            caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
+            counts,
+        ):
+            result = graph.compute(scheduler="gpustreams")
+    np.testing.assert_array_equal(expected, np.full(CHUNK, 7.0))
+    np.testing.assert_array_equal(result, expected)
+    assert re.search(r"task .*combine.* ran out of device memory again", caplog.text)
+    keys = set(graph.__dask_graph__())
+    assert counts.pre == dict.fromkeys(keys, 1)
+    assert counts.post == dict.fromkeys(keys, 1)
+
+
+def test_a_graph_that_does_not_fit_one_task_at_a_time_raises_out_of_memory(launcher):
+    """With room for 2 chunks, ``a + b`` does not fit in any order: the second run's retry
+    raises the device's error."""
+    with (
+        device_limit(2),
+        launcher(streams=3, policy="round-robin"),
+        pytest.raises(sim.OutOfMemoryError),
+    ):
+        three_leaves_summed().compute(scheduler="gpustreams")
+
+
 # --- small blocks apart ---------------------------------------------------------------------
 
 SMALL_BLOCKS = "64 KiB"  # below CHUNK's 256 KiB, above the row sums' 1 KiB

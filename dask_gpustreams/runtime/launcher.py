@@ -30,7 +30,14 @@ ahead. A task that runs out of device memory
 assumes) after the launcher has waited for all launched work and released the
 inputs it held and the allocator's cached blocks, with the launch-ahead from
 then on at most what was in flight: running ahead must not fail a graph whose
-live values fit.
+live values fit. Rounds may still have left more values alive than Dask's
+depth-first order would (a round of three leaves holds all three where ``(a +
+b) + c`` needs two and their sum): if the task runs out of memory again, the
+graph runs again from its start as Dask's synchronous scheduler runs it, one
+task at a time, most urgent first, on one stream, host tasks on the launching
+thread, the launch-ahead at its least (the first run's values are dropped; the
+hooks hear each key once). Only a task whose retry runs out of memory there
+fails the graph.
 """
 
 from __future__ import annotations
@@ -121,6 +128,11 @@ class ReadyTasks:
         heap = self._heap
         return [heapq.heappop(heap)[1] for _ in range(min(n, len(heap)))]
 
+    def keys(self) -> list[Hashable]:
+        """The ready keys not yet handed out, in no particular order."""
+        unranked = self._unranked
+        return [k for _, k in self._heap] if unranked is None else list(unranked)
+
     def _rank(self, priority: Mapping[Hashable, int]) -> None:
         self._priority = priority
         self._heap = [(priority[k], k) for k in self._unranked]
@@ -145,6 +157,37 @@ def _cycle_message(
         key = next(d for d in dependencies[key] if missing.get(d))
     cycle = [*path[seen[key] :], key]
     return "Cycle detected between the following keys:\n  -> " + "\n  -> ".join(map(str, cycle))
+
+
+class _RunAgain(Exception):
+    """Internal: ``key``'s retry ran out of device memory too; the graph runs again from its
+    start one task at a time (:meth:`GraphLauncher._launch`). ``told``: the keys whose
+    ``pretask`` the hooks heard."""
+
+    def __init__(self, key: Hashable, told: set) -> None:
+        super().__init__(key)
+        self.key = key
+        self.told = told
+
+
+class _TellOnce:
+    """Launch hooks that pass on only what ``hooks`` did not hear yet: a ``pretask`` of a
+    key not in ``started``, a ``posttask`` of one not in ``finished``."""
+
+    __slots__ = ("hooks", "started", "finished")
+
+    def __init__(self, hooks: LaunchHooks, started: set, finished: set) -> None:
+        self.hooks = hooks
+        self.started = started
+        self.finished = finished
+
+    def pretask(self, key: Hashable) -> None:
+        if key not in self.started:
+            self.hooks.pretask(key)
+
+    def posttask(self, key: Hashable, result: Any, worker: int) -> None:
+        if key not in self.finished:
+            self.hooks.posttask(key, result, worker)
 
 
 class _HostDone:
@@ -276,6 +319,11 @@ class GraphLauncher:
         #: Keys whose value's memory their task allocated on its own stream (the meter's
         #: ``made_on``), while they are results: see :meth:`_launch_all`'s holds.
         self._own: set[Hashable] = set()
+        #: One task at a time, on one stream, no host threads, the launch-ahead at its
+        #: least: the graph's second run after a retry ran out of memory (:meth:`_launch`).
+        self._one_by_one = False
+        #: Keys of host tasks whose failure was taken (their posttask never came).
+        self._host_failed: set[Hashable] = set()
 
     # --- the launch loop ----------------------------------------------------------------------
 
@@ -311,19 +359,58 @@ class GraphLauncher:
         )
         if shared is None:
             with allocator as meter:
-                return self._launch_all(meter)
+                return self._launch(meter)
         shared.begin()
         try:
             with allocator as meter:
-                return self._launch_all(meter)
+                return self._launch(meter)
         finally:
             # After the launch's own end (its streams may be drained); a device error here
             # (a sticky CUDA error's query) must not hide the graph's own.
             with contextlib.suppress(Exception):
                 shared.end()
 
+    def _launch(self, meter: AllocationMeter | None) -> MutableMapping[Hashable, Any]:
+        """:meth:`_launch_all`; if a task's retry runs out of device memory too, the graph
+        runs again from its start as Dask's synchronous scheduler runs it: one task at a time,
+        most urgent first, on one stream, host tasks on this thread, the launch-ahead at its
+        least (rounds of every stream may have left more values alive than fit, where a
+        depth-first run needs fewer). The values known before the run are its inputs again,
+        the hooks hear each key once, and a task that runs out of memory there runs once more
+        after a wait for the device, and then raises."""
+        results = self.results
+        given = dict(results)  # the values known before the run: consumed ones are popped
+        try:
+            return self._launch_all(meter)
+        except _RunAgain as again:
+            key, started = again.key, again.told
+        # Out of the handler: its traceback holds the first run's values.
+        finished = started - self._host_failed - {key}
+        logger.warning(
+            "gpustreams: task %r ran out of device memory again after the launched work was "
+            "done; the graph runs again from its start, one task at a time on one stream",
+            key,
+        )
+        results.clear()
+        results.update(given)
+        given = None
+        self.failed = None
+        self._own.clear()
+        self._host_failed.clear()
+        self._launched = []  # the first run's events went back to the runtime
+        self._one_by_one = True
+        hooks = self.hooks
+        if hooks is not None:
+            self.hooks = _TellOnce(hooks, started, finished)
+        try:
+            return self._launch_all(meter)
+        finally:
+            self.hooks = hooks
+            self._one_by_one = False
+
     def _launch_all(self, meter: AllocationMeter | None) -> MutableMapping[Hashable, Any]:
-        """:meth:`run`, inside its allocator, whose ``meter`` tells large tasks."""
+        """:meth:`run`, inside its allocator, whose ``meter`` tells large tasks (one task at
+        a time if ``_one_by_one``: see :meth:`_launch`)."""
         runtime, registry = self.runtime, self.registry
         results, tasks, dependencies = self.results, self.tasks, self.dependencies
         wanted, hooks = self.wanted, self.hooks
@@ -339,6 +426,11 @@ class GraphLauncher:
         use_stream, is_device = backend.use_stream, backend.is_device_array
         out_of_memory = backend.out_of_memory_errors
         learned, timeline, width = runtime.host_tasks, runtime.timeline, pool.n_streams
+        one_by_one = self._one_by_one
+        if one_by_one:
+            width, offload = 1, False
+            first_slot = pool.slots[0]
+            select = lambda info, pool: first_slot  # noqa: E731
         threshold = learned.threshold_s
         large_tasks = runtime.large_tasks
         large_size = large_tasks.size if meter is not None else 0
@@ -363,7 +455,7 @@ class GraphLauncher:
         own = self._own
         ahead: deque[tuple[Any, int]] = deque()
         ahead_bytes = 0
-        limit = runtime.config.launch_ahead
+        limit = MIN_SIZE if one_by_one else runtime.config.launch_ahead
         threads = runtime.config.host_threads
         held: list = []
         state = task_state.__dict__
@@ -450,7 +542,10 @@ class GraphLauncher:
                                 t0 = perf_counter()  # the wait is no host work of the task
                                 if meter is not None:
                                     meter.made.clear()
-                                result = tasks[key](values)
+                                if one_by_one:
+                                    result = tasks[key](values)
+                                else:
+                                    result = self._retry(key, values, batch, ready, missing)
                         seconds = perf_counter() - t0
                         # Not with holds: a nested compute's results are among them, which
                         # its host threads may have allocated, on their streams, at an
@@ -550,6 +645,22 @@ class GraphLauncher:
             drained = not runtime.collect()  # then every event it recorded has completed
             if timeline is None and not self._timed:
                 runtime.events.release(launched, done=drained)
+
+    def _retry(self, key, values, batch, ready, missing) -> Any:
+        """Run ``key`` again after :meth:`_make_room`; raise :class:`_RunAgain` if it runs out
+        of device memory again: what stays allocated is values that rounds launched before
+        a depth-first order would have."""
+        again = False
+        try:
+            return self.tasks[key](values)
+        except self.runtime.backend.out_of_memory_errors:
+            again = True  # outside the handler: its traceback holds the attempt's arrays
+        if again:
+            # Told: each task launched (its inputs were, it is no longer ready, nor waiting
+            # in this round after ``key``) and submitted to a host thread.
+            waiting = {*ready.keys(), *batch[batch.index(key) + 1 :]}
+            told = {k for k, n in missing.items() if not n and k not in waiting}
+            raise _RunAgain(key, told)
 
     def _make_room(self, key: Hashable, limit: int, in_flight: int) -> int:
         """``key`` ran out of device memory: wait for every stream's work (its errors stay
@@ -676,6 +787,7 @@ class GraphLauncher:
                 if record.start is not None:
                     self._timed = True
             if done.error is not None:
+                self._host_failed.add(done.key)
                 if self._error is None:
                     self._error = done.error
                     self.failed = done.key
