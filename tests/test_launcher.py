@@ -638,6 +638,63 @@ def test_a_graph_that_does_not_fit_one_task_at_a_time_raises_out_of_memory(launc
         three_leaves_summed().compute(scheduler="gpustreams")
 
 
+def fill_chunks(out, value):
+    out.fill(value)
+
+
+def sum_into(out, *xs):
+    time.sleep(0.001)
+    out.fill(0.0)
+    for x in xs:
+        out[: x.size] += x[: out.size]
+
+
+def chunks_of(value, chunks):
+    out = sim.empty(chunks * CHUNK)
+    sim.launch(fill_chunks, out, value)
+    return out
+
+
+def summed(chunks, *xs):
+    out = sim.empty(chunks * CHUNK)
+    sim.launch(sum_into, out, *xs)
+    return out
+
+
+def outputs_of_shared_leaves():
+    """Five outputs (a fuzzed graph, chunks a value): ``n6`` and ``n7`` read both 1-chunk
+    leaves ``n0`` and ``n1``; ``dask.order`` ranks ``n7`` (``n0``'s last reader) after the
+    2-chunk ``n2`` and ``n5``, but Dask's synchronous scheduler runs it as soon as ``n6``
+    has run (the last it made ready), and lets ``n0`` go."""
+    n0, n1 = (delayed(chunks_of)(v, 1, dask_key_name=f"n{v:.0f}") for v in (0.0, 1.0))
+    n2, n3, n4 = (delayed(chunks_of)(v, 2, dask_key_name=f"n{v:.0f}") for v in (2.0, 3.0, 4.0))
+    n5 = delayed(summed)(2, n2, n4, dask_key_name="n5")
+    n6 = delayed(summed)(1, n0, n1, dask_key_name="n6")
+    n7 = delayed(summed)(1, n0, n1, dask_key_name="n7")
+    n8 = delayed(chunks_of)(8.0, 1, dask_key_name="n8")
+    n9 = delayed(summed)(2, n1, n4, n6, dask_key_name="n9")
+    n10 = delayed(summed)(1, n9, dask_key_name="n10")
+    return delayed(download_all)(n3, n5, n7, n8, n10, dask_key_name="out")
+
+
+def download_all(*xs):
+    return [x.get() for x in xs]
+
+
+def test_the_run_one_task_at_a_time_takes_dask_synchronous_order(launcher):
+    """The second run takes ready tasks as Dask's synchronous scheduler does (the last made
+    ready first), not by rank alone: it fits where plain sync fits."""
+    graph = outputs_of_shared_leaves()
+    expected = graph.compute(scheduler="sync")
+    with device_limit(8):
+        again = graph.compute(scheduler="sync")
+        assert all(np.array_equal(g, w) for g, w in zip(again, expected, strict=True))
+        with launcher(streams=8, policy="auto"):
+            got = graph.compute(scheduler="gpustreams")
+    assert [float(x[0]) for x in expected] == [3.0, 6.0, 1.0, 8.0, 6.0]
+    assert all(np.array_equal(g, w) for g, w in zip(got, expected, strict=True))
+
+
 # --- small blocks apart ---------------------------------------------------------------------
 
 SMALL_BLOCKS = "64 KiB"  # below CHUNK's 256 KiB, above the row sums' 1 KiB

@@ -239,8 +239,11 @@ def _run(
     tasks, dependencies, host = launch_plan(nodes, runtime)
     if hooks is not None:
         hooks.start_state(dependencies, values)
+    # dask.order's ranks also for a run one task at a time, as Dask's synchronous scheduler
+    # (after a retry that ran out of device memory): computed only then.
+    sync_priority = partial(order, dsk)
     if runtime.config.launch_order == "dask":
-        priority = partial(order, dsk)
+        priority = sync_priority
     else:
         priority = partial(depth_first, dependencies, outputs)
     launcher = GraphLauncher(
@@ -254,6 +257,7 @@ def _run(
         key_split,
         hooks,
         host_threads=host_threads,
+        sync_priority=sync_priority,
     )
     with runtime.isolated():  # the caller's thread: as it was after the compute
         return launcher.run()

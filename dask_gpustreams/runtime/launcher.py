@@ -31,13 +31,14 @@ assumes) after the launcher has waited for all launched work and released the
 inputs it held and the allocator's cached blocks, with the launch-ahead from
 then on at most what was in flight: running ahead must not fail a graph whose
 live values fit. Rounds may still have left more values alive than Dask's
-depth-first order would (a round of three leaves holds all three where ``(a +
-b) + c`` needs two and their sum): if the task runs out of memory again, the
-graph runs again from its start as Dask's synchronous scheduler runs it, one
-task at a time, most urgent first, on one stream, host tasks on the launching
-thread, the launch-ahead at its least (the first run's values are dropped; the
-hooks hear each key once). Only a task whose retry runs out of memory there
-fails the graph.
+order would (on three streams, ``(a + b) + c``'s round of three leaves holds
+them all when ``a + b`` needs a fourth block; Dask's order needs three at most):
+if the task runs out of memory again, the
+graph runs again from its start as Dask's synchronous scheduler runs it: one
+task at a time in its order (``dask.order``'s ranks, the tasks the last one made
+ready first), on one stream, host tasks on the launching thread, the
+launch-ahead at its least (the first run's values are dropped; the hooks hear
+each key once). Only a task whose retry runs out of memory there fails the graph.
 """
 
 from __future__ import annotations
@@ -138,6 +139,47 @@ class ReadyTasks:
         self._heap = [(priority[k], k) for k in self._unranked]
         heapq.heapify(self._heap)
         self._unranked = None
+
+
+class LastReadyFirst:
+    """Ready tasks in the order Dask's synchronous scheduler takes them (``dask.local``): a
+    stack, onto which the tasks that the last one made ready go, the most urgent on top.
+
+    The launcher's run one task at a time (:meth:`GraphLauncher._launch`) takes them so:
+    a task made ready by the one just run, such as the last reader of its input, runs
+    before older ready tasks of higher rank, and lets that input go. ``priority`` as
+    :class:`ReadyTasks`'s, called at the first round that needs it.
+    """
+
+    __slots__ = ("_priority", "_stack", "_new")
+
+    def __init__(
+        self,
+        priority: Mapping[Hashable, int] | Callable[[], Mapping[Hashable, int]],
+        keys: Iterable[Hashable],
+    ):
+        self._priority = priority
+        self._stack: list[Hashable] = []
+        #: Keys made ready since the last round, not yet on the stack.
+        self._new: list[Hashable] = list(keys)
+
+    def __len__(self) -> int:
+        return len(self._stack) + len(self._new)
+
+    def push(self, key: Hashable) -> None:
+        self._new.append(key)
+
+    def pop_round(self, n: int) -> list[Hashable]:
+        if self._new:
+            if not isinstance(self._priority, Mapping):
+                self._priority = self._priority()
+            self._stack.extend(sorted(self._new, key=self._priority.__getitem__, reverse=True))
+            self._new = []
+        stack = self._stack
+        return [stack.pop() for _ in range(min(n, len(stack)))]
+
+    def keys(self) -> list[Hashable]:
+        return [*self._stack, *self._new]
 
 
 def _cycle_message(
@@ -272,7 +314,10 @@ class GraphLauncher:
     synchronous scheduler does, ``host`` ones after a host wait for their inputs), and
     learns nothing of them. ``check``: before
     returning, read every event of the graph with ``Backend.event_error``
-    and raise the first error (see :meth:`run`).
+    and raise the first error (see :meth:`run`). ``sync_priority``: the ranks
+    that the graph's run one task at a time takes, or a callable that returns
+    them (``dask.order``'s, as Dask's synchronous scheduler; ``priority`` if None):
+    see :meth:`_launch`.
     """
 
     #: Seconds :meth:`_join_host` waits for host tasks still running before it says so.
@@ -291,6 +336,7 @@ class GraphLauncher:
         hooks: LaunchHooks | None = None,
         check: bool = False,
         host_threads: bool = True,
+        sync_priority: Mapping[Hashable, int] | Callable[[], Mapping[Hashable, int]] | None = None,
     ):
         self.runtime = runtime
         self.tasks = tasks
@@ -303,6 +349,7 @@ class GraphLauncher:
         self.hooks = hooks
         self.check = check
         self.host_threads = host_threads
+        self._sync_priority = priority if sync_priority is None else sync_priority
         self.registry = EventRegistry()
         self._outcomes = _HostOutcomes()
         self._error: BaseException | None = None
@@ -372,12 +419,12 @@ class GraphLauncher:
 
     def _launch(self, meter: AllocationMeter | None) -> MutableMapping[Hashable, Any]:
         """:meth:`_launch_all`; if a task's retry runs out of device memory too, the graph
-        runs again from its start as Dask's synchronous scheduler runs it: one task at a time,
-        most urgent first, on one stream, host tasks on this thread, the launch-ahead at its
-        least (rounds of every stream may have left more values alive than fit, where a
-        depth-first run needs fewer). The values known before the run are its inputs again,
-        the hooks hear each key once, and a task that runs out of memory there runs once more
-        after a wait for the device, and then raises."""
+        runs again from its start as Dask's synchronous scheduler runs it: one task at a time
+        in its order (:class:`LastReadyFirst` of ``sync_priority``), on one stream, host tasks
+        on this thread, the launch-ahead at its least (rounds of every stream may have left
+        more values alive than fit, where Dask's order needs fewer). The values known before
+        the run are its inputs again, the hooks hear each key once, and a task that runs out
+        of memory there runs once more after a wait for the device, and then raises."""
         results = self.results
         given = dict(results)  # the values known before the run: consumed ones are popped
         try:
@@ -399,6 +446,7 @@ class GraphLauncher:
         self._host_failed.clear()
         self._launched = []  # the first run's events went back to the runtime
         self._one_by_one = True
+        self._priority = self._sync_priority
         hooks = self.hooks
         if hooks is not None:
             self.hooks = _TellOnce(hooks, started, finished)
@@ -449,7 +497,8 @@ class GraphLauncher:
                     n += 1
                 consumers[d] = consumers.get(d, 0) + 1
             missing[key] = n
-        ready = ReadyTasks(self._priority, [k for k, n in missing.items() if n == 0])
+        roots = [k for k, n in missing.items() if n == 0]
+        ready = (LastReadyFirst if one_by_one else ReadyTasks)(self._priority, roots)
 
         launched = self._launched  # every event recorded, in order
         own = self._own
