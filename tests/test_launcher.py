@@ -638,6 +638,55 @@ def test_a_graph_that_does_not_fit_one_task_at_a_time_raises_out_of_memory(launc
         three_leaves_summed().compute(scheduler="gpustreams")
 
 
+@host_task
+def host_mean_later(x, delay, calls):
+    calls.append(time.perf_counter())
+    time.sleep(delay)
+    return float(x.mean())
+
+
+@host_task
+def host_fails_later(x, delay, calls):
+    calls.append(time.perf_counter())
+    time.sleep(delay)
+    raise ZeroDivisionError("host task failed")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_host_tasks_running_when_the_graph_runs_again_are_heard_once(launcher, caplog, fails):
+    """A host task still running on its thread when the sum's retry runs out of memory
+    ends before the graph runs again (it runs twice): the callbacks hear its key once, and
+    its own error (raised again by its second run) is the compute's."""
+    graph = three_leaves_summed()
+    calls: list[float] = []
+    host = delayed(host_fails_later if fails else host_mean_later)(
+        HOST_TWOS, 0.2, calls, dask_key_name="host"
+    )
+    # The first round, on 4 streams, takes the host task and the three leaves.
+    both = delayed(lambda mean, total: (total, mean))(host, graph, dask_key_name="both")
+    counts = EachKey()
+    with (
+        device_limit(3),
+        launcher(streams=4, policy="round-robin"),
+        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
+        counts,
+    ):
+        if fails:
+            with pytest.raises(ZeroDivisionError, match="host task failed"):
+                both.compute(scheduler="gpustreams")
+        else:
+            total, mean = both.compute(scheduler="gpustreams")
+    assert re.search(r"ran out of device memory again", caplog.text)
+    assert len(calls) == 2 and calls[1] - calls[0] >= 0.2, calls
+    if fails:
+        return
+    np.testing.assert_array_equal(total, np.full(CHUNK, 7.0))
+    assert mean == 2.0
+    keys = set(both.__dask_graph__())
+    assert counts.pre == dict.fromkeys(keys, 1)
+    assert counts.post == dict.fromkeys(keys, 1)
+
+
 def fill_chunks(out, value):
     out.fill(value)
 
