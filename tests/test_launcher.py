@@ -1721,3 +1721,37 @@ def test_the_callers_thread_is_isolated_only_while_the_launcher_runs():
         fresh.submit(computes).result()  # raises what the thread raised
     (_, me), *rest = calls
     assert rest == [("isolate", me), ("restore", me)] * 2
+def add_one_in_place(x):
+    """``x`` + 1, in place, returned (as a tiled gemm accumulates into its tile)."""
+    sim.launch(slow_add, x, x, ONE, 0.0)
+    return x
+
+
+def test_a_given_value_updated_in_place_is_updated_once_when_the_graph_runs_again(launcher):
+    """``acc`` adds 1 in place to the given ``g`` (a persisted tile) and returns it, in the
+    first round; the sum's retry then runs out of memory. Running the graph again would add 1
+    to what the first run left (2, where plain sync leaves 1): the retry's error is raised,
+    and ``g`` is 1."""
+
+    def graph(g):
+        return {
+            "g": g,
+            "acc": (add_one_in_place, "g"),
+            "a": (leaf, 1.0, CHUNK, 0.002),
+            "b": (leaf, 2.0, CHUNK, 0.002),
+            "c": (leaf, 4.0, CHUNK, 0.002),
+            "ab": (combine, "a", "b", 0.002),
+            "abc": (combine, "ab", "c", 0.002),
+            "out": (download, "abc"),
+        }
+
+    g_sync, g = sim.asarray(np.zeros(CHUNK)), sim.asarray(np.zeros(CHUNK))
+    with device_limit(3):
+        acc, out = dask.get(graph(g_sync), ["acc", "out"])
+        assert float(acc.get()[0]) == 1.0 and float(out[0]) == 7.0
+        with (
+            launcher(streams=4, policy="round-robin"),
+            pytest.raises(sim.OutOfMemoryError),
+        ):
+            launcher_get(graph(g), ["acc", "out"])
+    np.testing.assert_array_equal(g.get(), np.ones(CHUNK))
