@@ -371,6 +371,12 @@ class GraphLauncher:
         self._one_by_one = False
         #: Keys of host tasks whose failure was taken (their posttask never came).
         self._host_failed: set[Hashable] = set()
+        #: ``id`` of each device value known before the run (the first run's, else empty):
+        #: a task that returns one of them updated it in place (or passed it on).
+        self._given_ids: set[int] = set()
+        #: A task of the first run returned a value known before the run: running the graph
+        #: again would update it twice, so a retry that runs out of memory raises then.
+        self._given_returned = False
 
     # --- the launch loop ----------------------------------------------------------------------
 
@@ -427,6 +433,8 @@ class GraphLauncher:
         of memory there runs once more after a wait for the device, and then raises."""
         results = self.results
         given = dict(results)  # the values known before the run: consumed ones are popped
+        is_device = self.runtime.backend.is_device_array
+        self._given_ids = {id(v) for v in given.values() if is_device(v)}
         try:
             return self._launch_all(meter)
         except _RunAgain as again:
@@ -446,6 +454,7 @@ class GraphLauncher:
         self._host_failed.clear()
         self._launched = []  # the first run's events went back to the runtime
         self._one_by_one = True
+        self._given_ids = set()
         self._priority = self._sync_priority
         hooks = self.hooks
         if hooks is not None:
@@ -502,6 +511,7 @@ class GraphLauncher:
 
         launched = self._launched  # every event recorded, in order
         own = self._own
+        given_ids = self._given_ids
         ahead: deque[tuple[Any, int]] = deque()
         ahead_bytes = 0
         limit = MIN_SIZE if one_by_one else runtime.config.launch_ahead
@@ -648,14 +658,17 @@ class GraphLauncher:
                         pool.collect_all()  # streams not used lately hold finished inputs
                     # An input updated in place is no new memory (a loop's variable would
                     # hold an input past its consumers: a generator's does not).
-                    if is_device(result) and not any(v is result for v in values.values()):
-                        nbytes = result.nbytes
-                        ahead.append((event, nbytes))
-                        ahead_bytes += nbytes
-                        while ahead_bytes > limit:
-                            done_event, done_bytes = ahead.popleft()
-                            backend.synchronize_event(done_event)
-                            ahead_bytes -= done_bytes
+                    if is_device(result):
+                        if not any(v is result for v in values.values()):
+                            nbytes = result.nbytes
+                            ahead.append((event, nbytes))
+                            ahead_bytes += nbytes
+                            while ahead_bytes > limit:
+                                done_event, done_bytes = ahead.popleft()
+                                backend.synchronize_event(done_event)
+                                ahead_bytes -= done_bytes
+                        elif id(result) in given_ids:
+                            self._given_returned = True  # see _retry
                     self._finish(key, deps, ready, dependents, missing, consumers)
                     if hooks is not None:
                         hooks.posttask(key, result, 0)
@@ -703,6 +716,10 @@ class GraphLauncher:
         try:
             return self.tasks[key](values)
         except self.runtime.backend.out_of_memory_errors:
+            if self._given_returned:
+                # A task returned a value known before the run, updated in place (as a
+                # tiled gemm accumulates): running again would update it twice.
+                raise
             again = True  # outside the handler: its traceback holds the attempt's arrays
         if again:
             # Told: each task launched (its inputs were, it is no longer ready, nor waiting
@@ -844,6 +861,8 @@ class GraphLauncher:
             key = done.key
             if key not in self.host:
                 learned.observe(self.group_of(key), done.seconds)
+            if id(done.result) in self._given_ids:
+                self._given_returned = True  # see _retry
             self.results[key] = done.result
             if record is not None:
                 self.registry.add(record)
