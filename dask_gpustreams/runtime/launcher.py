@@ -39,6 +39,9 @@ task at a time in its order (``dask.order``'s ranks, the tasks the last one made
 ready first), on one stream, host tasks on the launching thread, the
 launch-ahead at its least (the first run's values are dropped; the hooks hear
 each key once). Only a task whose retry runs out of memory there fails the graph.
+The retry's error is raised instead where a run again would be wrong: a host task
+of the first run failed (its error is the compute's), or a task returned a device
+value known before the run (updated in place: it would be updated twice).
 """
 
 from __future__ import annotations
@@ -854,7 +857,8 @@ class GraphLauncher:
                     self._timed = True
             if done.error is not None:
                 self._host_failed.add(done.key)
-                if self._error is None:
+                # A task's error wins over running the graph again (which might not raise it).
+                if self._error is None or isinstance(self._error, _RunAgain):
                     self._error = done.error
                     self.failed = done.key
                 continue

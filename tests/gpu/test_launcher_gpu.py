@@ -145,6 +145,38 @@ def test_a_task_out_of_device_memory_runs_again(caplog, shared):
     assert "ran out of device memory; it runs again" in caplog.text
 
 
+def test_a_graph_whose_retry_runs_out_of_memory_runs_again_one_task_at_a_time(caplog):
+    """``(a + b) + c`` of three 8 MiB leaves, on 3 streams, with room on the device for 3
+    chunks (plain sync's need, which it completes in): the first round launches the three
+    leaves, and ``a + b`` finds the device full, then full again after the wait (the leaves
+    are live). The graph runs again as plain sync runs it, one task at a time, exact."""
+    chunk = 1 << 20  # float64 elements: 8 MiB
+    leaves = [delayed(spin_fill)(chunk, v, 0.5) for v in (1.0, 2.0, 3.0)]
+    total = delayed(add)(delayed(add)(leaves[0], leaves[1]), leaves[2])
+    dask.compute(total, scheduler="sync")  # the kernels compiled before the device is full
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    runtime = cupy.cuda.runtime
+    ballast = runtime.malloc(runtime.memGetInfo()[0] - 3 * chunk * 8 - (4 << 20))
+    try:
+        expected = cupy.asnumpy(total.compute(scheduler="sync"))
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        config = {**CONFIG, "gpustreams.streams": 3, "gpustreams.policy": "round-robin"}
+        with dask.config.set(config), caplog.at_level("WARNING", logger="dask_gpustreams"):
+            got = cupy.asnumpy(total.compute(scheduler="gpustreams"))
+    finally:
+        try:
+            cupy.cuda.Device().synchronize()
+            pool.free_all_blocks()
+        finally:
+            runtime.free(ballast)
+    np.testing.assert_array_equal(expected, np.full(chunk, 6.0))
+    np.testing.assert_array_equal(got, expected)
+    assert "ran out of device memory again" in caplog.text
+
+
 def pinned_after_persist(small_blocks) -> tuple[int, np.ndarray, np.ndarray]:
     """Bytes CuPy's pool cannot free while 8 streams' small row sums (of 8 MiB chunks, three
     temporaries each) live, at the second of two computes; the values and plain sync's."""
