@@ -1,5 +1,6 @@
 """The stream launcher (``scheduler="gpustreams"``) on a real GPU: exact under random timing."""
 
+import contextlib
 import gc
 import threading
 import time
@@ -102,6 +103,24 @@ def check_plan_caches(runs, threads=None):
     assert len(set(caches)) == len(caches), by_place  # none shared between places
 
 
+@contextlib.contextmanager
+def device_room(nbytes: int):
+    """The device full but for ``nbytes`` (a ballast allocation), CuPy's pool emptied first."""
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    runtime = cupy.cuda.runtime
+    ballast = runtime.malloc(runtime.memGetInfo()[0] - nbytes)
+    try:
+        yield
+    finally:
+        try:
+            cupy.cuda.Device().synchronize()
+            pool.free_all_blocks()
+        finally:
+            runtime.free(ballast)
+
+
 def min_max(a):
     return float(a.min()), float(a.max())
 
@@ -115,12 +134,7 @@ def test_a_task_out_of_device_memory_runs_again(caplog, shared):
     round-robin, each step reads its input from another stream, which holds it until the
     step's event completes (a step on its input's stream would not: 12 chunks would do)."""
     chunk = 1 << 20  # float64 elements: 8 MiB
-    pool = cupy.get_default_memory_pool()
-    cupy.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    runtime = cupy.cuda.runtime
-    ballast = runtime.malloc(runtime.memGetInfo()[0] - 12 * chunk * 8)
-    try:
+    with device_room(12 * chunk * 8):
         chains = []
         for c in range(4):
             x = delayed(spin_fill)(chunk, float(c + 1), 0.2)
@@ -135,12 +149,6 @@ def test_a_task_out_of_device_memory_runs_again(caplog, shared):
         }
         with dask.config.set(config), caplog.at_level("WARNING", logger="dask_gpustreams"):
             got = dask.compute(*chains, scheduler="gpustreams")
-    finally:
-        try:
-            cupy.cuda.Device().synchronize()
-            pool.free_all_blocks()
-        finally:
-            runtime.free(ballast)
     assert list(got) == [((c + 1) * 2.0**30,) * 2 for c in range(4)]
     assert "ran out of device memory; it runs again" in caplog.text
 
@@ -154,24 +162,13 @@ def test_a_graph_whose_retry_runs_out_of_memory_runs_again_one_task_at_a_time(ca
     leaves = [delayed(spin_fill)(chunk, v, 0.5) for v in (1.0, 2.0, 3.0)]
     total = delayed(add)(delayed(add)(leaves[0], leaves[1]), leaves[2])
     dask.compute(total, scheduler="sync")  # the kernels compiled before the device is full
-    pool = cupy.get_default_memory_pool()
-    cupy.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    runtime = cupy.cuda.runtime
-    ballast = runtime.malloc(runtime.memGetInfo()[0] - 3 * chunk * 8 - (4 << 20))
-    try:
+    with device_room(3 * chunk * 8 + (4 << 20)):
         expected = cupy.asnumpy(total.compute(scheduler="sync"))
         cupy.cuda.Device().synchronize()
-        pool.free_all_blocks()
+        cupy.get_default_memory_pool().free_all_blocks()
         config = {**CONFIG, "gpustreams.streams": 3, "gpustreams.policy": "round-robin"}
         with dask.config.set(config), caplog.at_level("WARNING", logger="dask_gpustreams"):
             got = cupy.asnumpy(total.compute(scheduler="gpustreams"))
-    finally:
-        try:
-            cupy.cuda.Device().synchronize()
-            pool.free_all_blocks()
-        finally:
-            runtime.free(ballast)
     np.testing.assert_array_equal(expected, np.full(chunk, 6.0))
     np.testing.assert_array_equal(got, expected)
     assert "ran out of device memory again" in caplog.text
