@@ -589,6 +589,41 @@ def test_unregistering_the_second_name_leaves_the_first_registration_running(clu
     ]
 
 
+def test_a_plugin_torn_down_during_its_setup_leaves_its_successors_blocks_setting(cluster):
+    """The setup of a plugin torn down while it awaited the scheduler (a plugin under a second
+    name set up meanwhile) does not go on to tell the scheduler its ``blocks`` setting:
+    the successor's stays. Before, the late ``auto`` overwrote the successor's ``off``."""
+    client, worker = cluster
+    sched = client.cluster.scheduler  # in-process
+    register = sched.handlers["register_scheduler_plugin"]
+    held = asyncio.Event()
+    calls = []
+
+    async def held_first_blocks_register(*args, name=None, **kwargs):
+        if name == "gpustreams-blocks":
+            calls.append(name)
+            if len(calls) == 1:
+                await held.wait()
+        return await register(*args, name=name, **kwargs)
+
+    sched.handlers["register_scheduler_plugin"] = held_first_blocks_register
+    try:
+        first = StreamsPlugin(blocks="auto")
+        with ThreadPoolExecutor(1) as threads:
+            registering = threads.submit(client.register_plugin, first, name="gpustreams-a")
+            until(lambda: len(calls) == 1)  # its setup awaits the scheduler
+            client.register_plugin(StreamsPlugin(blocks="off"), name="gpustreams-b")
+            client.sync(_set, held)
+            registering.result(timeout=30)
+    finally:
+        sched.handlers["register_scheduler_plugin"] = register
+    assert sched.plugins["gpustreams-blocks"].modes[worker.address] == "off"
+
+
+async def _set(event: asyncio.Event) -> None:
+    event.set()
+
+
 # --- (f) backend auto is logged once ---------------------------------------------------------
 
 

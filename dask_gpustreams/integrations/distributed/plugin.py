@@ -413,6 +413,8 @@ class StreamsPlugin(WorkerPlugin):
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(StreamBlocks()), name=StreamBlocks.name, idempotent=True
             )
+            if not self._active:  # torn down meanwhile: its teardown told the scheduler
+                return
             await worker.scheduler.gpustreams_blocks(
                 worker=worker.address,
                 mode=self.config.blocks,
