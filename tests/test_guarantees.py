@@ -540,6 +540,35 @@ def test_registrations_that_overlap_leave_one_plugin_set_up(cluster, gate, caplo
     client.register_plugin(StreamsPlugin())
 
 
+def test_a_registration_during_an_unregisters_teardown_is_set_up(cluster, gate, caplog):
+    """A plugin registered while the unregistered one's teardown still runs (the name is
+    free at once) waits for that teardown, then runs the tasks: it is the one registered.
+    Before, the teardown's end took it out of ``LATEST``, so its setup found itself
+    "replaced or removed" and set nothing up, and tasks ran off the streams."""
+    client, worker = cluster
+    x = client.submit(gated_task, 100, 2.0, pure=False)
+    assert ENTERED.wait(30)  # the old plugin's teardown waits for it
+    with (
+        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
+        ThreadPoolExecutor(2) as threads,
+    ):
+        try:
+            removing = threads.submit(client.unregister_worker_plugin, "gpustreams")
+            until(lambda: "gpustreams" not in worker.plugins)  # its teardown runs
+            adding = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
+            until(lambda: "gpustreams" in worker.plugins)  # installed, its setup waits
+        finally:
+            gate.set()
+        removing.result(timeout=30)
+        adding.result(timeout=30)
+    installed = worker.plugins["gpustreams"]
+    y = client.submit(add, x, x, pure=False)
+    np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
+    assert client.submit(on_a_pool_stream, pure=False).result()
+    assert installed.runtime.pool.n_streams == 2
+    assert overlap_warnings(caplog) == []
+
+
 def test_a_plugin_set_up_under_a_second_name_tears_the_first_down(cluster, caplog):
     """Two StreamsPlugins never run a worker's tasks: the one set up last tears the other
     down, with a warning that names both."""
