@@ -487,11 +487,12 @@ class StreamsPlugin(WorkerPlugin):
             return
         self._active = False
         self._teardown_ended = asyncio.get_running_loop().create_future()
-        last = LATEST.get(worker) is self  # not torn down by a successor's setup
         try:
             await self._tear_down(worker)
         finally:
             self._teardown_ended.set_result(None)
+            # Not torn down by a successor's setup, nor one's started meanwhile (it waits).
+            last = LATEST.get(worker) is self
             if last:
                 del LATEST[worker]
         if last and worker.status not in (Status.closing, Status.closed, Status.failed):
