@@ -372,8 +372,6 @@ class GraphLauncher:
         #: One task at a time, on one stream, no host threads, the launch-ahead at its
         #: least: the graph's second run after a retry ran out of memory (:meth:`_launch`).
         self._one_by_one = False
-        #: Keys of host tasks whose failure was taken (their posttask never came).
-        self._host_failed: set[Hashable] = set()
         #: ``id`` of each device value known before the run (the first run's, else empty):
         #: a task that returns one of them updated it in place (or passed it on).
         self._given_ids: set[int] = set()
@@ -443,7 +441,7 @@ class GraphLauncher:
         except _RunAgain as again:
             key, started = again.key, again.told
         # Out of the handler: its traceback holds the first run's values.
-        finished = started - self._host_failed - {key}
+        finished = started - {key}  # a host task's failure is raised instead (_absorb)
         logger.warning(
             "gpustreams: task %r ran out of device memory again after the launched work was "
             "done; the graph runs again from its start, one task at a time on one stream",
@@ -454,7 +452,6 @@ class GraphLauncher:
         given = None
         self.failed = None
         self._own.clear()
-        self._host_failed.clear()
         self._launched = []  # the first run's events went back to the runtime
         self._one_by_one = True
         self._given_ids = set()
@@ -856,7 +853,6 @@ class GraphLauncher:
                 if record.start is not None:
                     self._timed = True
             if done.error is not None:
-                self._host_failed.add(done.key)
                 # A task's error wins over running the graph again (which might not raise it).
                 if self._error is None or isinstance(self._error, _RunAgain):
                     self._error = done.error
