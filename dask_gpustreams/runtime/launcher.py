@@ -40,8 +40,10 @@ ready first), on one stream, host tasks on the launching thread, the
 launch-ahead at its least (the first run's values are dropped; the hooks hear
 each key once). Only a task whose retry runs out of memory there fails the graph.
 The retry's error is raised instead where a run again would be wrong: a host task
-of the first run failed (its error is the compute's), or a task returned a device
-value known before the run (updated in place: it would be updated twice).
+of the first run failed (its error is the compute's), or a task returned the device
+value of a key known before the run (updated in place: it would be updated twice).
+A device array carried in a task's arguments and changed in place is not seen:
+that breaks Dask's rule that tasks leave their inputs as they are.
 """
 
 from __future__ import annotations

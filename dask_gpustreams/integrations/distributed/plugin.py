@@ -350,6 +350,7 @@ class StreamsPlugin(WorkerPlugin):
                     self,
                     worker.address,
                 )
+                self._give_way(worker)
                 return
         own = PRELOADED.get(worker) if self.from_preload else None
         if own is not None:  # the worker's own preload options and their error come first
@@ -515,7 +516,12 @@ class StreamsPlugin(WorkerPlugin):
             worker.address,
             plugin,
         )
-        await plugin.setup(worker)
+        try:
+            await plugin.setup(worker)
+        except Exception:  # its own failure, not this teardown's (distributed would say so)
+            logger.exception(
+                "gpustreams: setting %r up again on worker %s failed", plugin, worker.address
+            )
 
     async def _tear_down(self, worker: Any) -> None:
         """:meth:`teardown`'s work, once."""
