@@ -430,9 +430,10 @@ class StreamsPlugin(WorkerPlugin):
             )
 
     def _give_way(self, worker: Any) -> None:
-        """A setup that fails sets nothing up, so the next one has nothing to wait for here:
-        ``LATEST`` forgets it (the error it raises holds the worker in its traceback, and a
-        value that holds its key would keep the closed worker for good)."""
+        """A setup that fails, or that finds its plugin replaced or removed, sets nothing up,
+        so the next one has nothing to wait for here: ``LATEST`` forgets it (a failure's
+        error holds the worker in its traceback, and a value that holds its key would keep
+        the closed worker for good)."""
         if LATEST.get(worker) is self:
             del LATEST[worker]
 
