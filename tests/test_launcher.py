@@ -1760,3 +1760,23 @@ def test_a_given_value_updated_in_place_is_updated_once_when_the_graph_runs_agai
         ):
             launcher_get(graph(g), ["acc", "out"])
     np.testing.assert_array_equal(g.get(), np.ones(CHUNK))
+
+
+def test_the_run_one_task_at_a_time_starts_without_the_first_runs_cached_blocks(launcher):
+    """Found by benchmarks/fuzz_oom_rerun.py (seed 1, graph 8). On 8 streams the first
+    round launches ``n0`` (2 chunks) and ``n1``; ``n2``'s retry finds the device (3 chunks)
+    full and the graph runs again one task at a time. Plain sync, from a settled pool, fits:
+    ``n1``, ``n2``, ``n3``, then ``n0`` once ``n2``'s block is freed. The run again must start
+    so too: ``n0``'s freed 2-chunk block of the first run, left cached, is split by ``n1`` and
+    ``n2``, and with ``n3`` in one half it cannot be freed for ``n0``."""
+    n0 = delayed(chunks_of)(0.0, 2, dask_key_name="n0")
+    n1 = delayed(chunks_of)(1.0, 1, dask_key_name="n1")
+    n2 = delayed(summed)(1, n1, dask_key_name="n2")
+    n3 = delayed(summed)(1, n2, dask_key_name="n3")
+    graph = delayed(download_all)(n0, n3, dask_key_name="out")
+    with device_limit(3):
+        expected = graph.compute(scheduler="sync")
+        with launcher(streams=8, policy="round-robin"):
+            got = graph.compute(scheduler="gpustreams")
+    assert [float(x[0]) for x in expected] == [0.0, 1.0]
+    assert all(np.array_equal(g, w) for g, w in zip(got, expected, strict=True))
