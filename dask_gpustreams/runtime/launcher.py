@@ -452,6 +452,15 @@ class GraphLauncher:
         results.clear()
         results.update(given)
         given = None
+        # The first run's values are free now: give their blocks back, so that the run
+        # again starts as plain sync does, not in cached blocks it would split (a block of
+        # the first run, half of it holding a value, cannot be freed for a larger one).
+        runtime = self.runtime
+        runtime.pool.wait_all()
+        runtime.pool.collect_all()
+        if runtime.shared_blocks is not None:
+            runtime.shared_blocks.release()
+        runtime.backend.free_cached_memory()
         self.failed = None
         self._own.clear()
         self._launched = []  # the first run's events went back to the runtime
