@@ -115,13 +115,20 @@ def make_graph(rng: random.Random, fail_kind: str | None):
             is_host = rng.random() < 0.25
             if is_host:
                 fail = name if (fail_kind == "host" and not placed and rng.random() < 0.5) else None
-                d = delayed(host_read)(rng.random() < 0.5 and HOST_DEVICE_OUT[0], fail, *[nodes[j][1] for j in ins], dask_key_name=name)
+                d = delayed(host_read)(
+                    rng.random() < 0.5 and HOST_DEVICE_OUT[0],
+                    fail,
+                    *[nodes[j][1] for j in ins],
+                    dask_key_name=name,
+                )
                 kinds.append("host")
                 if fail:
                     placed.add(name)
             else:
                 fail = name if fail_at == i else None
-                d = delayed(combine)(chunks, delay, fail, *[nodes[j][1] for j in ins], dask_key_name=name)
+                d = delayed(combine)(
+                    chunks, delay, fail, *[nodes[j][1] for j in ins], dask_key_name=name
+                )
                 if fail:
                     placed.add(name)
                 kinds.append("dev")
@@ -194,7 +201,9 @@ def same(a, b):
         return False
     for x, y in zip(a, b, strict=True):
         if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and np.array_equal(x, y)):
+            if not (
+                isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and np.array_equal(x, y)
+            ):
                 return False
         elif x != y:
             return False
@@ -246,7 +255,10 @@ def one(g, cfg, fail_kind, timeout):
         if st3 == "err" and got[0] == "OutOfMemoryError" and HOST_OOM:
             return "hostoom", f"a host task ran out of memory on {HOST_OOM}"
         if st3 != st:
-            problems.append(f"launcher {st3} {got if st3 == 'err' else ''} where sync {st} {ref if st == 'err' else ''}")
+            problems.append(
+                f"launcher {st3} {got if st3 == 'err' else ''} "
+                f"where sync {st} {ref if st == 'err' else ''}"
+            )
         elif st == "ok" and not same(ref, got):
             problems.append(f"wrong values {got} != {ref}")
         elif st == "err" and got != ref:
@@ -260,7 +272,9 @@ def one(g, cfg, fail_kind, timeout):
             badp = {k: v for k, v in counts.post.items() if v != 1}
             extra = set(counts.post) - set(counts.pre)
             if bad or badp or extra:
-                problems.append(f"hooks (failing) pre!=1 {bad} post!=1 {badp} post-without-pre {extra}")
+                problems.append(
+                    f"hooks (failing) pre!=1 {bad} post!=1 {badp} post-without-pre {extra}"
+                )
         got = ref2 = None
         gc.collect()
         leak = pool.used_bytes() - base
@@ -308,10 +322,17 @@ def main(argv=None):
             status, detail = "FAIL", "harness: " + traceback.format_exc()
         tally[status] += 1
         if status != "ok" and (status == "FAIL" or a.v):
-            print(f"seed={a.seed} graph={i} fail_kind={fail_kind} cfg={cfg}: {status} {detail}", flush=True)
+            print(
+                f"seed={a.seed} graph={i} fail_kind={fail_kind} cfg={cfg}: {status} {detail}",
+                flush=True,
+            )
         if status == "FAIL":
             fails.append(i)
-    print(f"seed={a.seed}: {sum(tally.values())} graphs, {tally} fails={fails} {time.perf_counter() - t0:.1f}s; retries logged {COUNTS.retry}, runs again {COUNTS.again}")
+    print(
+        f"seed={a.seed}: {sum(tally.values())} graphs, {tally} fails={fails} "
+        f"{time.perf_counter() - t0:.1f}s; retries logged {COUNTS.retry}, "
+        f"runs again {COUNTS.again}"
+    )
     return 1 if fails else 0
 
 

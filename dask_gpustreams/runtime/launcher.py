@@ -37,8 +37,9 @@ if the task runs out of memory again, the
 graph runs again from its start as Dask's synchronous scheduler runs it: one
 task at a time in its order (``dask.order``'s ranks, the tasks the last one made
 ready first), on one stream, host tasks on the launching thread, the
-launch-ahead at its least (the first run's values are dropped; the hooks hear
-each key once). Only a task whose retry runs out of memory there fails the graph.
+launch-ahead at its least (the first run's values are dropped and their blocks
+given back to the device; the hooks hear each key once). Only a task whose retry
+runs out of memory there fails the graph.
 The retry's error is raised instead where a run again would be wrong: a host task
 of the first run failed (its error is the compute's), or a task returned the device
 value of a key known before the run (updated in place: it would be updated twice).
@@ -455,12 +456,7 @@ class GraphLauncher:
         # The first run's values are free now: give their blocks back, so that the run
         # again starts as plain sync does, not in cached blocks it would split (a block of
         # the first run, half of it holding a value, cannot be freed for a larger one).
-        runtime = self.runtime
-        runtime.pool.wait_all()
-        runtime.pool.collect_all()
-        if runtime.shared_blocks is not None:
-            runtime.shared_blocks.release()
-        runtime.backend.free_cached_memory()
+        self._free_device()
         self.failed = None
         self._own.clear()
         self._launched = []  # the first run's events went back to the runtime
@@ -745,12 +741,7 @@ class GraphLauncher:
         caches, and return the launch-ahead from now on: half of ``limit``, and at most
         the ``in_flight`` bytes that ran ahead when it failed (if any). What stays
         allocated is the graph's live values."""
-        runtime = self.runtime
-        runtime.pool.wait_all()
-        runtime.pool.collect_all()
-        if runtime.shared_blocks is not None:  # the inputs released just now, too
-            runtime.shared_blocks.release()
-        runtime.backend.free_cached_memory()
+        self._free_device()
         ahead = max(min(limit // 2, in_flight or limit), MIN_SIZE)
         logger.warning(
             "gpustreams: task %r ran out of device memory; it runs again now that the work "
@@ -759,6 +750,16 @@ class GraphLauncher:
             format_bytes(ahead),
         )
         return ahead
+
+    def _free_device(self) -> None:
+        """Wait for every stream's work (its errors stay with their events), release the
+        inputs held for it, and the blocks the allocator caches."""
+        runtime = self.runtime
+        runtime.pool.wait_all()
+        runtime.pool.collect_all()
+        if runtime.shared_blocks is not None:  # the inputs released just now, too
+            runtime.shared_blocks.release()
+        runtime.backend.free_cached_memory()
 
     def _check_events(self) -> None:
         """Raise the error of any of the graph's work, reported elsewhere or not (blocking)."""
