@@ -618,6 +618,101 @@ def test_unregistering_the_second_name_leaves_the_first_registration_running(clu
     ]
 
 
+def test_a_setup_that_gives_way_under_a_second_name_is_set_up_again_when_its_rival_goes(
+    cluster, gate, caplog
+):
+    """Found by benchmarks/fuzz_registrations.py (seed 3). A plugin registered under a second
+    name while a re-registration of the first name waits for the old plugin's teardown waits
+    for that teardown too; the re-registered plugin's setup then starts first and the second-name
+    plugin gives way ("sets nothing up") while it stays registered. Once the first name is
+    unregistered, the second-name plugin must run the tasks again, as a displaced one is
+    (``_set_up_displaced``), rather than sit registered and never set up while tasks run
+    off the streams."""
+    client, worker = cluster
+    x = client.submit(gated_task, 100, 2.0, pure=False)
+    assert ENTERED.wait(30)  # the old plugin's teardown waits for it
+    with (
+        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
+        ThreadPoolExecutor(2) as threads,
+    ):
+        try:
+            again = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
+            until(lambda: "gpustreams" not in worker.plugins)  # the old one's teardown runs
+            second = threads.submit(
+                client.register_plugin, StreamsPlugin(streams=3), name="gpustreams-2"
+            )
+            until(lambda: "gpustreams-2" in worker.plugins)  # its setup waits for that teardown
+        finally:
+            gate.set()
+        again.result(timeout=30)
+        second.result(timeout=30)
+    np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 2.0))
+    until(lambda: "gpustreams" in worker.plugins)
+    assert [p._active for p in worker.plugins.values() if isinstance(p, StreamsPlugin)].count(
+        True
+    ) == 1
+    client.unregister_worker_plugin("gpustreams")
+    assert "gpustreams-2" in worker.plugins  # still registered
+    assert worker.plugins["gpustreams-2"]._active
+    assert client.submit(on_a_pool_stream, pure=False).result(timeout=30)
+    client.unregister_worker_plugin("gpustreams-2")
+    assert worker.handlers["get_data"] == worker.get_data
+    client.register_plugin(StreamsPlugin())
+
+
+def test_a_second_name_removed_while_its_setup_waits_leaves_the_displaced_plugin_set_up(
+    cluster, gate, caplog
+):
+    """Found by benchmarks/fuzz_registrations.py (seeds 5, 7, 9, 10). "gpustreams-2" tore
+    "gpustreams" down (displaced); while its unregistration's teardown runs, "gpustreams-2"
+    is registered again, and that plugin is unregistered while its setup still waits for the
+    teardown. The teardown that ends is not the latest setup's, and the waiting setup gives
+    way as removed: nobody sets "gpustreams" up again, and it sits registered while tasks
+    run off the streams."""
+    client, worker = cluster
+    client.register_plugin(StreamsPlugin(streams=2), name="gpustreams-2")  # tears it down
+    assert not worker.plugins["gpustreams"]._active
+    x = client.submit(gated_task, 100, 2.0, pure=False)
+    assert ENTERED.wait(30)  # the teardown of "gpustreams-2" waits for it
+    with (
+        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
+        ThreadPoolExecutor(3) as threads,
+    ):
+        try:
+            removing = threads.submit(client.unregister_worker_plugin, "gpustreams-2")
+            until(lambda: "gpustreams-2" not in worker.plugins)  # its teardown runs
+            adding = threads.submit(
+                client.register_plugin, StreamsPlugin(streams=3), name="gpustreams-2"
+            )
+            until(lambda: "gpustreams-2" in worker.plugins)  # its setup waits for the teardown
+            removing_again = threads.submit(client.unregister_worker_plugin, "gpustreams-2")
+            until(lambda: "gpustreams-2" not in worker.plugins)
+        finally:
+            gate.set()
+        removing.result(timeout=30)
+        adding.result(timeout=30)
+        removing_again.result(timeout=30)
+    np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 2.0))
+    assert [n for n, p in worker.plugins.items() if isinstance(p, StreamsPlugin)] == ["gpustreams"]
+    assert worker.plugins["gpustreams"]._active  # set up again
+    assert client.submit(on_a_pool_stream, pure=False).result(timeout=30)
+
+
+def test_a_failing_plugin_under_a_second_name_once_removed_leaves_the_first_set_up_again(
+    cluster,
+):
+    """A plugin with bad settings registered under a second name tears the first down before
+    its settings fail (its tasks then fail with their error, as documented). Once it is
+    unregistered, the plugin still registered as "gpustreams" must run the tasks again:
+    before, it stayed torn down (``_displaced``), and tasks ran off the streams."""
+    client, worker = cluster
+    with pytest.raises(ValueError, match="cannot start"):
+        client.register_plugin(StreamsPlugin.failing(ValueError("bad")), name="gpustreams-2")
+    client.unregister_worker_plugin("gpustreams-2")
+    assert worker.plugins["gpustreams"]._active
+    assert client.submit(on_a_pool_stream, pure=False).result(timeout=30)
+
+
 def test_a_plugin_torn_down_during_its_setup_leaves_its_successors_blocks_setting(cluster):
     """The setup of a plugin torn down while it awaited the scheduler (a plugin under a second
     name set up meanwhile) does not go on to tell the scheduler its ``blocks`` setting:

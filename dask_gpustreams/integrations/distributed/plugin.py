@@ -185,6 +185,11 @@ PRELOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 LATEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _closing(worker: Any) -> bool:
+    """Whether ``worker`` is closing (or closed): its plugins go, none is set up again."""
+    return worker.status in (Status.closing, Status.closed, Status.failed)
+
+
 class StreamsPlugin(WorkerPlugin):
     """Run the tasks of every worker on a pool of GPU streams, ordered by device events.
 
@@ -350,7 +355,15 @@ class StreamsPlugin(WorkerPlugin):
                     self,
                     worker.address,
                 )
+                removed = LATEST.get(worker) is self  # and no setup started since
                 self._give_way(worker)
+                # Replaced under another name, and still registered: set up again once the
+                # plugin that won goes, as one that the winner's setup tore down (see _end).
+                self._displaced = any(p is self for p in worker.plugins.values())
+                if removed and not _closing(worker):
+                    # The teardown it waited for was not the last setup's: set up the
+                    # plugin that one displaced, as that teardown would have.
+                    await self._set_up_displaced(worker)
                 return
         own = PRELOADED.get(worker) if self.from_preload else None
         if own is not None:  # the worker's own preload options and their error come first
@@ -486,6 +499,10 @@ class StreamsPlugin(WorkerPlugin):
         A plugin whose settings were bad, or whose setup gave way, set nothing up.
         """
         if not self._active:
+            # One whose setup tore another down and then failed or gave way: with no setup
+            # started since, set up the one it displaced, as a teardown that ends does.
+            if LATEST.get(worker) is None and not _closing(worker):
+                await self._set_up_displaced(worker)
             return
         self._active = False
         self._teardown_ended = asyncio.get_running_loop().create_future()
@@ -497,7 +514,7 @@ class StreamsPlugin(WorkerPlugin):
             last = LATEST.get(worker) is self
             if last:
                 del LATEST[worker]
-        if last and worker.status not in (Status.closing, Status.closed, Status.failed):
+        if last and not _closing(worker):
             await self._set_up_displaced(worker)
 
     async def _set_up_displaced(self, worker: Any) -> None:
@@ -526,7 +543,7 @@ class StreamsPlugin(WorkerPlugin):
 
     async def _tear_down(self, worker: Any) -> None:
         """:meth:`teardown`'s work, once."""
-        closing = worker.status in (Status.closing, Status.closed, Status.failed)
+        closing = _closing(worker)
         guard = None
         if not closing:
             # First, before any await: this plugin is out of worker.plugins already, so
