@@ -138,6 +138,12 @@ Known limits
     - Removing the plugin waits for the tasks it wrapped and for their
       events; with a new plugin of the same name this happens before the new
       one is set up.
+    - A result made while no plugin is set up (before the first registration,
+      or while a setup waits for the old plugin's teardown) has no event: its
+      readers on the pool streams are ordered after its kernels only through
+      the legacy default stream. With a per-thread default stream, and on the
+      sim, they may read it unwritten (helper-114's fuzz: about 1 sequence in
+      100 that registers while graphs run). Register before computing.
     - A worker does not see the graph: with ``policy="critical-path"`` every
       task counts as not critical.
     - A taint lists the still-running work a key derives from: a chain that
