@@ -1780,3 +1780,20 @@ def test_the_run_one_task_at_a_time_starts_without_the_first_runs_cached_blocks(
             got = graph.compute(scheduler="gpustreams")
     assert [float(x[0]) for x in expected] == [0.0, 1.0]
     assert all(np.array_equal(g, w) for g, w in zip(got, expected, strict=True))
+
+
+FUZZ_OOM = """
+import sys
+from benchmarks.fuzz_oom_rerun import main
+sys.exit(main(["--seed", "3", "--graphs", "12"]))
+"""
+
+
+def test_random_graphs_under_plain_syncs_peak_complete_as_on_plain_sync(run_python):
+    """``benchmarks/fuzz_oom_rerun`` on 12 random graphs (host tasks and failing tasks among
+    them), the sim pool capped at plain sync's peak: the launcher gives sync's results or
+    error, each key heard once, no leak; some graphs run again one task at a time."""
+    out = run_python(FUZZ_OOM, timeout=120)
+    assert "'FAIL': 0" in out, out
+    again = int(re.search(r"runs again (\d+)", out).group(1))
+    assert again > 0, out
