@@ -28,6 +28,7 @@ from dask import delayed
 from dask.callbacks import Callback
 
 import dask_gpustreams  # noqa: F401
+from benchmarks.probes.probe_oom_repro import peak_of, settled_pool
 from dask_gpustreams import host_task, sim
 
 #: Host tasks that ran out of device memory (a documented limitation: host tasks do not retry).
@@ -158,32 +159,6 @@ class Counts(logging.Handler):
 COUNTS = Counts()
 
 
-def settled_pool():
-    gc.collect()
-    pool = sim.get_default_memory_pool()
-    pool.free_all_blocks()
-    return pool
-
-
-def peak_of(run):
-    pool = settled_pool()
-    base = pool.used_bytes()
-    peak = [base]
-    malloc = pool.malloc
-
-    def tracked(*args):
-        m = malloc(*args)
-        peak[0] = max(peak[0], pool.used_bytes())
-        return m
-
-    pool.malloc = tracked
-    try:
-        out = run()
-    finally:
-        del pool.malloc
-    return peak[0] - base, out
-
-
 class EachKey(Callback):
     def __init__(self):
         super().__init__()
@@ -221,7 +196,7 @@ def one(g, cfg, fail_kind, timeout):
     """Returns (status, detail); status in ok, skip, FAIL."""
     base_graph = g
     # sync's peak on the graph (failing graphs: the peak of the run up to the failure)
-    peak, (st, ref) = peak_of(lambda: outcome(lambda: base_graph.compute(scheduler="sync")))
+    peak, _, (st, ref) = peak_of(lambda: outcome(lambda: base_graph.compute(scheduler="sync")))
     if fail_kind is None and st != "ok":
         return "FAIL", f"sync raised uncapped {ref}"
     if fail_kind is not None and st != "err":

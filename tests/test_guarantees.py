@@ -27,6 +27,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from functools import partial
 from types import SimpleNamespace
 
 import dask
@@ -507,6 +508,22 @@ def overlap_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "registrations overlapped" in r.getMessage()]
 
 
+def overlapping(gate, *steps) -> None:
+    """Client calls that overlap while the gate holds a teardown they wait for: each
+    ``(call, until_true)`` step starts ``call`` in a thread of its own once the step before
+    it observably took effect (``until_true``); then the gate opens and every call ends."""
+    with ThreadPoolExecutor(len(steps)) as threads:
+        calls = []
+        try:
+            for call, took_effect in steps:
+                calls.append(threads.submit(call))
+                until(took_effect)
+        finally:
+            gate.set()
+        for call in calls:
+            call.result(timeout=30)
+
+
 def test_registrations_that_overlap_leave_one_plugin_set_up(cluster, gate, caplog):
     """A registration that comes while an earlier one waits for the old plugin's teardown
     finds the name free in distributed's ``plugin_add``: its plugin is installed and set
@@ -516,19 +533,20 @@ def test_registrations_that_overlap_leave_one_plugin_set_up(cluster, gate, caplo
     client, worker = cluster
     x = client.submit(gated_task, 100, 2.0, pure=False)
     assert ENTERED.wait(30)  # the old plugin's teardown waits for it
-    with (
-        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
-        ThreadPoolExecutor(2) as threads,
-    ):
-        try:
-            first = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
-            until(lambda: "gpustreams" not in worker.plugins)  # the old one's teardown runs
-            second = threads.submit(client.register_plugin, StreamsPlugin(streams=3))
-            until(lambda: "gpustreams" in worker.plugins)  # the second, installed meanwhile
-        finally:
-            gate.set()
-        first.result(timeout=30)
-        second.result(timeout=30)
+    with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+        overlapping(
+            gate,
+            # the old one's teardown runs
+            (
+                partial(client.register_plugin, StreamsPlugin(streams=2)),
+                lambda: "gpustreams" not in worker.plugins,
+            ),
+            # the second, installed meanwhile
+            (
+                partial(client.register_plugin, StreamsPlugin(streams=3)),
+                lambda: "gpustreams" in worker.plugins,
+            ),
+        )
     installed = worker.plugins["gpustreams"]
     y = client.submit(add, x, x, pure=False)
     np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
@@ -548,19 +566,20 @@ def test_a_registration_during_an_unregisters_teardown_is_set_up(cluster, gate, 
     client, worker = cluster
     x = client.submit(gated_task, 100, 2.0, pure=False)
     assert ENTERED.wait(30)  # the old plugin's teardown waits for it
-    with (
-        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
-        ThreadPoolExecutor(2) as threads,
-    ):
-        try:
-            removing = threads.submit(client.unregister_worker_plugin, "gpustreams")
-            until(lambda: "gpustreams" not in worker.plugins)  # its teardown runs
-            adding = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
-            until(lambda: "gpustreams" in worker.plugins)  # installed, its setup waits
-        finally:
-            gate.set()
-        removing.result(timeout=30)
-        adding.result(timeout=30)
+    with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+        overlapping(
+            gate,
+            # its teardown runs
+            (
+                partial(client.unregister_worker_plugin, "gpustreams"),
+                lambda: "gpustreams" not in worker.plugins,
+            ),
+            # installed, its setup waits
+            (
+                partial(client.register_plugin, StreamsPlugin(streams=2)),
+                lambda: "gpustreams" in worker.plugins,
+            ),
+        )
     installed = worker.plugins["gpustreams"]
     y = client.submit(add, x, x, pure=False)
     np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
@@ -631,21 +650,20 @@ def test_a_setup_that_gives_way_under_a_second_name_is_set_up_again_when_its_riv
     client, worker = cluster
     x = client.submit(gated_task, 100, 2.0, pure=False)
     assert ENTERED.wait(30)  # the old plugin's teardown waits for it
-    with (
-        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
-        ThreadPoolExecutor(2) as threads,
-    ):
-        try:
-            again = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
-            until(lambda: "gpustreams" not in worker.plugins)  # the old one's teardown runs
-            second = threads.submit(
-                client.register_plugin, StreamsPlugin(streams=3), name="gpustreams-2"
-            )
-            until(lambda: "gpustreams-2" in worker.plugins)  # its setup waits for that teardown
-        finally:
-            gate.set()
-        again.result(timeout=30)
-        second.result(timeout=30)
+    with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+        overlapping(
+            gate,
+            # the old one's teardown runs
+            (
+                partial(client.register_plugin, StreamsPlugin(streams=2)),
+                lambda: "gpustreams" not in worker.plugins,
+            ),
+            # its setup waits for that teardown
+            (
+                partial(client.register_plugin, StreamsPlugin(streams=3), name="gpustreams-2"),
+                lambda: "gpustreams-2" in worker.plugins,
+            ),
+        )
     np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 2.0))
     until(lambda: "gpustreams" in worker.plugins)
     assert [p._active for p in worker.plugins.values() if isinstance(p, StreamsPlugin)].count(
@@ -674,24 +692,19 @@ def test_a_second_name_removed_while_its_setup_waits_leaves_the_displaced_plugin
     assert not worker.plugins["gpustreams"]._active
     x = client.submit(gated_task, 100, 2.0, pure=False)
     assert ENTERED.wait(30)  # the teardown of "gpustreams-2" waits for it
-    with (
-        caplog.at_level(logging.WARNING, logger="dask_gpustreams"),
-        ThreadPoolExecutor(3) as threads,
-    ):
-        try:
-            removing = threads.submit(client.unregister_worker_plugin, "gpustreams-2")
-            until(lambda: "gpustreams-2" not in worker.plugins)  # its teardown runs
-            adding = threads.submit(
-                client.register_plugin, StreamsPlugin(streams=3), name="gpustreams-2"
-            )
-            until(lambda: "gpustreams-2" in worker.plugins)  # its setup waits for the teardown
-            removing_again = threads.submit(client.unregister_worker_plugin, "gpustreams-2")
-            until(lambda: "gpustreams-2" not in worker.plugins)
-        finally:
-            gate.set()
-        removing.result(timeout=30)
-        adding.result(timeout=30)
-        removing_again.result(timeout=30)
+    registered = lambda: "gpustreams-2" in worker.plugins  # noqa: E731
+    removed = lambda: "gpustreams-2" not in worker.plugins  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="dask_gpustreams"):
+        overlapping(
+            gate,
+            (partial(client.unregister_worker_plugin, "gpustreams-2"), removed),  # teardown runs
+            # its setup waits for the teardown
+            (
+                partial(client.register_plugin, StreamsPlugin(streams=3), name="gpustreams-2"),
+                registered,
+            ),
+            (partial(client.unregister_worker_plugin, "gpustreams-2"), removed),
+        )
     np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 2.0))
     assert [n for n, p in worker.plugins.items() if isinstance(p, StreamsPlugin)] == ["gpustreams"]
     assert worker.plugins["gpustreams"]._active  # set up again
