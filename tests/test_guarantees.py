@@ -53,6 +53,7 @@ from dask_gpustreams.runtime import StreamPool, TaskRecord, runtimes
 from dask_gpustreams.runtime.pinned import PinnedPool
 from tests.conftest import forget_closed_servers
 from tests.sim_tasks import fails_on_the_device, ones
+from tests.test_distributed import DeviceHostFileLike
 
 #: Opened by the test that closes it, and by the ``gate`` fixture at the end (a failed
 #: test leaves no kernel or task waiting). Tasks find it by reference: in-process workers.
@@ -617,6 +618,128 @@ def on_a_pool_stream():
     return device.current_stream() is not device.default_stream
 
 
+# --- results made while no plugin was set up ---------------------------------------------------
+
+#: Opened by the test: the kernel of :func:`task_then_kernel_gated` waits for it.
+KERNEL_GATE = threading.Event()
+
+
+def _fill_after(out, value, gate):
+    gate.wait()
+    out[...] = value
+
+
+def task_then_kernel_gated(n, value):
+    """Waits in its thread for :data:`GATE`, then launches a kernel that waits for
+    :data:`KERNEL_GATE` and returns at once."""
+    ENTERED.set()
+    GATE.wait()
+    out = sim.empty(n)
+    sim.launch(_fill_after, out, value, KERNEL_GATE)
+    return out
+
+
+@contextlib.contextmanager
+def unplugged_cluster(n_workers: int, **kwargs):
+    """In-process workers of two threads with no plugin (yet), and a client."""
+    KERNEL_GATE.clear()
+    try:
+        with (
+            dask.config.set(CONFIG),
+            LocalCluster(
+                n_workers=n_workers,
+                threads_per_worker=2,
+                processes=False,
+                dashboard_address=":0",
+                **kwargs,
+            ) as lc,
+            Client(lc) as client,
+        ):
+            yield client, list(lc.workers.values())
+    finally:
+        KERNEL_GATE.set()
+
+
+def settling(worker, monkeypatch) -> threading.Event:
+    """Set once the worker's plugin records its wait for work made with no plugin set up."""
+    backend = worker.plugins["gpustreams"].runtime.backend
+    seen = threading.Event()
+    unpooled_stream = backend.unpooled_stream
+
+    def observed():
+        seen.set()
+        return unpooled_stream()
+
+    monkeypatch.setattr(backend, "unpooled_stream", observed)
+    return seen
+
+
+def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written(gate, monkeypatch):
+    """Found by benchmarks/fuzz_registrations.py (helper-114, a known limit until stop 63). A
+    result made with no plugin set up has no event; its kernel, on the sim's default stream
+    (as on a per-thread default stream with CuPy), does not order the pool's streams. A task
+    reading it on a pool stream read it unwritten (NaN) before; now it waits for it first."""
+    with unplugged_cluster(1) as (client, [worker]):
+        x = client.submit(gated_kernel, 100, 2.0, pure=False)
+        wait(x)  # in memory; its kernel waits for the gate
+        client.register_plugin(StreamsPlugin())
+        seen = settling(worker, monkeypatch)
+        y = client.submit(add, x, x, pure=False)  # on a pool stream
+        until(lambda: seen.is_set() or y.done())
+        gate.set()
+        np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
+        z = client.submit(add, x, y, pure=False)  # waited for once: no second wait
+        np.testing.assert_array_equal(values(z.result(timeout=30)), np.full(100, 6.0))
+        assert not worker.plugins["gpustreams"].provenance.unpooled
+
+
+def test_a_result_of_a_task_running_at_setup_is_read_once_written(gate, monkeypatch):
+    """A task that started with no plugin set up returns after the setup, its kernel on the
+    default stream still to run: its readers wait for it too."""
+    with unplugged_cluster(1) as (client, [worker]):
+        x = client.submit(task_then_kernel_gated, 100, 2.0, pure=False)
+        assert ENTERED.wait(30)
+        client.register_plugin(StreamsPlugin())
+        seen = settling(worker, monkeypatch)
+        gate.set()
+        wait(x)  # in memory; its kernel waits for KERNEL_GATE
+        y = client.submit(add, x, x, pure=False)
+        until(lambda: seen.is_set() or y.done())
+        KERNEL_GATE.set()
+        np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
+
+
+def test_a_result_made_before_the_plugin_is_set_up_is_spilled_once_written(gate, monkeypatch):
+    """A spill of such a result (here into a ``DeviceHostFile``-like mapping: pickled once a
+    later result pushes it out of a device buffer of 1.5 arrays) waits for its work first."""
+    data = (DeviceHostFileLike, {"device_memory_limit": 3 * 2**19})  # bytes: 1.5 arrays
+    with unplugged_cluster(1, data=data) as (client, [worker]):
+        x = client.submit(gated_kernel, 2**17, 2.0, pure=False)
+        wait(x)  # in the device buffer; its kernel waits for the gate
+        client.register_plugin(StreamsPlugin())
+        seen = settling(worker, monkeypatch)
+        y = client.submit(produce, 2**17, 3.0, pure=False)  # its store spills x
+        until(lambda: seen.is_set() or y.done())
+        gate.set()
+        wait(y)
+        assert len(worker.data.host_buffer) == 1  # x, spilled
+        np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(2**17, 2.0))
+
+
+def test_a_result_made_before_the_plugin_is_set_up_leaves_its_worker_written(gate, monkeypatch):
+    """``get_data`` of such a result (a peer's fetch: in-process, the array itself) waits
+    for its work first, so a reader on another worker's pool stream finds it written."""
+    with unplugged_cluster(2) as (client, [a, b]):
+        x = client.submit(gated_kernel, 100, 2.0, pure=False, workers=[a.address])
+        wait(x)
+        client.register_plugin(StreamsPlugin())
+        seen = settling(a, monkeypatch)
+        y = client.submit(add, x, x, pure=False, workers=[b.address])
+        until(lambda: seen.is_set() or y.done())
+        gate.set()
+        np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
+
+
 def test_unregistering_the_second_name_leaves_the_first_registration_running(cluster, caplog):
     """The plugin under a second name tore the first down (one plugin runs the tasks); once
     it is unregistered, the plugin still registered as "gpustreams" must run them again,
@@ -997,7 +1120,7 @@ def test_a_plugin_registered_before_the_release_serves_the_keys_once_released():
         asked.append(sorted(keys))
 
     worker = SimpleNamespace(handlers={"get_data": worker_get_data}, data={})
-    old = Egress(worker, SimpleNamespace(registry=()), None)  # closed: no record left
+    old = Egress(worker, SimpleNamespace(registry=(), unpooled=()), None)  # closed: no record
     old.install()
     old.uninstall(withheld={"k"})
     new = Egress(worker, None, None)

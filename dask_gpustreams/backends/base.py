@@ -186,6 +186,13 @@ class Backend(Protocol):
     def orders_before_pool(self, stream: Any) -> bool:
         """Whether work on ``stream`` comes before later work on the pool's streams anyway."""
 
+    def unpooled_stream(self) -> Any:
+        """A stream where an event recorded now completes after the work that any thread
+        launched so far with no stream current (on a default stream): the worker plugin's
+        wait for results made while it was not set up (CUDA's legacy default stream, which
+        waits for every blocking stream, each thread's per-thread default stream included;
+        the sim's default stream)."""
+
     def stream_idle(self, stream: Any) -> bool:
         """Whether the work enqueued on ``stream`` so far has completed (one query)."""
 

@@ -193,6 +193,11 @@ class CupyBackend:
         # The legacy default stream (handle 0): the pool's streams are blocking ones.
         return stream.ptr == 0
 
+    def unpooled_stream(self) -> cupy.cuda.Stream:
+        # Handle 0, the legacy default stream: its work follows all earlier work of the
+        # blocking streams, per-thread default ones included (CUDA's stream sync behavior).
+        return cupy.cuda.Stream.null
+
     def stream_idle(self, stream: cupy.cuda.Stream) -> bool:
         return stream.done  # cudaStreamQuery
 

@@ -91,6 +91,10 @@ class SimBackend:
         """Only when ``stream`` is idle: the sim orders its streams by events alone."""
         return not stream.busy
 
+    def unpooled_stream(self) -> sim.Stream:
+        """The default stream: every thread's launches with no stream current go there."""
+        return self.device.default_stream
+
     def stream_idle(self, stream: sim.Stream) -> bool:
         return not stream.busy
 

@@ -95,6 +95,10 @@ class Egress:
         After the plugin's removal, also the :attr:`withheld` keys.
         """
         provenance = self.provenance
+        if provenance.unpooled:  # keys made while no plugin was set up: their work first
+            await asyncio.get_running_loop().run_in_executor(
+                self.threads, provenance.settle_unpooled, keys
+            )
         if len(provenance.registry):
             with context_meter.add_callback(self._get_data_digest, allow_offload=True):
                 failed = await self.wait_for(keys)
@@ -140,6 +144,8 @@ class Egress:
     def before_spill(self, key: Hashable, value: Any) -> None:
         """First ``on_evict`` callback: the key's work must be complete before it is serialized."""
         provenance = self.provenance
+        if provenance.unpooled:
+            provenance.settle_unpooled((key,))  # blocks the loop, as the waits below
         if provenance.runtime is None:
             return
         records = provenance.sources((key,))

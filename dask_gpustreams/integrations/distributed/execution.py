@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import weakref
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from functools import partial
 from types import FunctionType
 from typing import Any
@@ -114,6 +114,8 @@ class WorkerStreamTask(StreamTask):
 
     __slots__ = ()
     provenance: Provenance
+    #: ``provenance.unpooled``: inputs made while no plugin was set up, waited for first.
+    unpooled: Collection[Hashable]
     is_coro = False  # type: ignore[assignment]  # (StreamTask's reads the node's)
     #: A ``host_task``'s class: its inputs' work done before it runs (a host wait), as on the
     #: launcher, so that host code reading them other than through its stream sees them whole.
@@ -123,6 +125,8 @@ class WorkerStreamTask(StreamTask):
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         provenance = self.provenance
+        if self.unpooled:  # a class attribute: no call
+            provenance.settle_unpooled(self._dependencies)
         error, pending = provenance.input_states(self._dependencies)
         node = self.node
         block = type(node) is Task and type(node.func) is StreamBlock
@@ -282,13 +286,11 @@ class Execution:
         self._thread_pools: dict[str, bool] = {}
         # The worker's executors exist before its plugins are set up.
         self._default_on_threads = self._on_threads("default")
-        self._task_class = type(
-            "WorkerStreamTask", (WorkerStreamTask,), {"__slots__": (), "provenance": provenance}
-        )
+        self._unpooled = provenance.unpooled
+        shared = {"__slots__": (), "provenance": provenance, "unpooled": self._unpooled}
+        self._task_class = type("WorkerStreamTask", (WorkerStreamTask,), shared)
         self._host_task_class = type(
-            "WorkerHostTask",
-            (WorkerStreamTask,),
-            {"__slots__": (), "provenance": provenance, "host_wait": True},
+            "WorkerHostTask", (WorkerStreamTask,), {**shared, "host_wait": True}
         )
         #: The runtime, once the first task made it, and its backend's transfer rewrites.
         self._runtime: StreamRuntime | None = None
@@ -391,6 +393,8 @@ class Execution:
             return
         if pending:
             provenance.note_pending(key, pending)
+        # Inputs made while no plugin was set up: waited for as pending ones (wait_inputs).
+        if pending or (self._unpooled and not self._unpooled.isdisjoint(node.dependencies)):
             dep_keys = tuple(node.dependencies)
             if kind == _HOST:  # it waits for its inputs' work first, in its thread
                 host = _AfterInputs(provenance.wait_inputs, node, dep_keys)

@@ -15,8 +15,9 @@ Execution
     the events of inputs this worker produced, and records its own event in
     the worker's :class:`~dask_gpustreams.runtime.EventRegistry`. Inputs fetched
     from other workers arrive complete (see *Egress*) and have no event. The
-    runtime is created at the first task, so the streams appear after whatever
-    dask-cuda and RMM set up at worker start. Not wrapped: coroutine tasks, data
+    runtime is created at the first task (or at setup, on a worker that holds
+    results already), so the streams appear after whatever dask-cuda and RMM set
+    up at worker start. Not wrapped: coroutine tasks, data
     and tasks annotated to run on an executor that is not a thread pool (their
     spec would have to be pickled), and actors. Functions of
     ``distributed.shuffle`` (P2P transfer, barrier, unpack) hand their inputs to
@@ -139,11 +140,13 @@ Known limits
       events; with a new plugin of the same name this happens before the new
       one is set up.
     - A result made while no plugin is set up (before the first registration,
-      or while a setup waits for the old plugin's teardown) has no event: its
-      readers on the pool streams are ordered after its kernels only through
-      the legacy default stream. With a per-thread default stream, and on the
-      sim, they may read it unwritten (helper-114's fuzz: about 1 sequence in
-      100 that registers while graphs run). Register before computing.
+      or while a setup waits for the old plugin's teardown) has no event. The
+      setup notes the keys in memory or still being made then; the first
+      reader of such a key (a task, ``get_data``, a spill) waits on the host for
+      an event recorded on the backend's unpooled stream (CUDA's legacy default
+      stream, which follows every thread's per-thread default stream), once.
+      Work such a task launched on a stream of its own, or on a non-blocking
+      one, is not covered, as in plain Dask.
     - A worker does not see the graph: with ``policy="critical-path"`` every
       task counts as not critical.
     - A taint lists the still-running work a key derives from: a chain that
@@ -189,6 +192,11 @@ PRELOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The plugin whose setup started last on each worker, until its teardown ends: the
 #: next setup makes it give way first (:meth:`StreamsPlugin.setup`).
 LATEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+#: Worker task states of a key whose value a task not wrapped by this plugin made, or may
+#: still make (its thread runs), when the plugin is set up.
+_UNPOOLED = frozenset({"memory", "executing", "long-running", "cancelled", "resumed"})
 
 
 def _closing(worker: Any) -> bool:
@@ -404,6 +412,11 @@ class StreamsPlugin(WorkerPlugin):
             self.egress.install()
             self._collector.start()
             prometheus.register(worker, self)  # the dask_worker_gpustreams_* series of /metrics
+            # Made while no plugin was set up: no event (Known limits). With no await
+            # between here and _active, every other task is wrapped.
+            self.provenance.note_unpooled(
+                [ts.key for ts in worker.state.tasks.values() if ts.state in _UNPOOLED]
+            )
         except Exception as e:
             # distributed only logs a setup error: undo, and fail the tasks instead of
             # running them off the streams, or half set up.

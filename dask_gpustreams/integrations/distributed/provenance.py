@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -143,6 +143,12 @@ class Provenance:
         self._report_lock = threading.Lock()
         #: The task runs found failed (:meth:`_failed`), for :attr:`kernel_failures`.
         self._failed_runs = DistinctCount()
+        #: Keys whose values were made, or are being made, while no plugin was set up on
+        #: this worker (:meth:`note_unpooled`): their work has no event. Their readers wait
+        #: for it on the host first (:meth:`settle_unpooled`). Iterated and changed under
+        #: :attr:`_unpooled_lock`; read (truthiness, membership) with no lock.
+        self._unpooled: set[Hashable] = set()
+        self._unpooled_lock = threading.Lock()
 
     # Read-only views, for the other parts' bindings and for diagnostics.
 
@@ -175,13 +181,20 @@ class Provenance:
         return self._held
 
     @property
+    def unpooled(self) -> Collection[Hashable]:
+        """Keys made while no plugin was set up here, their work not yet waited for: read,
+        never written, by the other parts (its truthiness is their check per task)."""
+        return self._unpooled
+
+    @property
     def kernel_failures(self) -> int:
         """Task runs whose kernels this worker found failed (in a task's inputs, in a result
         asked for), each counted once however often it is found; for diagnostics."""
         return self._failed_runs.count
 
     def task_runtime(self) -> StreamRuntime:
-        """The worker's runtime, created at its first task: after dask-cuda and RMM set up."""
+        """The worker's runtime, created at its first task (or :meth:`note_unpooled`): after
+        dask-cuda and RMM set up."""
         if self._runtime is None:
             self._runtime = runtimes.create(self._config)
             self._watching = not self._runtime.sticky_errors
@@ -301,6 +314,8 @@ class Provenance:
 
     def wait_inputs(self, dep_keys: tuple[Hashable, ...]) -> None:
         """Worker thread: block until the work the inputs derive from is done; raise its error."""
+        if self._unpooled:
+            self.settle_unpooled(dep_keys)
         for record in self.sources(dep_keys):
             error = self._runtime.wait(record)  # as :meth:`wait` does, with no call added
             if error is not None:
@@ -317,6 +332,42 @@ class Provenance:
                     failures[key] = self._failed(record, error)
                     break
         return failures
+
+    def note_unpooled(self, keys: Collection[Hashable]) -> None:
+        """Event loop, at setup: ``keys`` were made, or are being made by tasks already
+        running, while no plugin was set up here (before the first registration, or while
+        a new one waited for the old one's teardown). Their work went to the device's
+        default streams, with no event: their readers settle it first
+        (:meth:`settle_unpooled`). Starts the runtime, which that wait uses (tasks ran: the
+        worker's own setup, dask-cuda's and RMM's, is done)."""
+        if keys:
+            self.task_runtime()
+            with self._unpooled_lock:
+                self._unpooled.update(keys)
+
+    def settle_unpooled(self, keys: Collection[Hashable]) -> None:
+        """Block until the work of those of ``keys`` that :meth:`note_unpooled` noted is done.
+
+        Any thread but the event loop's (a reader's, an egress thread), except for a spill.
+        One wait for an event recorded on the backend's unpooled stream, after which
+        every noted key in memory before it (the readers' keys among them) is settled for
+        all its readers: its task had returned, so its work was launched before the event.
+        That work's failure is not raised: it stays with that work, as in plain Dask (a
+        later sync reports it).
+        """
+        unpooled = self._unpooled
+        if not unpooled or unpooled.isdisjoint(keys):
+            return
+        tasks = self._worker.state.tasks
+        with self._unpooled_lock:
+            made = [k for k in unpooled if getattr(tasks.get(k), "state", None) == "memory"]
+        backend = self._runtime.backend
+        with backend.on_device():
+            event = backend.create_event()
+            backend.record(event, backend.unpooled_stream())
+        backend.event_error(event)  # waits; returns the error, reports nothing
+        with self._unpooled_lock:
+            unpooled.difference_update(made)
 
     def forget(self, key: Hashable) -> None:
         """Drop the entries of ``key``, which is no longer this worker's to serve.
@@ -336,6 +387,9 @@ class Provenance:
             taint = self._taint.pop(key, None)
             if taint:
                 self._retired.append(taint)
+        if self._unpooled:
+            with self._unpooled_lock:
+                self._unpooled.discard(key)
 
     def free_retired(self) -> None:
         """Worker thread: free the records of the keys forgotten since the last call."""
@@ -442,6 +496,8 @@ class Provenance:
         self._registry.clear()
         self._taint.clear()
         self._retired.clear()
+        with self._unpooled_lock:
+            self._unpooled.clear()
         self._launched.clear()
         self._unsettled.clear()
         if not keep_held:
