@@ -199,3 +199,51 @@ def test_dask_cuda_worker_preload(dask_cli):
         scaled = [client.submit(spin_scale, x, 3.0, 5.0, pure=False) for x in leaves]
         for i, y in enumerate(client.gather(scaled)):
             np.testing.assert_array_equal(cupy.asnumpy(y), np.full(n, 3.0 * i))
+
+
+def forget_unpooled(dask_worker):
+    """The control: the plugin forgets the keys made before its setup (no reader waits)."""
+    plugin = dask_worker.plugins["gpustreams"]
+    plugin.provenance.clear(keep_held=True)
+
+
+def read_after_registration(monkeypatch, settle: bool) -> tuple[list, list]:
+    """Producers run with no plugin set up, on the worker thread's per-thread default stream;
+    the plugin is registered while their kernels spin, and consumers on its pool streams,
+    and a gather, read the results at once: (produced, scaled by 2)."""
+    from dask_gpustreams import StreamsPlugin
+
+    monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
+    with (
+        dask.config.set({"gpustreams.enabled": False}),
+        dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        assert list(client.run(has_plugin).values()) == [False]
+        assert list(client.run(current_stream_ptr).values()) == [2]
+        xs = [client.submit(spin_fill, N, 100.0 + i, 100.0, pure=False) for i in range(PRODUCERS)]
+        wait(xs)  # returned: their kernels spin for 0.8 s in all, one after the other
+        client.register_plugin(StreamsPlugin(backend="cupy", streams=4))
+        if not settle:
+            client.run(forget_unpooled)
+        ys = [client.submit(spin_scale, x, 2.0, 0.0, pure=False) for x in xs]
+        scaled = [cupy.asnumpy(y) for y in client.gather(ys)]
+        return [cupy.asnumpy(x) for x in client.gather(xs)], scaled
+
+
+def test_results_made_before_the_plugin_is_registered_are_read_whole(monkeypatch):
+    produced, scaled = read_after_registration(monkeypatch, settle=True)
+    for i in range(PRODUCERS):
+        np.testing.assert_array_equal(produced[i], np.full(N, 100.0 + i))
+        np.testing.assert_array_equal(scaled[i], np.full(N, 2 * (100.0 + i)))
+
+
+def test_results_made_before_the_plugin_is_registered_need_its_wait(monkeypatch):
+    produced, scaled = read_after_registration(monkeypatch, settle=False)
+    wrong = [
+        i
+        for i in range(PRODUCERS)
+        if not np.array_equal(produced[i], np.full(N, 100.0 + i))
+        or not np.array_equal(scaled[i], np.full(N, 2 * (100.0 + i)))
+    ]
+    assert wrong, "every read was exact without the wait: the test shows nothing"
