@@ -740,6 +740,31 @@ def test_a_result_made_before_the_plugin_is_set_up_leaves_its_worker_written(gat
         np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
 
 
+def test_a_result_made_before_the_plugin_is_set_up_and_never_read_costs_no_other_reader(
+    monkeypatch,
+):
+    """A noted key that nothing reads stays noted: the tasks and the ``get_data`` requests
+    that do not read it must not wait for it (no call of ``settle_unpooled``, no hop to an
+    egress thread per request)."""
+    with unplugged_cluster(1) as (client, [worker]):
+        x = client.submit(produce, 100, 1.0, pure=False)
+        wait(x)  # held, never read below
+        client.register_plugin(StreamsPlugin())
+        provenance = worker.plugins["gpustreams"].provenance
+        assert list(provenance.unpooled) == [x.key]
+        settles = []
+        settle = provenance.settle_unpooled
+        monkeypatch.setattr(
+            provenance, "settle_unpooled", lambda keys: (settles.append(keys), settle(keys))
+        )
+        ys = [client.submit(produce, 10, float(i), pure=False) for i in range(5)]
+        zs = [client.submit(add, y, y, pure=False) for y in ys]
+        got = client.gather(zs)  # get_data
+        assert [float(values(z)[0]) for z in got] == [0.0, 2.0, 4.0, 6.0, 8.0]
+        assert settles == []
+        assert list(provenance.unpooled) == [x.key]
+
+
 def test_unregistering_the_second_name_leaves_the_first_registration_running(cluster, caplog):
     """The plugin under a second name tore the first down (one plugin runs the tasks); once
     it is unregistered, the plugin still registered as "gpustreams" must run them again,

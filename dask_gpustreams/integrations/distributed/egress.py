@@ -95,7 +95,10 @@ class Egress:
         After the plugin's removal, also the :attr:`withheld` keys.
         """
         provenance = self.provenance
-        if provenance.unpooled:  # keys made while no plugin was set up: their work first
+        unpooled = provenance.unpooled
+        # Keys made while no plugin was set up: their work first (only for those: a noted key
+        # nothing reads may stay noted for good, and each request would go to a thread).
+        if unpooled and not unpooled.isdisjoint(keys):
             await asyncio.get_running_loop().run_in_executor(
                 self.threads, provenance.settle_unpooled, keys
             )

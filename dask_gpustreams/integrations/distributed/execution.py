@@ -125,7 +125,9 @@ class WorkerStreamTask(StreamTask):
 
     def __call__(self, values: Mapping[Hashable, Any]) -> Any:
         provenance = self.provenance
-        if self.unpooled:  # a class attribute: no call
+        # A class attribute, and a set's method: no Python call unless an input is noted (a
+        # noted key nothing reads may stay noted for good).
+        if self.unpooled and not self.unpooled.isdisjoint(self._dependencies):
             provenance.settle_unpooled(self._dependencies)
         error, pending = provenance.input_states(self._dependencies)
         node = self.node
