@@ -146,7 +146,9 @@ Known limits
       an event recorded on the backend's unpooled stream (CUDA's legacy default
       stream, which follows every thread's per-thread default stream), once.
       Work such a task launched on a stream of its own, or on a non-blocking
-      one, is not covered, as in plain Dask.
+      one, is not covered, as in plain Dask. Nor is a peer's fetch served by a
+      worker whose plugin is not set up yet (registration reaches the workers
+      one at a time): it does not wait, as in plain Dask.
     - A worker does not see the graph: with ``policy="critical-path"`` every
       task counts as not critical.
     - A taint lists the still-running work a key derives from: a chain that
