@@ -126,8 +126,8 @@ Known limits
     - Data read without ``get_data``: a client running inside a worker
       (``get_client()`` in a task) reads that worker's own ``data`` directly
       (ordered and held for the task by :mod:`.gathered`, which raises a
-      failure of their work); unwrapped coroutine or process-pool
-      tasks read their inputs without waiting; the JIT-unspill
+      failure of their work); tasks on a process pool read their inputs
+      without waiting (coroutine tasks wait in a thread first); the JIT-unspill
       ``ProxifyHostFile`` of dask-cuda before 26.10 spills without the
       per-key wait. With CuPy these paths stay ordered only
       through the legacy default stream (blocking pool streams, no per-thread
@@ -145,10 +145,11 @@ Known limits
       reader of such a key (a task, ``get_data``, a spill) waits on the host for
       an event recorded on the backend's unpooled stream (CUDA's legacy default
       stream, which follows every thread's per-thread default stream), once.
-      Work such a task launched on a stream of its own, or on a non-blocking
-      one, is not covered, as in plain Dask. Nor is a peer's fetch served by a
-      worker whose plugin is not set up yet (registration reaches the workers
-      one at a time): it does not wait, as in plain Dask.
+      Work such a task launched on a non-blocking stream of its own (on the
+      sim, any stream of its own) is not covered, as in plain Dask. Nor is a
+      peer's fetch served by a worker whose plugin is not set up yet
+      (registration reaches the workers one at a time): it does not wait, as
+      in plain Dask.
     - A worker does not see the graph: with ``policy="critical-path"`` every
       task counts as not critical.
     - A taint lists the still-running work a key derives from: a chain that
