@@ -64,7 +64,8 @@ elif [ "$PART" = d ]; then
         pack
     done
     for i in 1 2; do
-        timeout 75 python3 -m benchmarks.bench_shapes --backend cupy --schedulers threaded \
+        # 110 s: at stop 63's host (a loop iteration 190-204 ns) 75 s ended both before tangled.
+        timeout 110 python3 -m benchmarks.bench_shapes --backend cupy --schedulers threaded \
             --families dagger --modes serial-sync,launcher,ideal --policies auto --streams 8 \
             --dagger-streams 8 --warmup 1 --samples 24 --rounds 12 --ideal layers \
             --out "$R/dagger-$i" > "$R/dagger-$i.log" 2>&1
