@@ -131,16 +131,24 @@ def until(condition, timeout=30.0):
 
 
 @contextlib.contextmanager
-def sim_cluster(n_workers: int, threads: int, config: dict | None = None):
-    """In-process workers with the plugin (sim, 4 streams, round-robin) and a client."""
+def sim_cluster(
+    n_workers: int, threads: int, config: dict | None = None, plugin: bool = True, **kwargs
+):
+    """In-process workers with the plugin (sim, 4 streams, round-robin; ``plugin=False``:
+    none yet) and a client; ``kwargs`` go to the ``LocalCluster``."""
     with (
         dask.config.set({**CONFIG, **(config or {})}),
         LocalCluster(
-            n_workers=n_workers, threads_per_worker=threads, processes=False, dashboard_address=":0"
+            n_workers=n_workers,
+            threads_per_worker=threads,
+            processes=False,
+            dashboard_address=":0",
+            **kwargs,
         ) as lc,
         Client(lc) as client,
     ):
-        client.register_plugin(StreamsPlugin())
+        if plugin:
+            client.register_plugin(StreamsPlugin())
         yield lc, client
 
 
@@ -644,17 +652,7 @@ def unplugged_cluster(n_workers: int, **kwargs):
     """In-process workers of two threads with no plugin (yet), and a client."""
     KERNEL_GATE.clear()
     try:
-        with (
-            dask.config.set(CONFIG),
-            LocalCluster(
-                n_workers=n_workers,
-                threads_per_worker=2,
-                processes=False,
-                dashboard_address=":0",
-                **kwargs,
-            ) as lc,
-            Client(lc) as client,
-        ):
+        with sim_cluster(n_workers, 2, plugin=False, **kwargs) as (lc, client):
             yield client, list(lc.workers.values())
     finally:
         KERNEL_GATE.set()
