@@ -738,6 +738,28 @@ def test_a_result_made_before_the_plugin_is_set_up_leaves_its_worker_written(gat
         np.testing.assert_array_equal(values(y.result(timeout=30)), np.full(100, 4.0))
 
 
+async def snapshot_first(x):
+    """A coroutine task that reads its device input's buffer on the host with no stream and
+    no wait for queued work (as a pickle's snapshot does)."""
+    return float(x._view[0])
+
+
+def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written_by_a_coroutine(
+    gate, monkeypatch
+):
+    """A coroutine task (off the streams, as a host-side one) reading such a result waits
+    for its work in a thread before it runs (``Execution.prepare``, ``wait_inputs``)."""
+    with unplugged_cluster(1) as (client, [worker]):
+        x = client.submit(gated_kernel, 100, 2.0, pure=False)
+        wait(x)  # in memory; its kernel waits for the gate
+        client.register_plugin(StreamsPlugin())
+        seen = settling(worker, monkeypatch)
+        y = client.submit(snapshot_first, x, pure=False)
+        until(lambda: seen.is_set() or y.done())
+        gate.set()
+        assert y.result(timeout=30) == 2.0
+
+
 def test_a_result_made_before_the_plugin_is_set_up_and_never_read_costs_no_other_reader(
     monkeypatch,
 ):
