@@ -760,6 +760,39 @@ def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written_by_a_cor
         assert y.result(timeout=30) == 2.0
 
 
+def task_gated_by_kernel_gate(n, value):
+    """Waits in its thread for :data:`KERNEL_GATE`, then launches its kernel."""
+    ENTERED.set()
+    KERNEL_GATE.wait()
+    return produce(n, value)
+
+
+def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written_during_its_teardown(
+    gate, monkeypatch
+):
+    """The plugin is replaced while such a result is still noted, its kernel not run yet: a
+    task that starts during the teardown (unwrapped, under the guard) waits for it too."""
+    with unplugged_cluster(1) as (client, [worker]):
+        x = client.submit(gated_kernel, 100, 2.0, pure=False)
+        wait(x)  # in memory; its kernel waits for the gate
+        client.register_plugin(StreamsPlugin())
+        seen = settling(worker, monkeypatch)
+        busy = client.submit(task_gated_by_kernel_gate, 100, 1.0, pure=False)
+        assert ENTERED.wait(30)  # wrapped: the teardown waits for it
+        with ThreadPoolExecutor(1) as threads:
+            try:
+                removing = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
+                until(lambda: any(n.startswith("gpustreams-withheld") for n in worker.plugins))
+                y = client.submit(snapshot_first, x, pure=False)  # starts during the teardown
+                until(lambda: seen.is_set() or y.done())
+            finally:
+                gate.set()
+                KERNEL_GATE.set()
+            removing.result(timeout=30)
+        assert y.result(timeout=30) == 2.0
+        np.testing.assert_array_equal(values(busy.result(timeout=30)), np.full(100, 1.0))
+
+
 def test_a_result_made_before_the_plugin_is_set_up_and_never_read_costs_no_other_reader(
     monkeypatch,
 ):

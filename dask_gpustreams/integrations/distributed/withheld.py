@@ -141,7 +141,10 @@ class WithheldKeys(WorkerPlugin):
         if error is not None:
             self.fail(key, error)
             return
-        wait = self.provenance.wait_inputs if pending else None
+        # Inputs made while no plugin was set up, still noted: waited for as pending ones.
+        unpooled = self.provenance.unpooled
+        noted = unpooled and not unpooled.isdisjoint(dep_keys)
+        wait = self.provenance.wait_inputs if pending or noted else None
         if coroutine:  # on the event loop: it waits for its inputs in a thread first
             if wait is not None:
                 after = coroutine_after_inputs(wait, node, dep_keys)
