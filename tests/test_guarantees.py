@@ -793,6 +793,39 @@ def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written_during_i
         np.testing.assert_array_equal(values(busy.result(timeout=30)), np.full(100, 1.0))
 
 
+def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written_after_its_teardown_clears(
+    gate, monkeypatch
+):
+    """The same, for a task that starts once the teardown has forgotten the plugin's keys
+    (``Provenance.close``), while its runtime still closes: the noted keys stay noted."""
+    with unplugged_cluster(1) as (client, [worker]):
+        x = client.submit(gated_kernel, 100, 2.0, pure=False)
+        wait(x)  # in memory; its kernel waits for the gate
+        client.register_plugin(StreamsPlugin())
+        plugin = worker.plugins["gpustreams"]
+        seen = settling(worker, monkeypatch)
+        closing = threading.Event()
+        close = plugin.runtime.close
+
+        def held_close(*args, **kwargs):  # the runtime's close waits for KERNEL_GATE
+            closing.set()
+            KERNEL_GATE.wait()
+            return close(*args, **kwargs)
+
+        monkeypatch.setattr(plugin.runtime, "close", held_close)
+        with ThreadPoolExecutor(1) as threads:
+            try:
+                removing = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
+                assert closing.wait(30)  # the keys are forgotten; the teardown goes on
+                y = client.submit(snapshot_first, x, pure=False)  # starts under the guard
+                until(lambda: seen.is_set() or y.done())
+            finally:
+                gate.set()
+                KERNEL_GATE.set()
+            removing.result(timeout=30)
+        assert y.result(timeout=30) == 2.0
+
+
 def test_a_result_made_before_the_plugin_is_set_up_and_never_read_costs_no_other_reader(
     monkeypatch,
 ):

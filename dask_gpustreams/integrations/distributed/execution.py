@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import weakref
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Set as AbstractSet
 from functools import partial
 from types import FunctionType
 from typing import Any
@@ -115,7 +116,7 @@ class WorkerStreamTask(StreamTask):
     __slots__ = ()
     provenance: Provenance
     #: ``provenance.unpooled``: inputs made while no plugin was set up, waited for first.
-    unpooled: Collection[Hashable]
+    unpooled: AbstractSet[Hashable]
     is_coro = False  # type: ignore[assignment]  # (StreamTask's reads the node's)
     #: A ``host_task``'s class: its inputs' work done before it runs (a host wait), as on the
     #: launcher, so that host code reading them other than through its stream sees them whole.

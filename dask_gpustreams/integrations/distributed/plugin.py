@@ -320,7 +320,8 @@ class StreamsPlugin(WorkerPlugin):
 
     @property
     def runtime(self) -> StreamRuntime | None:
-        """The worker's stream runtime; None until its first task."""
+        """The worker's stream runtime; None until its first task (or a setup that found
+        results in memory, :meth:`.Provenance.note_unpooled`)."""
         return self.provenance.runtime
 
     @property

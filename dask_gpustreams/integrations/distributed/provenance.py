@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -105,8 +106,9 @@ class Provenance:
         self._worker = worker
         self._config = config
         self._threads = threads
-        #: The worker's runtime, created by its first task (:meth:`task_runtime`), its own
-        #: (not shared with other workers of the process); closed by :meth:`close`.
+        #: The worker's runtime, created by its first task or :meth:`note_unpooled`
+        #: (:meth:`task_runtime`), its own (not shared with other workers of the process);
+        #: closed by :meth:`close`.
         self._runtime: StreamRuntime | None = None
         #: The event of each key produced on this worker (its tasks record them).
         self._registry = EventRegistry()
@@ -154,7 +156,7 @@ class Provenance:
 
     @property
     def runtime(self) -> StreamRuntime | None:
-        """The worker's runtime; None until its first task."""
+        """The worker's runtime; None until its first task (or :meth:`note_unpooled`)."""
         return self._runtime
 
     @property
@@ -181,7 +183,7 @@ class Provenance:
         return self._held
 
     @property
-    def unpooled(self) -> Collection[Hashable]:
+    def unpooled(self) -> AbstractSet[Hashable]:
         """Keys made while no plugin was set up here, their work not yet waited for: read,
         never written, by the other parts (its truthiness is their check per task)."""
         return self._unpooled
@@ -491,16 +493,18 @@ class Provenance:
         """Forget every key (the plugin is removed, or the worker closes).
 
         ``keep_held``: but the corrupt keys held for their dependents, and their
-        failure records.
+        failure records, and the keys noted as made while no plugin was set up (the
+        teardown guard's tasks still wait for them: :meth:`settle_unpooled` needs no
+        stream of the runtime).
         """
         self._registry.clear()
         self._taint.clear()
         self._retired.clear()
-        with self._unpooled_lock:
-            self._unpooled.clear()
         self._launched.clear()
         self._unsettled.clear()
         if not keep_held:
+            with self._unpooled_lock:
+                self._unpooled.clear()
             self._failures.clear()
             self._held.clear()
             self._needed_by.clear()
