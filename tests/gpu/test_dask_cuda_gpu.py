@@ -204,7 +204,7 @@ def test_dask_cuda_worker_preload(dask_cli):
 def forget_unpooled(dask_worker):
     """The control: the plugin forgets the keys made before its setup (no reader waits)."""
     plugin = dask_worker.plugins["gpustreams"]
-    plugin.provenance.clear(keep_held=True)
+    plugin.provenance.clear()  # nothing else is held yet, right after the setup
 
 
 def read_after_registration(monkeypatch, settle: bool) -> tuple[list, list]:
