@@ -94,23 +94,63 @@ def test_dask_s_threads_are_kept_where_asked_for_as_such(gpustreams, asked):
     assert len(threads) > 1
 
 
-def test_num_workers_one_runs_one_task_at_a_time(gpustreams):
-    """``num_workers=1`` (a library that is not thread-safe) is Dask's one thread, whose
-    tasks run one by one, not the launcher's host threads."""
-    running, most, lock = [0], [0], threading.Lock()
+class _AtOnce:
+    """Counts the tasks that run at once. Each task, host work, waits up to 0.2 s for
+    ``goal`` tasks to run with it, so that a route that lets that many run at once shows
+    it however the threads are scheduled."""
 
-    def slow(i):
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        time.sleep(0.01)  # host work: learned as such after two calls on the launcher
-        with lock:
-            running[0] -= 1
+    def __init__(self, goal: int):
+        self.goal = goal
+        self.running = self.most = 0
+        self.threads: set[int] = set()
+        self.changed = threading.Condition()
+
+    def __call__(self, i: int) -> int:
+        with self.changed:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.threads.add(threading.get_ident())
+            self.changed.notify_all()
+            self.changed.wait_for(lambda: self.running >= self.goal, timeout=0.2)
+            self.running -= 1
         return i
 
+
+@pytest.mark.parametrize("given", ["argument", "config"])
+def test_num_workers_one_runs_one_task_at_a_time_on_the_launcher(gpustreams, given):
+    """``num_workers=1`` (a library that is not thread-safe), passed to the compute or set
+    in Dask's config, runs one task at a time, as Dask's one thread does: on the launcher,
+    every task on the calling thread. Before, the config's 1 ran host work on the launcher's
+    host threads, two tasks at once."""
+    at_once = _AtOnce(goal=2)
+    tasks = [delayed(at_once)(i) for i in range(8)]
     with gpustreams():
-        got = dask.compute(*[delayed(slow)(i) for i in range(12)], num_workers=1)
-    assert got == tuple(range(12)) and most[0] == 1
+        if given == "argument":
+            got = dask.compute(*tasks, num_workers=1)
+        else:
+            with dask.config.set(num_workers=1):
+                got = dask.compute(*tasks)
+    assert got == tuple(range(8))
+    assert at_once.most == 1 and at_once.threads == {threading.get_ident()}
+
+
+def test_num_workers_in_the_config_bounds_the_tasks_at_once(gpustreams):
+    """A thread count in Dask's config below what the launcher runs at once (its thread
+    and 3 host threads here) runs on Dask's threads, at most that many tasks at once."""
+    at_once = _AtOnce(goal=3)
+    tasks = [delayed(dask_gpustreams.host_task(at_once))(i) for i in range(6)]
+    with gpustreams(**{"host-threads": 3}), dask.config.set(num_workers=2):
+        assert dask.compute(*tasks) == tuple(range(6))
+    assert at_once.most == 2 and threading.get_ident() not in at_once.threads
+
+
+def test_num_workers_in_the_config_above_the_launcher_s_threads_keeps_the_launcher(
+    gpustreams,
+):
+    """A thread count in Dask's config that bounds no more than the launcher runs at once
+    (a common global setting, as ``scheduler: threads`` is) keeps the launcher."""
+    with gpustreams(**{"host-threads": 2}), dask.config.set(num_workers=3):
+        assert _threads() == {threading.get_ident()}  # launched from this thread
 
 
 @dask_gpustreams.host_task

@@ -10,8 +10,9 @@ own threads, each task through the runtime as below, took 0.67-0.92x plain
 threads' time on 4 of 13 workloads on the H200, where the launcher was faster than
 both plain modes on all 13. Dask's threads are kept where the user asks for them
 as such: a thread pool set as Dask's ``pool`` config, an executor or the function
-``dask.threaded.get`` passed as the scheduler, or ``pool=`` or ``num_workers=``
-passed to the compute (:func:`threaded_get`). Dask's synchronous scheduler by name
+``dask.threaded.get`` passed as the scheduler, ``pool=`` passed to the compute, or a
+``num_workers`` the launcher cannot keep to (:func:`threaded_get`; ``num_workers=1`` runs
+on the launcher with every task on the calling thread). Dask's synchronous scheduler by name
 (``"sync"``, ``"synchronous"``, ``"single-threaded"``) runs on the launcher too, with
 every task on the calling thread, host tasks included (:func:`sync_get`): its cost per
 task is under plain sync's, where each task through the runtime on Dask's sync scheduler
@@ -77,7 +78,7 @@ import dask.local
 import dask.threaded
 from distributed import Client
 
-from dask_gpustreams.config import enabled, warn_once
+from dask_gpustreams.config import StreamsConfig, enabled, warn_once
 from dask_gpustreams.integrations.launcher import get as launcher_get
 from dask_gpustreams.integrations.patching import Patch
 from dask_gpustreams.integrations.preload import warn_if_not_registered
@@ -202,11 +203,30 @@ SYNC_NAMES = frozenset({"sync", "synchronous", "single-threaded"})
 
 def threaded_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     """Dask's threaded scheduler while enabled: the stream launcher, or Dask's threads (each
-    task through the runtime) where the compute asks for them with ``pool=`` or
-    ``num_workers=`` (a thread count, such as 1 for a library that is not thread-safe)."""
-    if kwargs.get("pool") is not None or kwargs.get("num_workers") is not None:
+    task through the runtime) where the compute asks for them with ``pool=``.
+
+    A thread count, ``num_workers`` (the compute's, else Dask's config, as Dask reads it),
+    bounds the tasks that run at once, as in Dask: 1 (a library that is not thread-safe)
+    runs every task on the launching thread, one at a time (:func:`sync_get`); a larger
+    count passed to the compute keeps Dask's threads; one in the config keeps the launcher
+    where it bounds no more than the launcher runs at once (its thread and
+    ``gpustreams.host-threads``), else Dask's threads.
+    """
+    if kwargs.get("pool") is not None:
         return threads_get(dsk, keys, **kwargs)
-    return launcher_get(dsk, keys, **kwargs)
+    asked = kwargs.get("num_workers")
+    workers = asked or dask.config.get("num_workers", None)
+    if workers is None:
+        return launcher_get(dsk, keys, **kwargs)
+    if workers == 1 and type(workers) is int:
+        return sync_get(dsk, keys, **kwargs)
+    if (
+        not asked
+        and type(workers) is int
+        and workers > StreamsConfig.from_dask_config().host_threads
+    ):
+        return launcher_get(dsk, keys, **kwargs)
+    return threads_get(dsk, keys, **kwargs)  # (Dask raises for a bad count, as without us)
 
 
 def threads_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
