@@ -21,6 +21,11 @@ plain sync's std took 260 to 438 ms within 5 samples at 71dc3df):
 - ``enabled-sync``: the plugin by config with ``scheduler="sync"`` by name: the launcher
   with every task on the calling thread, host tasks too.
 
+Not in the default set: ``threads-1`` and ``enabled-1``, plain Dask's threaded scheduler
+and the plugin by config, each with ``num_workers=1`` passed to the compute (one task at a
+time, for a library that is not thread-safe: the launcher with every task on the calling
+thread), compared with each other; and the diagnostic modes (:data:`DIAGNOSTIC_MODES`).
+
 Backends: ``cupy`` (CuPy chunks), ``sim`` (chunks on the simulated device, uploaded with
 ``map_blocks(sim.asarray)``; the slicing stencil of ``numpy`` instead of ``ndimage``) and
 ``numpy`` (NumPy chunks, the plugin on the sim backend: a cheap check of the harness).
@@ -105,6 +110,8 @@ DIAGNOSTIC_MODES = {
     "launcher-depth-first": {"gpustreams.launch-order": "depth-first"},
     "launcher-dask-order": {"gpustreams.launch-order": "dask"},
 }
+#: One thread asked for with ``num_workers=1``: plain Dask, and the plugin by config.
+ONE_THREAD_MODES = ("threads-1", "enabled-1")
 BACKENDS = ("auto", "cupy", "sim", "numpy")
 F4 = np.float32
 OFF = {"gpustreams.enabled": False}
@@ -589,6 +596,10 @@ def mode_settings(mode: str) -> tuple[dict, dict]:
         return {"gpustreams.enabled": True}, {"scheduler": dask.threaded.get}
     if mode == "enabled-sync":
         return {"gpustreams.enabled": True}, {"scheduler": "sync"}
+    if mode == "threads-1":
+        return OFF, {"num_workers": 1}
+    if mode == "enabled-1":
+        return {"gpustreams.enabled": True}, {"num_workers": 1}
     return OFF, {}
 
 
@@ -975,7 +986,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name, values, allowed in (
         ("workloads", args.workloads, list(WORKLOADS)),
-        ("modes", args.modes, MODES + tuple(DIAGNOSTIC_MODES)),
+        ("modes", args.modes, MODES + ONE_THREAD_MODES + tuple(DIAGNOSTIC_MODES)),
     ):
         bad = [v for v in values if v not in allowed]
         if bad:
