@@ -121,6 +121,28 @@ def device_room(nbytes: int):
             runtime.free(ballast)
 
 
+@contextlib.contextmanager
+def pool_room(nbytes: int):
+    """CuPy's pool limited to ``nbytes`` more than it holds in use (garbage collected and
+    its cached blocks freed first): out of memory at that many bytes, whatever else the
+    device holds or allocates meanwhile (lazily loaded modules, another library's
+    workspace), which :func:`device_room`'s ballast leaves to chance by a few MiB."""
+    pool = cupy.get_default_memory_pool()
+    gc.collect()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    limit = pool.get_limit()
+    pool.set_limit(size=pool.total_bytes() + nbytes)
+    try:
+        yield
+    finally:
+        try:
+            cupy.cuda.Device().synchronize()
+            pool.free_all_blocks()
+        finally:
+            pool.set_limit(size=limit)
+
+
 def min_max(a):
     return float(a.min()), float(a.max())
 
@@ -154,15 +176,18 @@ def test_a_task_out_of_device_memory_runs_again(caplog, shared):
 
 
 def test_a_graph_whose_retry_runs_out_of_memory_runs_again_one_task_at_a_time(caplog):
-    """``(a + b) + c`` of three 8 MiB leaves, on 3 streams, with room on the device for 3
+    """``(a + b) + c`` of three 8 MiB leaves, on 3 streams, with room in CuPy's pool for 3
     chunks (plain sync's need, which it completes in): the first round launches the three
-    leaves, and ``a + b`` finds the device full, then full again after the wait (the leaves
-    are live). The graph runs again as plain sync runs it, one task at a time, exact."""
+    leaves, and ``a + b`` finds the pool full, then full again after the wait (the leaves
+    are live). The graph runs again as plain sync runs it, one task at a time, exact. (With
+    a ballast on the device instead, :func:`device_room`, it failed on the H100 at stop 64
+    both ways: run alone, plain sync ran out of memory; in one whole run of tests/gpu, the
+    launcher never did.)"""
     chunk = 1 << 20  # float64 elements: 8 MiB
     leaves = [delayed(spin_fill)(chunk, v, 0.5) for v in (1.0, 2.0, 3.0)]
     total = delayed(add)(delayed(add)(leaves[0], leaves[1]), leaves[2])
     dask.compute(total, scheduler="sync")  # the kernels compiled before the device is full
-    with device_room(3 * chunk * 8 + (4 << 20)):
+    with pool_room(3 * chunk * 8 + (4 << 20)):
         expected = cupy.asnumpy(total.compute(scheduler="sync"))
         cupy.cuda.Device().synchronize()
         cupy.get_default_memory_pool().free_all_blocks()
