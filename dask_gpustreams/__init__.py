@@ -3,9 +3,11 @@
 Switch on with ``dask.config.set({"gpustreams.enabled": True})``: local computes
 on Dask's threaded scheduler, by default or by name, then run on the stream
 launcher (one thread enqueues the whole graph; also ``scheduler="gpustreams"``),
-Dask's threads asked for as such (a ``pool`` or ``num_workers`` of the user's,
-or ``dask.threaded.get`` passed as the scheduler) run each task through the
-runtime, and distributed workers take the plugin.
+Dask's threads asked for as such (a ``pool`` of the user's, ``num_workers`` above 1
+passed to the compute or from 2 to ``gpustreams.host-threads`` in Dask's config, or
+``dask.threaded.get`` passed as the scheduler) run each task through the runtime
+(``num_workers=1`` runs on the launcher, every task on the calling thread), and
+distributed workers take the plugin.
 """
 
 import dask.base

@@ -147,10 +147,34 @@ def test_num_workers_in_the_config_bounds_the_tasks_at_once(gpustreams):
 def test_num_workers_in_the_config_above_the_launcher_s_threads_keeps_the_launcher(
     gpustreams,
 ):
-    """A thread count in Dask's config that bounds no more than the launcher runs at once
-    (a common global setting, as ``scheduler: threads`` is) keeps the launcher."""
+    """A thread count in Dask's config larger than ``gpustreams.host-threads``, at least what
+    the launcher runs at once (a common global setting, as ``scheduler: threads`` is), keeps
+    the launcher."""
     with gpustreams(**{"host-threads": 2}), dask.config.set(num_workers=3):
         assert _threads() == {threading.get_ident()}  # launched from this thread
+
+
+def test_num_workers_in_the_config_equal_to_the_host_threads_runs_on_dask_s_threads(
+    gpustreams,
+):
+    """The boundary: a count of ``gpustreams.host-threads`` is below what the launcher runs
+    at once (its thread too), so it runs on Dask's threads."""
+    with gpustreams(**{"host-threads": 2}), dask.config.set(num_workers=2):
+        threads = _threads()
+    assert threading.get_ident() not in threads and len(threads) <= 2
+
+
+@pytest.mark.parametrize("count", [True, np.int64(1)], ids=["True", "numpy"])
+def test_num_workers_one_spelt_otherwise_runs_one_task_at_a_time_on_dask_s_threads(
+    gpustreams, count
+):
+    """Only a plain ``int`` is read as a count: Dask takes ``True`` and a NumPy 1 as one
+    thread, and so do Dask's threads here, one task at a time."""
+    at_once = _AtOnce(goal=2)
+    tasks = [delayed(at_once)(i) for i in range(3)]
+    with gpustreams():
+        assert dask.compute(*tasks, num_workers=count) == (0, 1, 2)
+    assert at_once.most == 1 and threading.get_ident() not in at_once.threads
 
 
 @dask_gpustreams.host_task

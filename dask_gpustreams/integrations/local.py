@@ -10,9 +10,11 @@ own threads, each task through the runtime as below, took 0.67-0.92x plain
 threads' time on 4 of 13 workloads on the H200, where the launcher was faster than
 both plain modes on all 13. Dask's threads are kept where the user asks for them
 as such: a thread pool set as Dask's ``pool`` config, an executor or the function
-``dask.threaded.get`` passed as the scheduler, ``pool=`` passed to the compute, or a
-``num_workers`` the launcher cannot keep to (:func:`threaded_get`; ``num_workers=1`` runs
-on the launcher with every task on the calling thread). Dask's synchronous scheduler by name
+``dask.threaded.get`` passed as the scheduler, ``pool=`` passed to the compute, a
+``num_workers`` above 1 passed to the compute, or one in Dask's config from 2 to
+``gpustreams.host-threads`` (:func:`threaded_get`: ``num_workers=1`` runs on the launcher
+with every task on the calling thread, and a larger count in the config keeps the
+launcher). Dask's synchronous scheduler by name
 (``"sync"``, ``"synchronous"``, ``"single-threaded"``) runs on the launcher too, with
 every task on the calling thread, host tasks included (:func:`sync_get`): its cost per
 task is under plain sync's, where each task through the runtime on Dask's sync scheduler
@@ -209,8 +211,10 @@ def threaded_get(dsk: Any, keys: Any, **kwargs: Any) -> Any:
     bounds the tasks that run at once, as in Dask: 1 (a library that is not thread-safe)
     runs every task on the launching thread, one at a time (:func:`sync_get`); a larger
     count passed to the compute keeps Dask's threads; one in the config keeps the launcher
-    where it bounds no more than the launcher runs at once (its thread and
-    ``gpustreams.host-threads``), else Dask's threads.
+    where it is larger than ``gpustreams.host-threads`` (the launcher runs its own thread's
+    task and at most that many host tasks at once), else Dask's threads. Only a plain
+    ``int`` is read so (not ``True``, ``1.0`` or a NumPy integer): other values go to Dask's
+    threads, which take or reject them as without the plugin.
     """
     if kwargs.get("pool") is not None:
         return threads_get(dsk, keys, **kwargs)
