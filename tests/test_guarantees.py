@@ -995,6 +995,99 @@ async def _set(event: asyncio.Event) -> None:
     event.set()
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_a_plugin_torn_down_before_the_scheduler_has_blocks_sends_it_nothing():
+    """Unregistered while its setup awaits the scheduler's plugins, on a scheduler that never
+    had :class:`.StreamBlocks` (the first registration): the teardown has nothing to undo.
+    Before, it told the scheduler ``mode=None``, which had no handler yet and logged
+    "No handler gpustreams_blocks found in Scheduler" with a traceback (fuzz_registrations
+    --failing, seed 70111)."""
+    with sim_cluster(1, 2, plugin=False) as (lc, client):
+        [worker] = lc.workers.values()
+        sched = lc.scheduler
+        register = sched.handlers["register_scheduler_plugin"]
+        held = asyncio.Event()
+        calls = []
+
+        async def held_register(*args, name=None, **kwargs):
+            calls.append(name)
+            if len(calls) == 1:
+                await held.wait()
+            return await register(*args, name=name, **kwargs)
+
+        sched.handlers["register_scheduler_plugin"] = held_register
+        lines = _Lines()
+        logging.getLogger("distributed").addHandler(lines)
+        try:
+            with ThreadPoolExecutor(1) as threads:
+                registering = threads.submit(client.register_plugin, StreamsPlugin())
+                until(lambda: len(calls) == 1)  # its setup awaits the scheduler
+                assert "gpustreams_blocks" not in sched.handlers
+                client.unregister_worker_plugin("gpustreams")  # its teardown ends
+                client.sync(_set, held)
+                registering.result(timeout=30)
+        finally:
+            logging.getLogger("distributed").removeHandler(lines)
+            sched.handlers["register_scheduler_plugin"] = register
+        assert not [line for line in lines.lines if "gpustreams_blocks" in line]
+        assert sched.plugins["gpustreams-blocks"].modes == {}
+        assert "gpustreams" not in worker.plugins
+
+
+def _awaited(future) -> bool:
+    """Whether something awaits ``future`` (the teardown's shield adds a done callback)."""
+    return future is not None and not future.done() and bool(future._callbacks)
+
+
+def test_a_teardown_undoes_the_blocks_setting_after_it_has_arrived(cluster):
+    """The setup's ``blocks`` setting and the teardown's ``None`` go to the scheduler on two
+    comms: a teardown while the setting travels waits for it, so that it arrives first.
+    Before, a late setting (held here at the scheduler) stayed after the teardown: the
+    scheduler counted a worker with no plugin as one with ``blocks: auto``."""
+    client, worker = cluster
+    sched = client.cluster.scheduler  # in-process, StreamBlocks there already
+    client.unregister_worker_plugin("gpustreams")
+    blocks = sched.plugins["gpustreams-blocks"]
+    assert blocks.modes == {}
+    set_mode = sched.handlers["gpustreams_blocks"]
+    held = asyncio.Event()
+    calls = []
+
+    async def held_set_mode(*args, mode=None, **kwargs):
+        calls.append(mode)
+        if mode is not None:
+            await held.wait()
+        return set_mode(*args, mode=mode, **kwargs)
+
+    sched.handlers["gpustreams_blocks"] = held_set_mode
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            registering = threads.submit(
+                client.register_plugin, StreamsPlugin(blocks="auto"), name="gpustreams"
+            )
+            until(lambda: calls == ["auto"])  # its setting is on its way
+            plugin = worker.plugins["gpustreams"]
+            removing = threads.submit(client.unregister_worker_plugin, "gpustreams")
+            # The teardown's None arrives (before) or the teardown waits for the setting.
+            until(lambda: None in calls or _awaited(getattr(plugin, "_told", None)))
+            client.sync(_set, held)
+            registering.result(timeout=30)
+            removing.result(timeout=30)
+    finally:
+        sched.handlers["gpustreams_blocks"] = set_mode
+    assert calls == ["auto", None]
+    assert blocks.modes == {}
+    assert not blocks.active()
+
+
 # --- (f) backend auto is logged once ---------------------------------------------------------
 
 

@@ -275,6 +275,9 @@ class StreamsPlugin(WorkerPlugin):
     _predecessor: StreamsPlugin | None = None  # while the setup waits for its teardown
     _displaced = False  # torn down by a later plugin's setup, still registered (see _end)
     _held: Collection[Hashable] = ()  # corrupt keys held for their dependents (Provenance.held)
+    #: Done once the setup has told the scheduler's StreamBlocks this worker's
+    #: ``gpustreams.blocks`` (None: not told since the last setup started).
+    _told: asyncio.Future | None = None
 
     def __init__(self, **overrides: Any):
         fields = StreamsConfig.__dataclass_fields__
@@ -433,6 +436,7 @@ class StreamsPlugin(WorkerPlugin):
             self._give_way(worker)
             raise self.error from e
         self._active = True
+        self._told = None
         if self.config.blocks == "auto":  # blocks give the keys they make new dependencies
             drop_stale_dependencies(worker)
         try:
@@ -450,14 +454,20 @@ class StreamsPlugin(WorkerPlugin):
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(StreamBlocks()), name=StreamBlocks.name, idempotent=True
             )
-            if not self._active:  # torn down meanwhile: its teardown told the scheduler
+            if not self._active:  # torn down meanwhile: nothing told, nothing to undo
                 return
-            await worker.scheduler.gpustreams_blocks(
-                worker=worker.address,
-                mode=self.config.blocks,
-                size=self.config.block_size,
-                host_modules=self.host_modules,
-            )
+            # The teardown tells the scheduler None once this has arrived (they travel on
+            # two comms, in either order).
+            told = self._told = asyncio.get_running_loop().create_future()
+            try:
+                await worker.scheduler.gpustreams_blocks(
+                    worker=worker.address,
+                    mode=self.config.blocks,
+                    size=self.config.block_size,
+                    host_modules=self.host_modules,
+                )
+            finally:
+                told.set_result(None)
         except Exception as e:
             logger.warning(
                 "gpustreams: could not install %s on the scheduler (%r); no stream blocks",
@@ -579,8 +589,15 @@ class StreamsPlugin(WorkerPlugin):
                 self.execution.on_threads,
             )
             guard.install()
-            with contextlib.suppress(Exception):  # no scheduler plugin: nothing to undo
-                await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
+            # Only what the setup told: a teardown while the setup still awaits the
+            # scheduler's plugins has nothing to undo (and on a new scheduler, no handler
+            # yet: it logged "No handler gpustreams_blocks found"); the setup then tells
+            # nothing. One told is undone once it has arrived, not before.
+            told = self._told
+            if told is not None:
+                await asyncio.shield(told)
+                with contextlib.suppress(Exception):
+                    await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
             while self.execution.running_wrapped():
                 await asyncio.sleep(0.01)
         loop = asyncio.get_running_loop()
