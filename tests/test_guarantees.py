@@ -404,6 +404,53 @@ def test_teardown_waits_for_the_wrapped_tasks_still_running(cluster, gate):
     np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 2.0))
 
 
+def test_teardown_waits_for_a_wrapped_task_whose_execute_has_not_started(cluster):
+    """A task is wrapped as it transitions to executing; ``Worker.execute`` (held here)
+    starts on a later turn of the event loop. A teardown in between must wait for it too.
+    Before, it looked only at ``active_keys``, closed the runtime, and the task then raised
+    "this stream pool is closed" (fuzz_registrations --failing, seeds 70122-70124)."""
+    client, worker = cluster
+    plugin = worker.plugins["gpustreams"]
+    execute = worker.execute
+    held = asyncio.Event()
+    started = threading.Event()
+
+    async def held_execute(key, **kwargs):
+        started.set()
+        await held.wait()
+        return await execute(key, **kwargs)
+
+    running_wrapped = plugin.execution.running_wrapped
+    waited = threading.Event()
+
+    def observed():
+        running = running_wrapped()
+        if running:
+            waited.set()
+        return running
+
+    worker.execute = held_execute
+    plugin.execution.running_wrapped = observed
+    try:
+        x = client.submit(produce, 100, 2.0, pure=False)
+        assert started.wait(30)  # wrapped, its execute held
+        runtime = plugin.runtime  # made by its wrapping
+        [ts] = [ts for ts in worker.state.tasks.values() if ts.key == x.key]
+        assert ts.state == "executing" and x.key not in worker.active_keys
+        with ThreadPoolExecutor(1) as threads:
+            try:
+                removing = threads.submit(client.unregister_worker_plugin, "gpustreams")
+                until(lambda: removing.done() or waited.is_set())
+                assert not runtime.closed  # the teardown waits for the task
+            finally:
+                client.sync(_set, held)
+            removing.result(timeout=30)
+    finally:
+        worker.execute = execute
+    assert runtime.closed
+    np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 2.0))
+
+
 def _add_later(out, a, b):
     total = a + b
     time.sleep(0.2)

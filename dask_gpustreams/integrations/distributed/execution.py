@@ -495,9 +495,19 @@ class Execution:
         fail_task(self._tasks, key, exc)
 
     def running_wrapped(self) -> bool:
-        """Whether a task that runs on the streams is still executing."""
+        """Whether a task that runs on the streams is still executing, or is about to.
+
+        A task is wrapped (:meth:`prepare`) as it transitions to executing; its
+        ``Worker.execute`` starts on a later turn of the event loop, and only then does
+        ``active_keys`` have its key. The worker's ``executing`` and ``long_running`` sets
+        have it from the transition on: without them, a teardown between the two closed
+        the runtime that the task then ran on ("this stream pool is closed").
+        """
         tasks = self._tasks
+        state = self.worker.state
         return any(
+            isinstance(ts.run_spec, StreamTask) for ts in (*state.executing, *state.long_running)
+        ) or any(
             isinstance(getattr(tasks.get(k), "run_spec", None), StreamTask)
             for k in self.worker.active_keys
         )
