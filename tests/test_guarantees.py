@@ -451,6 +451,34 @@ def test_teardown_waits_for_a_wrapped_task_whose_execute_has_not_started(cluster
     np.testing.assert_array_equal(values(x.result(timeout=30)), np.full(100, 2.0))
 
 
+def test_a_teardown_waiting_for_a_task_ends_when_the_worker_closes_meanwhile(cluster, gate):
+    """A teardown that waits for a wrapped task, and then the worker closes: the close
+    cancels the task's ``Worker.execute`` (its key leaves ``active_keys``; the task stays in
+    ``executing`` for good: a cancelled instruction sends no event), and the teardown goes on
+    as a closing worker's, within ``close_timeout``. Before, it waited for the ``executing``
+    set forever (polling every 10 ms) until the server's close cancelled it: the runtime
+    was never closed."""
+    client, worker = cluster
+    plugin = worker.plugins["gpustreams"]
+    x = client.submit(gated_task, 100, 2.0, pure=False)
+    assert ENTERED.wait(30)  # running inside the runtime, on its worker thread
+    runtime = plugin.runtime
+    with ThreadPoolExecutor(2) as threads:
+        try:
+            removing = threads.submit(client.unregister_worker_plugin, "gpustreams")
+            until(lambda: plugin._teardown_ended is not None)  # its teardown waits for x
+            closing = threads.submit(client.sync, worker.close)
+            # The close has cancelled x's execute; x's thread still runs (the gate).
+            until(lambda: worker.status == Status.closing and x.key not in worker.active_keys)
+        finally:
+            gate.set()
+        closing.result(timeout=60)
+        with contextlib.suppress(Exception):  # the worker went while it answered
+            removing.result(timeout=60)
+    until(lambda: plugin._teardown_ended.done())
+    assert runtime.closed
+
+
 def _add_later(out, a, b):
     total = a + b
     time.sleep(0.2)

@@ -598,8 +598,12 @@ class StreamsPlugin(WorkerPlugin):
                 await asyncio.shield(told)
                 with contextlib.suppress(Exception):
                     await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
-            while self.execution.running_wrapped():
+            # Until the worker closes: its close cancels the tasks' Worker.execute, and a
+            # task whose execute was cancelled stays in its executing set for good (no
+            # event comes); the waits below then take a closing worker's close_timeout.
+            while self.execution.running_wrapped() and not _closing(worker):
                 await asyncio.sleep(0.01)
+            closing = _closing(worker)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.close_timeout  # a closing worker's, for both waits
         waiting = self.egress.wait_for(list(worker.data))
