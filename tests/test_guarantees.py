@@ -1117,9 +1117,29 @@ def test_a_plugin_torn_down_before_the_scheduler_has_blocks_sends_it_nothing():
         assert "gpustreams" not in worker.plugins
 
 
-def _awaited(future) -> bool:
-    """Whether something awaits ``future`` (the teardown's shield adds a done callback)."""
-    return future is not None and not future.done() and bool(future._callbacks)
+class _Watched(asyncio.Future):
+    """A future that says when something waits for it: whatever awaits a future (a task,
+    ``asyncio.shield``) adds a done callback to it, through this public method."""
+
+    def __init__(self, *, loop):
+        super().__init__(loop=loop)
+        self.awaited = threading.Event()
+
+    def add_done_callback(self, fn, *, context=None):
+        self.awaited.set()
+        super().add_done_callback(fn, context=context)
+
+
+async def _watch_told(plugin) -> _Watched | None:
+    """Put a :class:`_Watched` future done with the setup's ``_told`` in its place (None:
+    no ``_told``)."""
+    told = getattr(plugin, "_told", None)
+    if told is None:
+        return None
+    watched = _Watched(loop=asyncio.get_running_loop())
+    told.add_done_callback(lambda _: watched.set_result(None))
+    plugin._told = watched
+    return watched
 
 
 def test_a_teardown_undoes_the_blocks_setting_after_it_has_arrived(cluster):
@@ -1150,9 +1170,10 @@ def test_a_teardown_undoes_the_blocks_setting_after_it_has_arrived(cluster):
             )
             until(lambda: calls == ["auto"])  # its setting is on its way
             plugin = worker.plugins["gpustreams"]
+            told = client.sync(_watch_told, plugin)
             removing = threads.submit(client.unregister_worker_plugin, "gpustreams")
             # The teardown's None arrives (before) or the teardown waits for the setting.
-            until(lambda: None in calls or _awaited(getattr(plugin, "_told", None)))
+            until(lambda: None in calls or (told is not None and told.awaited.is_set()))
             client.sync(_set, held)
             registering.result(timeout=30)
             removing.result(timeout=30)
