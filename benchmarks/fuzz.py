@@ -17,7 +17,8 @@ nodes fail: kernels, or tasks whose Python code raises ``TaskRaised``) or a
 device chunks (elementwise ops, reductions, ``@``, ``rechunk``, slicing,
 transposes, concatenation, sleeping kernels). Each has its own stream count
 (1-8), policy, kernel delays (``Device.kernel_delay`` and kernels that sleep,
-0-2 ms), 1-3 outputs, and sometimes a ``persist`` of intermediates first; on a
+0-2 ms, drawn per DAG from ``DELAYS``: ``GPUSTREAMS_SIM_KERNEL_DELAY`` has no effect
+here), 1-3 outputs, and sometimes a ``persist`` of intermediates first; on a
 cluster, a tenth of them are computed twice (the same collections again while the
 first futures live, as a notebook cell run again: same keys, their definitions again),
 and in 15% of the ``dask.delayed`` ones a node has ``retries=1`` and raises at its
