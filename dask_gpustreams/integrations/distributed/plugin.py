@@ -161,6 +161,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import functools
 import logging
 import weakref
 from collections.abc import Collection, Hashable
@@ -200,6 +201,13 @@ LATEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Worker task states of a key whose value a task not wrapped by this plugin made, or may
 #: still make (its thread runs), when the plugin is set up.
 _UNPOOLED = frozenset({"memory", "executing", "long-running", "cancelled", "resumed"})
+
+
+def _log_failure(plugin: Any, work: asyncio.Future) -> None:
+    """Log the failure of ``plugin``'s teardown, whose caller was cancelled (a closing
+    worker's): nothing else would raise it."""
+    if not work.cancelled() and work.exception() is not None:
+        logger.error("gpustreams: the teardown of %r failed", plugin, exc_info=work.exception())
 
 
 def _closing(worker: Any) -> bool:
@@ -538,11 +546,18 @@ class StreamsPlugin(WorkerPlugin):
                 await self._set_up_displaced(worker)
             return
         self._active = False
-        self._teardown_ended = asyncio.get_running_loop().create_future()
+        ended = self._teardown_ended = asyncio.get_running_loop().create_future()
+        # Shielded: a closing worker cancels its handlers (an unregister's among them) and
+        # the teardown goes on to its end, closing the runtime within close_timeout, not
+        # cancelled halfway with the runtime open.
+        work = asyncio.ensure_future(self._tear_down(worker))
+        work.add_done_callback(lambda _: ended.set_result(None))
         try:
-            await self._tear_down(worker)
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(functools.partial(_log_failure, self))  # none raises it
+            raise
         finally:
-            self._teardown_ended.set_result(None)
             # Not torn down by a successor's setup, nor one's started meanwhile (it waits).
             last = LATEST.get(worker) is self
             if last:
