@@ -842,6 +842,23 @@ def task_gated_by_kernel_gate(n, value):
     return produce(n, value)
 
 
+def read_during_replacement(client, x, seen, gate, teardown_reached) -> None:
+    """Replace the plugin (``streams=2``); once ``teardown_reached()`` has waited for the old
+    one's teardown to be where the test wants it (False: it timed out), read ``x`` (its
+    kernel held by ``gate``) and check it is read once written: 2.0, not the sim's poison."""
+    with ThreadPoolExecutor(1) as threads:
+        try:
+            removing = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
+            assert teardown_reached() is not False
+            y = client.submit(snapshot_first, x, pure=False)
+            until(lambda: seen.is_set() or y.done())
+        finally:
+            gate.set()
+            KERNEL_GATE.set()
+        removing.result(timeout=30)
+    assert y.result(timeout=30) == 2.0
+
+
 def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written_during_its_teardown(
     gate, monkeypatch
 ):
@@ -854,17 +871,14 @@ def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written_during_i
         seen = settling(worker, monkeypatch)
         busy = client.submit(task_gated_by_kernel_gate, 100, 1.0, pure=False)
         assert ENTERED.wait(30)  # wrapped: the teardown waits for it
-        with ThreadPoolExecutor(1) as threads:
-            try:
-                removing = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
-                until(lambda: any(n.startswith("gpustreams-withheld") for n in worker.plugins))
-                y = client.submit(snapshot_first, x, pure=False)  # starts during the teardown
-                until(lambda: seen.is_set() or y.done())
-            finally:
-                gate.set()
-                KERNEL_GATE.set()
-            removing.result(timeout=30)
-        assert y.result(timeout=30) == 2.0
+        read_during_replacement(
+            client,
+            x,
+            seen,
+            gate,
+            # the teardown has begun: the task below starts during it
+            lambda: until(lambda: any(n.startswith("gpustreams-withheld") for n in worker.plugins)),
+        )
         np.testing.assert_array_equal(values(busy.result(timeout=30)), np.full(100, 1.0))
 
 
@@ -888,17 +902,8 @@ def test_a_result_made_before_the_plugin_is_set_up_is_read_once_written_after_it
             return close(*args, **kwargs)
 
         monkeypatch.setattr(plugin.runtime, "close", held_close)
-        with ThreadPoolExecutor(1) as threads:
-            try:
-                removing = threads.submit(client.register_plugin, StreamsPlugin(streams=2))
-                assert closing.wait(30)  # the keys are forgotten; the teardown goes on
-                y = client.submit(snapshot_first, x, pure=False)  # starts under the guard
-                until(lambda: seen.is_set() or y.done())
-            finally:
-                gate.set()
-                KERNEL_GATE.set()
-            removing.result(timeout=30)
-        assert y.result(timeout=30) == 2.0
+        # the keys are forgotten and the teardown goes on: the task below starts under the guard
+        read_during_replacement(client, x, seen, gate, lambda: closing.wait(30))
 
 
 def test_a_result_made_before_the_plugin_is_set_up_and_never_read_costs_no_other_reader(
