@@ -1189,6 +1189,48 @@ def test_a_teardown_undoes_the_blocks_setting_after_it_has_arrived(cluster):
     assert not blocks.active()
 
 
+def _plus_one(x):
+    return x + 1
+
+
+def test_a_teardown_the_scheduler_does_not_hear_says_so_and_its_blocks_stay_exact(cluster):
+    """A teardown whose ``None`` fails to reach the scheduler (unreachable, restarted) logs
+    it, naming the worker and the cause: the scheduler still counts the worker as
+    ``blocks: auto``. Before, the failure was swallowed. The blocks it then forms there run
+    on the host, one task after another, and give exact values."""
+    client, worker = cluster
+    sched = client.cluster.scheduler
+    blocks = sched.plugins["gpustreams-blocks"]
+    assert blocks.modes == {worker.address: "auto"}
+    set_mode = sched.handlers["gpustreams_blocks"]
+
+    def unheard(*args, mode=None, **kwargs):
+        if mode is None:
+            raise OSError("the scheduler did not answer")
+        return set_mode(*args, mode=mode, **kwargs)
+
+    sched.handlers["gpustreams_blocks"] = unheard
+    lines = _Lines()
+    logging.getLogger("dask_gpustreams").addHandler(lines)
+    try:
+        client.unregister_worker_plugin("gpustreams")
+    finally:
+        logging.getLogger("dask_gpustreams").removeHandler(lines)
+        sched.handlers["gpustreams_blocks"] = set_mode
+    [line] = [line for line in lines.lines if "could not tell the scheduler" in line]
+    assert worker.address in line
+    assert "the scheduler did not answer" in line
+    assert "'blocks: auto'" in line
+    assert "gpustreams" not in worker.plugins
+    assert blocks.modes == {worker.address: "auto"}  # the stale setting the warning names
+    formed = blocks.blocks_formed
+    x = dask.delayed(np.arange)(8.0)
+    for _ in range(6):
+        x = dask.delayed(_plus_one)(x)
+    np.testing.assert_array_equal(client.compute(x, sync=True), np.arange(8.0) + 6)
+    assert blocks.blocks_formed > formed
+
+
 # --- (f) backend auto is logged once ---------------------------------------------------------
 
 

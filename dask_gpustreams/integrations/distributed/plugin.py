@@ -159,7 +159,6 @@ Known limits
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import difflib
 import functools
 import logging
@@ -611,8 +610,18 @@ class StreamsPlugin(WorkerPlugin):
             told = self._told
             if told is not None:
                 await asyncio.shield(told)
-                with contextlib.suppress(Exception):
+                try:
                     await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
+                except Exception as e:  # the teardown goes on: its worker's work comes first
+                    logger.warning(
+                        "gpustreams: could not tell the scheduler that worker %s has no "
+                        "plugin any more (%r); it still counts it as 'blocks: %s', so its "
+                        "stream blocks run there without streams, one task after another, "
+                        "until the worker leaves or a plugin is registered again",
+                        worker.address,
+                        e,
+                        self.config.blocks,
+                    )
             # Until the worker closes: its close cancels the tasks' Worker.execute, and a
             # task whose execute was cancelled stays in its executing set for good (no
             # event comes); the waits below then take a closing worker's close_timeout.
