@@ -1454,12 +1454,17 @@ def test_exception_in_a_wide_graph_is_raised_and_the_rest_drains(launcher):
         )
 
 
-def test_a_failed_computes_values_are_freed_once_its_error_is_handled(launcher):
+@pytest.mark.parametrize("where", ["launching thread", "host thread"])
+def test_a_failed_computes_values_are_freed_once_its_error_is_handled(launcher, where):
     """No reference cycle keeps the graph's device values after the exception is handled:
-    with the garbage collector off, the pool's used bytes are back where they were."""
+    with the garbage collector off, the pool's used bytes are back where they were; the
+    failed task run by the launching thread, or by a host thread (``host_task``; before,
+    the error held its own host thread's frame, and with it the task's inputs and the
+    launcher's results: 8 chunks stayed until a collection)."""
     pool = sim.get_default_memory_pool()
     leaves = [delayed(leaf)(float(i), CHUNK, 0.0) for i in range(8)]
-    leaves[7] = delayed(explode)(leaves[7])
+    fails = dask_gpustreams.host_task(explode) if where == "host thread" else explode
+    leaves[7] = delayed(fails)(leaves[7])
     total = delayed(lambda *xs: sum(x.get().sum() for x in xs))(*leaves)
     with launcher(streams=4):
         get_runtime().collect()

@@ -854,6 +854,9 @@ class GraphLauncher:
         record = registry.get(key)  # also after a failure: its kernels are drained
         worker = threading.get_ident()
         self._outcomes.put(_HostDone(key, result, record, error, seconds, worker, inputs))
+        # The error's traceback holds this frame: without this, a cycle through it kept the
+        # inputs, and the launcher's results, until a garbage collection.
+        error = None
 
     def _absorb(self, ready, dependents, missing, consumers) -> None:
         """Take the outcomes of host tasks that finished (on the launching thread)."""
