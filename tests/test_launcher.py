@@ -1480,6 +1480,147 @@ def test_a_failed_computes_values_are_freed_once_its_error_is_handled(launcher, 
     assert left == 0, f"{left / (CHUNK * 8):.1f} chunks still used"
 
 
+#: Dask's ``rerun_exceptions_locally`` asked for through its config, or as the compute's
+#: argument: ``(config, compute keyword arguments)``.
+RERUN_ASKED = {
+    "config": ({"rerun_exceptions_locally": True}, {}),
+    "argument": ({}, {"rerun_exceptions_locally": True}),
+}
+
+
+@pytest.mark.parametrize("route", ["gpustreams", "enabled"])
+@pytest.mark.parametrize("asked", list(RERUN_ASKED))
+def test_a_host_task_that_failed_on_a_host_thread_runs_again_on_the_calling_thread(
+    launcher, gpustreams, route, asked
+):
+    """With Dask's ``rerun_exceptions_locally``, a host task that raised on a host thread runs
+    again on the calling thread, on the same input read once its kernel is complete, and
+    that run's exception is raised, as on Dask's threads (``pdb.pm()`` stops there): by name
+    and through ``gpustreams.enabled``."""
+    runs = []
+
+    @host_task
+    def reads_and_raises(x):
+        runs.append((threading.get_ident(), x._view.copy().tolist()))  # off the streams
+        raise LookupError(len(runs), threading.get_ident())
+
+    caller = threading.get_ident()
+    task = delayed(reads_and_raises)(delayed(leaf)(2.0, 4, 0.02))
+    config, kwargs = RERUN_ASKED[asked]
+    settings = launcher(streams=2) if route == "gpustreams" else gpustreams(streams=2)
+    scheduler = "gpustreams" if route == "gpustreams" else None
+    with settings, dask.config.set(config):
+        with pytest.raises(LookupError) as e:
+            task.compute(scheduler=scheduler, **kwargs)
+        assert get_runtime().collect() == 0
+    assert [thread == caller for thread, _ in runs] == [False, True]
+    assert [read for _, read in runs] == [[2.0] * 4] * 2
+    assert e.value.args == (2, caller)
+
+
+@pytest.mark.parametrize(
+    "config, kwargs",
+    [({}, {}), ({"rerun_exceptions_locally": True}, {"rerun_exceptions_locally": False})],
+    ids=["default", "off-by-argument"],
+)
+def test_without_rerun_exceptions_locally_a_host_tasks_error_comes_from_its_thread(
+    launcher, config, kwargs
+):
+    """Off (Dask's default, or the compute's argument over Dask's config), a host task runs
+    once, and the error raised is the one from its host thread."""
+    runs = []
+
+    @host_task
+    def raises():
+        runs.append(threading.get_ident())
+        raise LookupError(len(runs), threading.get_ident())
+
+    with launcher(streams=2), dask.config.set(config), pytest.raises(LookupError) as e:
+        delayed(raises)().compute(scheduler="gpustreams", **kwargs)
+    (host_thread,) = runs
+    assert host_thread != threading.get_ident()
+    assert e.value.args == (1, host_thread)
+
+
+def test_a_host_task_whose_rerun_returns_still_fails_the_compute(launcher):
+    """A host task that fails only off the calling thread: its rerun returns, and the compute
+    raises the host thread's error (Dask's threads hand the exception object on as the
+    task's value)."""
+    caller = threading.get_ident()
+
+    @host_task
+    def fails_off_the_caller(x):
+        if threading.get_ident() != caller:
+            raise LookupError("on a host thread")
+        return x + 1
+
+    total = delayed(repr)(delayed(fails_off_the_caller)(1))
+    rerun = dask.config.set(rerun_exceptions_locally=True)
+    with launcher(streams=2), rerun, pytest.raises(LookupError, match="on a host thread"):
+        total.compute(scheduler="gpustreams")
+
+
+def test_the_rerun_of_a_host_task_whose_input_failed_does_not_call_it(launcher):
+    """The rerun waits on the host for the task's inputs, as its host thread did: an input's
+    kernel failure is raised from there again, and the task never reads that input."""
+    calls = []
+
+    @host_task
+    def reads(x):
+        calls.append(threading.get_ident())
+        return x.get()
+
+    task = delayed(reads)(delayed(failing)(4, dask_key_name="bad-input"))
+    rerun = dask.config.set(rerun_exceptions_locally=True)
+    with launcher(streams=2), rerun, pytest.raises(KernelError, match="task 'bad-input'"):
+        task.compute(scheduler="gpustreams")
+    assert calls == []
+
+
+def test_a_host_task_run_inline_by_a_nested_compute_is_not_run_again_there(launcher):
+    """A nested compute in a host task runs its own host tasks inline, on that host thread,
+    its calling thread: a failed one is not run again there. The outer task's rerun on the
+    calling thread computes it again: on a host thread, then rerun on the calling thread."""
+    runs = []
+
+    @host_task
+    def inner():
+        runs.append(threading.get_ident())
+        raise LookupError(len(runs))
+
+    @host_task
+    def outer():
+        return delayed(inner)().compute(scheduler="gpustreams")
+
+    rerun = dask.config.set(rerun_exceptions_locally=True)
+    with launcher(streams=2), rerun, pytest.raises(LookupError) as e:
+        delayed(outer)().compute(scheduler="gpustreams")
+    assert [thread == threading.get_ident() for thread in runs] == [False, False, True]
+    assert e.value.args == (3,)
+
+
+def test_kernel_failures_of_both_runs_of_a_host_task_stay_with_its_compute(launcher):
+    """Each run of a host task (on its host thread, then on the calling thread) launches a
+    failing kernel, one on each stream, and raises: the failed compute drains both, so the
+    next computes on those streams give their values, as on Dask's threads
+    (``test_kernel_error_of_a_task_rerun_locally_does_not_reach_the_next_compute``)."""
+
+    @host_task
+    def fails_then_raises():
+        failing(4)
+        raise LookupError("after a failing kernel")
+
+    task = delayed(fails_then_raises)(dask_key_name="rerun-failure")
+    with launcher(streams=2, policy="round-robin"):
+        rerun = dask.config.set(rerun_exceptions_locally=True)
+        with rerun, pytest.raises(LookupError, match="after a failing kernel"):
+            task.compute(scheduler="gpustreams")
+        for value in (3.0, 5.0):  # on each stream
+            got = delayed(download)(delayed(leaf)(value, 4, 0)).compute(scheduler="gpustreams")
+            np.testing.assert_array_equal(got, [value] * 4)
+        assert get_runtime().collect() == 0
+
+
 def test_kernel_error_names_its_key(launcher):
     with launcher(streams=2):
         x = delayed(failing)(4, dask_key_name="bad-producer")

@@ -132,6 +132,7 @@ def get(
     callbacks: Sequence[Any] | None = None,
     *,
     host_threads: bool = True,
+    rerun_exceptions_locally: bool | None = None,
     **kwargs: Any,
 ):
     """Compute ``keys`` of ``dsk`` on the stream launcher (``scheduler="gpustreams"``).
@@ -139,6 +140,9 @@ def get(
     Settings come from ``gpustreams.*`` in dask's config (``gpustreams.enabled``
     is not needed: choosing this scheduler is the switch). ``callbacks`` are
     Dask callback tuples used instead of the active ones, as in ``get_async``.
+    ``rerun_exceptions_locally`` (else Dask's config of that name, as ``get_async``
+    reads it): a host task that raised on a host thread runs again on the calling
+    thread, whose exception is raised (so a debugger's post-mortem stops there).
     Other keyword arguments of Dask's local schedulers (``num_workers``,
     ``pool``, ...) are accepted and ignored: one thread launches, host tasks
     use the runtime's host threads, or, with ``host_threads=False``, run on the
@@ -153,12 +157,15 @@ def get(
     dsk = convert_legacy_graph(dsk)
     if cache is None:  # as get_async: the caller's cache (or the config's) gets the results
         cache = dask.config.get("cache", None)
+    if rerun_exceptions_locally is None:
+        rerun_exceptions_locally = dask.config.get("rerun_exceptions_locally", False)
+    rerun = bool(rerun_exceptions_locally)
     runtime = acquire_runtime()  # held until the graph ends, so it is not closed meanwhile
     try:
         # Dask's own local_callbacks: the global callbacks are this compute's, and a compute
         # that a task starts meanwhile sees none of them, as in get_async.
         with local_callbacks(callbacks) as active:
-            return _launch(runtime, dsk, keys, cache, active, host_threads)
+            return _launch(runtime, dsk, keys, cache, active, host_threads, rerun)
     finally:
         runtime.release()
 
@@ -188,6 +195,7 @@ def _launch(
     cache: MutableMapping | None,
     callbacks: Sequence[Any],
     host_threads: bool,
+    rerun: bool,
 ):
     """Run the graph with Dask's callbacks around it: each callback's finish is called
     however the compute ends, as in ``get_async``."""
@@ -200,7 +208,7 @@ def _launch(
             dsk = {k: v if isinstance(v, GraphNode) else DataNode(k, v) for k, v in dsk.items()}
     errored = True
     try:
-        results = _run(runtime, dsk, keys, cache, hooks, host_threads)
+        results = _run(runtime, dsk, keys, cache, hooks, host_threads, rerun)
         errored = False
     finally:
         if hooks is not None:
@@ -215,8 +223,10 @@ def _run(
     cache: MutableMapping | None,
     hooks: DaskCallbacks | None,
     host_threads: bool,
+    rerun: bool,
 ) -> MutableMapping:
-    """Launch what ``keys`` need of ``dsk``; return the results (``cache``, if given)."""
+    """Launch what ``keys`` need of ``dsk``; return the results (``cache``, if given);
+    ``rerun``: see :class:`GraphLauncher`'s ``rerun_locally``."""
     outputs = list(flatten(keys)) if isinstance(keys, list) else [keys]
     values: MutableMapping = {} if cache is None else cache
     needed = needed_keys(dsk, outputs)
@@ -258,6 +268,7 @@ def _run(
         hooks,
         host_threads=host_threads,
         sync_priority=sync_priority,
+        rerun_locally=rerun,
     )
     with runtime.isolated():  # the caller's thread: as it was after the compute
         return launcher.run()

@@ -323,7 +323,9 @@ class GraphLauncher:
     and raise the first error (see :meth:`run`). ``sync_priority``: the ranks
     that the graph's run one task at a time takes, or a callable that returns
     them (``dask.order``'s, as Dask's synchronous scheduler; ``priority`` if None):
-    see :meth:`_launch`.
+    see :meth:`_launch`. ``rerun_locally``: a host task that raised on a host thread runs
+    again on the calling thread before the graph's error is raised (Dask's
+    ``rerun_exceptions_locally``): see :meth:`_rerun_locally`.
     """
 
     #: Seconds :meth:`_join_host` waits for host tasks still running before it says so.
@@ -343,6 +345,7 @@ class GraphLauncher:
         check: bool = False,
         host_threads: bool = True,
         sync_priority: Mapping[Hashable, int] | Callable[[], Mapping[Hashable, int]] | None = None,
+        rerun_locally: bool = False,
     ):
         self.runtime = runtime
         self.tasks = tasks
@@ -356,6 +359,10 @@ class GraphLauncher:
         self.check = check
         self.host_threads = host_threads
         self._sync_priority = priority if sync_priority is None else sync_priority
+        self.rerun_locally = rerun_locally
+        #: The error raised is that of the task :attr:`failed` on a host thread, to run again
+        #: on this one first (``rerun_locally``).
+        self._rerun = False
         self.registry = EventRegistry()
         self._outcomes = _HostOutcomes()
         self._error: BaseException | None = None
@@ -683,6 +690,8 @@ class GraphLauncher:
                     break
             self._join_host(dependents, missing, consumers)
             if self._error is not None:
+                if self._rerun:
+                    self._rerun_locally(self.failed)
                 raise self._error
             if any(missing.values()):
                 raise RuntimeError(_cycle_message(dependencies, missing))
@@ -872,6 +881,8 @@ class GraphLauncher:
                 if self._error is None or isinstance(self._error, _RunAgain):
                     self._error = done.error
                     self.failed = done.key
+                    # Not a task run inline (a nested compute's, on its host thread).
+                    self._rerun = self.rerun_locally and done.worker != threading.get_ident()
                 continue
             key = done.key
             if key not in self.host:
@@ -884,6 +895,26 @@ class GraphLauncher:
             self._finish(key, self.dependencies[key], ready, dependents, missing, consumers)
             if self.hooks is not None:
                 self.hooks.posttask(key, done.result, done.worker)
+
+    def _rerun_locally(self, key: Hashable) -> None:
+        """Run host task ``key``, which raised on a host thread, again on this thread (Dask's
+        ``rerun_exceptions_locally``: a debugger's post-mortem then stops here), on a stream
+        after a host wait for its inputs, as there; its exception propagates. The inputs
+        are still results: a failed task's are never released (:meth:`_finish`). Its
+        record's event joins the graph's, for the drain. A rerun that returns leaves the
+        first run's error to be raised (Dask's threads would hand that exception object on
+        as the task's value)."""
+        registry = EventRegistry()
+        deps = self.dependencies[key]
+        try:
+            self._wait_on_host(self.registry.records(deps))
+            self.runtime.run(key, self.tasks[key], {d: self.results[d] for d in deps}, registry)
+        finally:
+            record = registry.get(key)
+            if record is not None:
+                self._launched.append(record.event)
+                if record.start is not None:
+                    self._timed = True
 
     def _join_host(self, dependents, missing, consumers) -> None:
         """Wait for every host task still running (their dependents are not launched); log
