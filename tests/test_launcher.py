@@ -1454,16 +1454,17 @@ def test_exception_in_a_wide_graph_is_raised_and_the_rest_drains(launcher):
         )
 
 
-@pytest.mark.parametrize("where", ["launching thread", "host thread"])
+@pytest.mark.parametrize("where", ["launching thread", "host thread", "rerun"])
 def test_a_failed_computes_values_are_freed_once_its_error_is_handled(launcher, where):
     """No reference cycle keeps the graph's device values after the exception is handled:
     with the garbage collector off, the pool's used bytes are back where they were; the
     failed task run by the launching thread, or by a host thread (``host_task``; before,
     the error held its own host thread's frame, and with it the task's inputs and the
-    launcher's results: 8 chunks stayed until a collection)."""
+    launcher's results: 8 chunks stayed until a collection), then again on the calling
+    thread (``rerun_exceptions_locally``)."""
     pool = sim.get_default_memory_pool()
     leaves = [delayed(leaf)(float(i), CHUNK, 0.0) for i in range(8)]
-    fails = dask_gpustreams.host_task(explode) if where == "host thread" else explode
+    fails = explode if where == "launching thread" else dask_gpustreams.host_task(explode)
     leaves[7] = delayed(fails)(leaves[7])
     total = delayed(lambda *xs: sum(x.get().sum() for x in xs))(*leaves)
     with launcher(streams=4):
@@ -1471,7 +1472,8 @@ def test_a_failed_computes_values_are_freed_once_its_error_is_handled(launcher, 
         base = pool.used_bytes()
         gc.disable()
         try:
-            with pytest.raises(LookupError, match="task 7 failed on the host"):
+            rerun = dask.config.set(rerun_exceptions_locally=where == "rerun")
+            with rerun, pytest.raises(LookupError, match="task 7 failed on the host"):
                 total.compute(scheduler="gpustreams")
             get_runtime().collect()
             left = pool.used_bytes() - base
