@@ -1189,6 +1189,69 @@ def test_a_teardown_undoes_the_blocks_setting_after_it_has_arrived(cluster):
     assert not blocks.active()
 
 
+def test_a_setup_overtaken_by_its_own_set_up_again_leaves_the_teardown_the_last_word():
+    """One plugin, two setups at once, through the client: "gpustreams-2", registered while
+    the setup of "gpustreams" awaits the scheduler, tears it down; unregistering
+    "gpustreams-2" sets it up again (``_set_up_displaced``) while the first setup still
+    awaits. That setup, once it resumes, must do nothing: before, it found the plugin set up
+    (by the second) and told the scheduler ``blocks`` again, in place of the second's
+    ``_told``, so the teardown waited for its own setting and not the second's. The second's,
+    held here at the scheduler, arrived after the teardown's ``None``: the scheduler counted
+    a worker with no plugin as one with ``blocks: auto``."""
+    with sim_cluster(1, 2, plugin=False) as (lc, client):
+        [worker] = lc.workers.values()
+        sched = lc.scheduler
+        register = sched.handlers["register_scheduler_plugin"]
+        held_register = asyncio.Event()
+        registers = []
+
+        async def held_first_register(*args, name=None, **kwargs):
+            registers.append(name)
+            if len(registers) == 1:
+                await held_register.wait()
+            return await register(*args, name=name, **kwargs)
+
+        sched.handlers["register_scheduler_plugin"] = held_first_register
+        held_mode = asyncio.Event()
+        modes = []
+
+        async def held_first_auto(*args, mode=None, **kwargs):
+            modes.append(mode)
+            if mode == "auto" and modes.count("auto") == 1:
+                await held_mode.wait()
+            return set_mode(*args, mode=mode, **kwargs)
+
+        try:
+            with ThreadPoolExecutor(3) as threads:
+                first = StreamsPlugin(blocks="auto")
+                registering = threads.submit(client.register_plugin, first, name="gpustreams")
+                until(lambda: len(registers) == 1)  # the first setup awaits the scheduler
+                client.register_plugin(StreamsPlugin(blocks="off"), name="gpustreams-2")
+                plugin = worker.plugins["gpustreams"]
+                assert plugin._displaced
+                set_mode = sched.handlers["gpustreams_blocks"]
+                sched.handlers["gpustreams_blocks"] = held_first_auto
+                # Its teardown sets "gpustreams" up again, whose setting is held on its way.
+                removing = threads.submit(client.unregister_worker_plugin, "gpustreams-2")
+                until(lambda: modes == [None, "auto"])
+                client.sync(_set, held_register)  # the first setup resumes
+                registering.result(timeout=30)
+                told = client.sync(_watch_told, plugin)
+                unregistering = threads.submit(client.unregister_worker_plugin, "gpustreams")
+                # The teardown's None arrives (before) or the teardown waits for the setting.
+                until(lambda: modes.count(None) == 2 or told.awaited.is_set())
+                client.sync(_set, held_mode)
+                removing.result(timeout=30)
+                unregistering.result(timeout=30)
+        finally:
+            sched.handlers["register_scheduler_plugin"] = register
+            if sched.handlers.get("gpustreams_blocks") is held_first_auto:
+                sched.handlers["gpustreams_blocks"] = set_mode
+        assert not worker.plugins.keys() & {"gpustreams", "gpustreams-2"}
+        assert sched.plugins["gpustreams-blocks"].modes == {}
+        assert modes == [None, "auto", None]
+
+
 def _plus_one(x):
     return x + 1
 

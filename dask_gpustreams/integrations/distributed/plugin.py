@@ -285,6 +285,9 @@ class StreamsPlugin(WorkerPlugin):
     #: Done once the setup has told the scheduler's StreamBlocks this worker's
     #: ``gpustreams.blocks`` (None: not told since the last setup started).
     _told: asyncio.Future | None = None
+    #: Setups that set this plugin up so far: a setup whose plugin was torn down and set up
+    #: again (``_set_up_displaced``) while it awaited the scheduler goes no further.
+    _setups = 0
 
     def __init__(self, **overrides: Any):
         fields = StreamsConfig.__dataclass_fields__
@@ -444,6 +447,8 @@ class StreamsPlugin(WorkerPlugin):
             raise self.error from e
         self._active = True
         self._told = None
+        self._setups += 1
+        setup = self._setups
         if self.config.blocks == "auto":  # blocks give the keys they make new dependencies
             drop_stale_dependencies(worker)
         try:
@@ -461,7 +466,9 @@ class StreamsPlugin(WorkerPlugin):
             await worker.scheduler.register_scheduler_plugin(
                 plugin=dumps(StreamBlocks()), name=StreamBlocks.name, idempotent=True
             )
-            if not self._active:  # torn down meanwhile: nothing told, nothing to undo
+            # Torn down meanwhile (nothing told, nothing to undo), and maybe set up again by a
+            # later setup, which tells the scheduler itself.
+            if not self._active or self._setups != setup:
                 return
             # The teardown tells the scheduler None once this has arrived (they travel on
             # two comms, in either order).
