@@ -701,6 +701,41 @@ def on_a_pool_stream():
     return device.current_stream() is not device.default_stream
 
 
+def test_one_plugin_object_given_to_several_in_process_workers_sets_up_each():
+    """``LocalCluster(processes=False, plugins={plugin})`` hands the same object to every
+    worker, unpickled: each worker gets a copy of its settings, set up there, and runs its
+    tasks on its own pool streams, exact across workers. Before, the second setup replaced
+    the first worker's state in the shared object: that worker's tasks ran off the pool
+    streams, with no warning."""
+    plugin = StreamsPlugin(streams=3)
+    with (
+        dask.config.set(CONFIG),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=2,
+            processes=False,
+            dashboard_address=":0",
+            plugins={plugin},
+        ) as lc,
+        Client(lc) as client,
+    ):
+        workers = list(lc.workers.values())
+        plugins = [w.plugins["gpustreams"] for w in workers]
+        assert plugins[0] is not plugins[1]
+        assert plugin in plugins
+        assert [p.overrides for p in plugins] == [{"streams": 3}] * 2
+        for w in workers:
+            assert client.submit(on_a_pool_stream, pure=False, workers=[w.address]).result()
+        xs = [
+            client.submit(produce, 100, 1.0 + i, 0.05, pure=False, workers=[w.address])
+            for i, w in enumerate(workers)
+        ]
+        ys = [client.submit(add, xs[0], xs[1], pure=False, workers=[w.address]) for w in workers]
+        for y in ys:
+            np.testing.assert_array_equal(client.submit(values, y).result(), np.full(100, 3.0))
+    assert all(p.runtime is None or p.runtime.closed for p in plugins)
+
+
 # --- results made while no plugin was set up ---------------------------------------------------
 
 #: Opened by the test: the kernel of :func:`task_then_kernel_gated` waits for it.

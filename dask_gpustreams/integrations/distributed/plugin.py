@@ -159,6 +159,7 @@ Known limits
 from __future__ import annotations
 
 import asyncio
+import copy
 import difflib
 import functools
 import logging
@@ -288,6 +289,8 @@ class StreamsPlugin(WorkerPlugin):
     #: Setups that set this plugin up so far: a setup whose plugin was torn down and set up
     #: again (``_set_up_displaced``) while it awaited the scheduler goes no further.
     _setups = 0
+    #: The worker this object was first set up on (a weak reference; see :meth:`_set_up_copy`).
+    _owner: weakref.ref | None = None
 
     def __init__(self, **overrides: Any):
         fields = StreamsConfig.__dataclass_fields__
@@ -368,6 +371,11 @@ class StreamsPlugin(WorkerPlugin):
         settings raise their ``ValueError``, and every task of the worker then
         fails with it (see *Bad settings* above).
         """
+        if self._owner is None:
+            self._owner = weakref.ref(worker)
+        elif self._owner() is not worker:
+            await self._set_up_copy(worker)
+            return
         previous = LATEST.get(worker)
         LATEST[worker] = self
         if previous is not None:  # no two plugins run a worker's tasks (see _end)
@@ -488,6 +496,18 @@ class StreamsPlugin(WorkerPlugin):
                 StreamBlocks.name,
                 e,
             )
+
+    async def _set_up_copy(self, worker: Any) -> None:
+        """Set up a copy of this plugin (its settings alone, as a pickled one has) in its
+        place on ``worker``, another than the one it was set up on. One object reaches
+        several workers only in one process, unpickled (``LocalCluster(processes=False,
+        plugins={plugin})``); each setup would otherwise replace the last worker's state in
+        it, whose tasks then ran off its streams."""
+        plugin = copy.copy(self)  # __getstate__: the settings
+        for name, registered in list(worker.plugins.items()):
+            if registered is self:
+                worker.plugins[name] = plugin
+        await plugin.setup(worker)
 
     def _give_way(self, worker: Any) -> None:
         """A setup that fails, or that finds its plugin replaced or removed, sets nothing up,
