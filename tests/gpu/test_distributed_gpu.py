@@ -117,3 +117,40 @@ def test_delayed_pipeline_of_cupy_kernels_equals_numpy(client):
     report = next(iter(client.run(worker_report).values()))
     assert report["tasks_recorded"] >= 3 * 34
     assert report["failures"] == 0
+
+
+def test_one_plugin_object_given_to_two_in_process_workers_runs_each_on_its_streams():
+    """``LocalCluster(processes=False, plugins={plugin})`` hands one object to both workers:
+    each runs its tasks on pool streams of its own runtime, and a sum across the workers of
+    2 ms kernels is exact."""
+    from distributed import LocalCluster
+
+    from dask_gpustreams import StreamsPlugin
+
+    plugin = StreamsPlugin(backend="cupy", streams=4)
+    n = 1 << 16
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=False,
+            dashboard_address=":0",
+            plugins={plugin},
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        workers = [w.address for w in cluster.workers.values()]
+        plugins = [w.plugins["gpustreams"] for w in cluster.workers.values()]
+        assert plugins[0] is not plugins[1]
+        for w in workers:
+            ptr = c.submit(current_stream_ptr, pure=False, workers=[w]).result()
+            assert ptr not in (0, 1, 2), f"a task of {w} ran on a default stream"
+        xs = [
+            c.submit(spin_fill, n, float(i + 1), 2.0, pure=False, workers=[w])
+            for i, w in enumerate(workers)
+        ]
+        sums = [c.submit(stacked_sum, *xs, pure=False, workers=[w]) for w in workers]
+        got = c.gather([c.submit(cupy.asnumpy, s, pure=False) for s in sums])
+        for g in got:
+            np.testing.assert_array_equal(g, np.full(n, 3.0))
+        assert all(p.runtime is not None and p.runtime.backend.name == "cupy" for p in plugins)
