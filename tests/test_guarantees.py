@@ -1329,6 +1329,43 @@ def test_a_teardown_the_scheduler_does_not_hear_says_so_and_its_blocks_stay_exac
     assert blocks.blocks_formed > formed
 
 
+def test_a_teardown_the_scheduler_does_not_hear_with_blocks_off_names_no_blocks():
+    """The same failure with ``blocks: off``: the stale setting forms no blocks (only
+    ``auto`` does), so the warning says so. Before, it said the worker's stream blocks ran
+    there without streams, one task after another: none is formed."""
+    with sim_cluster(1, 2, plugin=False) as (lc, client):
+        [worker] = lc.workers.values()
+        client.register_plugin(StreamsPlugin(blocks="off"))
+        sched = lc.scheduler
+        blocks = sched.plugins["gpustreams-blocks"]
+        assert blocks.modes == {worker.address: "off"}
+        set_mode = sched.handlers["gpustreams_blocks"]
+
+        def unheard(*args, mode=None, **kwargs):
+            if mode is None:
+                raise OSError("the scheduler did not answer")
+            return set_mode(*args, mode=mode, **kwargs)
+
+        sched.handlers["gpustreams_blocks"] = unheard
+        lines = _Lines()
+        logging.getLogger("dask_gpustreams").addHandler(lines)
+        try:
+            client.unregister_worker_plugin("gpustreams")
+        finally:
+            logging.getLogger("dask_gpustreams").removeHandler(lines)
+            sched.handlers["gpustreams_blocks"] = set_mode
+        [line] = [line for line in lines.lines if "could not tell the scheduler" in line]
+        assert "'blocks: off'" in line
+        assert "which forms no stream blocks" in line
+        assert "without streams" not in line
+        formed = blocks.blocks_formed
+        x = dask.delayed(np.arange)(8.0)
+        for _ in range(6):
+            x = dask.delayed(_plus_one)(x)
+        np.testing.assert_array_equal(client.compute(x, sync=True), np.arange(8.0) + 6)
+        assert blocks.blocks_formed == formed
+
+
 # --- (f) backend auto is logged once ---------------------------------------------------------
 
 

@@ -640,14 +640,21 @@ class StreamsPlugin(WorkerPlugin):
                 try:
                     await worker.scheduler.gpustreams_blocks(worker=worker.address, mode=None)
                 except Exception as e:  # the teardown goes on: its worker's work comes first
+                    # Only 'auto' forms blocks: a worker left counted as 'off' keeps them off,
+                    # as one with no plugin does.
+                    blocks = self.config.blocks
+                    if blocks == "auto":
+                        left = "so its stream blocks run there without streams, one at a time,"
+                    else:
+                        left = "which forms no stream blocks, as no plugin would,"
                     logger.warning(
                         "gpustreams: could not tell the scheduler that worker %s has no "
-                        "plugin any more (%r); it still counts it as 'blocks: %s', so its "
-                        "stream blocks run there without streams, one task after another, "
-                        "until the worker leaves or a plugin is registered again",
+                        "plugin any more (%r); it still counts it as 'blocks: %s', %s until "
+                        "the worker leaves or a plugin is registered again",
                         worker.address,
                         e,
-                        self.config.blocks,
+                        blocks,
+                        left,
                     )
             # Until the worker closes: its close cancels the tasks' Worker.execute, and a
             # task whose execute was cancelled stays in its executing set for good (no
