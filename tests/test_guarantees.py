@@ -736,6 +736,34 @@ def test_one_plugin_object_given_to_several_in_process_workers_sets_up_each():
     assert all(p.runtime is None or p.runtime.closed for p in plugins)
 
 
+class _StubWorker:
+    """As much of a worker as a setup with bad settings reads."""
+
+    def __init__(self, address):
+        self.address = address
+        self.plugins = {}
+        self.state = SimpleNamespace(tasks={})
+
+
+def test_each_in_process_worker_of_one_failing_plugin_object_names_only_itself():
+    """One plugin object whose settings are bad, given to two in-process workers: the second
+    worker's copy carries the settings as given, so its error names that worker alone.
+    Before, the copy carried the first worker's error, which the second prefixed again:
+    "cannot start on worker w2: gpustreams cannot start on worker w1: bad"."""
+    plugin = StreamsPlugin.failing(ValueError("bad"))
+    workers = [_StubWorker("inproc://w1"), _StubWorker("inproc://w2")]
+    errors = []
+    for w in workers:
+        w.plugins["gpustreams"] = plugin
+        with pytest.raises(ValueError) as e:
+            asyncio.run(plugin.setup(w))
+        errors.append(str(e.value))
+    assert errors == [f"gpustreams cannot start on worker {w.address}: bad" for w in workers]
+    copied = workers[1].plugins["gpustreams"]
+    assert copied is not plugin and copied.error is not plugin.error
+    assert str(copied.error) == errors[1]
+
+
 # --- results made while no plugin was set up ---------------------------------------------------
 
 #: Opened by the test: the kernel of :func:`task_then_kernel_gated` waits for it.

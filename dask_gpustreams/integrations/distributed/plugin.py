@@ -291,6 +291,8 @@ class StreamsPlugin(WorkerPlugin):
     _setups = 0
     #: The worker this object was first set up on (a weak reference; see :meth:`_set_up_copy`).
     _owner: weakref.ref | None = None
+    #: A copy of this plugin as it reached its first worker, whose copies the others set up.
+    _given: StreamsPlugin | None = None
 
     def __init__(self, **overrides: Any):
         fields = StreamsConfig.__dataclass_fields__
@@ -373,6 +375,8 @@ class StreamsPlugin(WorkerPlugin):
         """
         if self._owner is None:
             self._owner = weakref.ref(worker)
+            # Before this setup adds the worker's own to them (PRELOADED, an error naming it).
+            self._given = copy.copy(self)  # __getstate__: the settings
         elif self._owner() is not worker:
             await self._set_up_copy(worker)
             return
@@ -498,12 +502,12 @@ class StreamsPlugin(WorkerPlugin):
             )
 
     async def _set_up_copy(self, worker: Any) -> None:
-        """Set up a copy of this plugin (its settings alone, as a pickled one has) in its
-        place on ``worker``, another than the one it was set up on. One object reaches
-        several workers only in one process, unpickled (``LocalCluster(processes=False,
-        plugins={plugin})``); each setup would otherwise replace the last worker's state in
-        it, whose tasks then ran off its streams."""
-        plugin = copy.copy(self)  # __getstate__: the settings
+        """Set up a copy of this plugin (its settings alone, as it reached its first worker,
+        as a pickled one has them) in its place on ``worker``, another than the one it was
+        set up on. One object reaches several workers only in one process, unpickled
+        (``LocalCluster(processes=False, plugins={plugin})``); each setup would otherwise
+        replace the last worker's state in it, whose tasks then ran off its streams."""
+        plugin = copy.copy(self._given)  # not what the first worker's setup added
         for name, registered in list(worker.plugins.items()):
             if registered is self:
                 worker.plugins[name] = plugin
