@@ -1103,34 +1103,44 @@ def test_a_failing_plugin_under_a_second_name_once_removed_leaves_the_first_set_
     assert client.submit(on_a_pool_stream, pure=False).result(timeout=30)
 
 
+@contextlib.contextmanager
+def _first_register_held(sched, plugin: str | None = None):
+    """The scheduler's first ``register_scheduler_plugin`` call (of ``plugin``, if named) held
+    until the yielded event is set; also yields the names those calls registered, in order."""
+    register = sched.handlers["register_scheduler_plugin"]
+    held = asyncio.Event()
+    calls = []
+
+    async def held_register(*args, name=None, **kwargs):
+        if plugin is None or name == plugin:
+            calls.append(name)
+            if len(calls) == 1:
+                await held.wait()
+        return await register(*args, name=name, **kwargs)
+
+    sched.handlers["register_scheduler_plugin"] = held_register
+    try:
+        yield held, calls
+    finally:
+        sched.handlers["register_scheduler_plugin"] = register
+
+
 def test_a_plugin_torn_down_during_its_setup_leaves_its_successors_blocks_setting(cluster):
     """The setup of a plugin torn down while it awaited the scheduler (a plugin under a second
     name set up meanwhile) does not go on to tell the scheduler its ``blocks`` setting:
     the successor's stays. Before, the late ``auto`` overwrote the successor's ``off``."""
     client, worker = cluster
     sched = client.cluster.scheduler  # in-process
-    register = sched.handlers["register_scheduler_plugin"]
-    held = asyncio.Event()
-    calls = []
-
-    async def held_first_blocks_register(*args, name=None, **kwargs):
-        if name == "gpustreams-blocks":
-            calls.append(name)
-            if len(calls) == 1:
-                await held.wait()
-        return await register(*args, name=name, **kwargs)
-
-    sched.handlers["register_scheduler_plugin"] = held_first_blocks_register
-    try:
+    with (
+        _first_register_held(sched, "gpustreams-blocks") as (held, calls),
+        ThreadPoolExecutor(1) as threads,
+    ):
         first = StreamsPlugin(blocks="auto")
-        with ThreadPoolExecutor(1) as threads:
-            registering = threads.submit(client.register_plugin, first, name="gpustreams-a")
-            until(lambda: len(calls) == 1)  # its setup awaits the scheduler
-            client.register_plugin(StreamsPlugin(blocks="off"), name="gpustreams-b")
-            client.sync(_set, held)
-            registering.result(timeout=30)
-    finally:
-        sched.handlers["register_scheduler_plugin"] = register
+        registering = threads.submit(client.register_plugin, first, name="gpustreams-a")
+        until(lambda: len(calls) == 1)  # its setup awaits the scheduler
+        client.register_plugin(StreamsPlugin(blocks="off"), name="gpustreams-b")
+        client.sync(_set, held)
+        registering.result(timeout=30)
     assert sched.plugins["gpustreams-blocks"].modes[worker.address] == "off"
 
 
@@ -1156,21 +1166,10 @@ def test_a_plugin_torn_down_before_the_scheduler_has_blocks_sends_it_nothing():
     with sim_cluster(1, 2, plugin=False) as (lc, client):
         [worker] = lc.workers.values()
         sched = lc.scheduler
-        register = sched.handlers["register_scheduler_plugin"]
-        held = asyncio.Event()
-        calls = []
-
-        async def held_register(*args, name=None, **kwargs):
-            calls.append(name)
-            if len(calls) == 1:
-                await held.wait()
-            return await register(*args, name=name, **kwargs)
-
-        sched.handlers["register_scheduler_plugin"] = held_register
         lines = _Lines()
         logging.getLogger("distributed").addHandler(lines)
         try:
-            with ThreadPoolExecutor(1) as threads:
+            with _first_register_held(sched) as (held, calls), ThreadPoolExecutor(1) as threads:
                 registering = threads.submit(client.register_plugin, StreamsPlugin())
                 until(lambda: len(calls) == 1)  # its setup awaits the scheduler
                 assert "gpustreams_blocks" not in sched.handlers
@@ -1179,7 +1178,6 @@ def test_a_plugin_torn_down_before_the_scheduler_has_blocks_sends_it_nothing():
                 registering.result(timeout=30)
         finally:
             logging.getLogger("distributed").removeHandler(lines)
-            sched.handlers["register_scheduler_plugin"] = register
         assert not [line for line in lines.lines if "gpustreams_blocks" in line]
         assert sched.plugins["gpustreams-blocks"].modes == {}
         assert "gpustreams" not in worker.plugins
@@ -1264,17 +1262,6 @@ def test_a_setup_overtaken_by_its_own_set_up_again_leaves_the_teardown_the_last_
     with sim_cluster(1, 2, plugin=False) as (lc, client):
         [worker] = lc.workers.values()
         sched = lc.scheduler
-        register = sched.handlers["register_scheduler_plugin"]
-        held_register = asyncio.Event()
-        registers = []
-
-        async def held_first_register(*args, name=None, **kwargs):
-            registers.append(name)
-            if len(registers) == 1:
-                await held_register.wait()
-            return await register(*args, name=name, **kwargs)
-
-        sched.handlers["register_scheduler_plugin"] = held_first_register
         held_mode = asyncio.Event()
         modes = []
 
@@ -1285,7 +1272,10 @@ def test_a_setup_overtaken_by_its_own_set_up_again_leaves_the_teardown_the_last_
             return set_mode(*args, mode=mode, **kwargs)
 
         try:
-            with ThreadPoolExecutor(3) as threads:
+            with (
+                _first_register_held(sched) as (held_register, registers),
+                ThreadPoolExecutor(3) as threads,
+            ):
                 first = StreamsPlugin(blocks="auto")
                 registering = threads.submit(client.register_plugin, first, name="gpustreams")
                 until(lambda: len(registers) == 1)  # the first setup awaits the scheduler
@@ -1307,7 +1297,6 @@ def test_a_setup_overtaken_by_its_own_set_up_again_leaves_the_teardown_the_last_
                 removing.result(timeout=30)
                 unregistering.result(timeout=30)
         finally:
-            sched.handlers["register_scheduler_plugin"] = register
             if sched.handlers.get("gpustreams_blocks") is held_first_auto:
                 sched.handlers["gpustreams_blocks"] = set_mode
         assert not worker.plugins.keys() & {"gpustreams", "gpustreams-2"}
